@@ -1,0 +1,26 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VLLM_TARGET_DEVICE ?= cpu
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export NIXL_LOG_LEVEL ?= WARN
+export UCX_NET_DEVICES ?= lo
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+TINY_GLM ?= /tmp/vllm-omni-plugin/tiny-glm-image
+
+.PHONY: setup lint test serve
+
+setup:
+	bash scripts/setup_env.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup lint
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+serve: setup
+	@[ -f $(TINY_GLM)/model_index.json ] || $(VENV)/bin/vllm-omni-plugin make-tiny-model glm-image $(TINY_GLM)
+	$(VENV)/bin/vllm serve $(TINY_GLM) --stage-config stage_configs/glm_image_tiny.yaml --port 8000

@@ -1,0 +1,1 @@
+"""Every seam between vLLM and this plugin: the hooks vLLM's entry points call."""

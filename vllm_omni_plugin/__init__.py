@@ -1,0 +1,3 @@
+"""vllm-omni-plugin: multi-stage omni generation pipelines served by stock vLLM."""
+
+__version__ = "0.1.0"
