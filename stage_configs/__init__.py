@@ -1,0 +1,1 @@
+"""Bundled deploy configs (`--stage-config glm_image` resolves here)."""
