@@ -1,0 +1,172 @@
+"""Typed owners shared by every stage kind: model, load, parallel, connector, runtime, serving.
+
+Each field documents itself (the docstring under it). A field left at its schema default is
+"unset" (pydantic's `model_fields_set` and the provenance map say so), so "unset" and "set to the
+default" stay distinguishable.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Owner(BaseModel):
+    """Base of every typed owner: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    def set_fields(self) -> dict[str, Any]:
+        """Only the fields a config layer set explicitly."""
+        return {k: getattr(self, k) for k in self.model_fields_set}
+
+
+class ModelOwner(Owner):
+    """Which weights and tokenizer a stage loads."""
+
+    model: str | None = None
+    """This stage's own model folder or hub id (overrides the pipeline's model)."""
+    model_subdir: str | None = None
+    """Folder of the pipeline model holding this stage's weights (default: the topology's)."""
+    tokenizer: str | None = None
+    """This stage's own tokenizer folder or hub id."""
+    tokenizer_subdir: str | None = None
+    """Folder of the pipeline model holding the tokenizer (default: the topology's)."""
+    trust_remote_code: bool = False
+    """Allow the checkpoint's own Python code to run when loading."""
+    revision: str | None = None
+    """Hub revision of the model."""
+    hf_overrides: dict[str, Any] | None = None
+    """Overrides applied to the HF config after loading (AR stages)."""
+    quantization: str | None = None
+    """Weight quantization method (AR stages; vLLM's `quantization`)."""
+    tokenizer_mode: str | None = None
+    """vLLM tokenizer mode (AR stages)."""
+    skip_tokenizer_init: bool | None = None
+    """Let vLLM skip loading a tokenizer (AR stages whose prompts are token ids)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Maximum context length of the AR model (prompt + generated tokens)."""
+    dtype: str | None = None
+    """Weights and activations dtype of the AR model ("auto", "bfloat16", "float32", ...)."""
+    seed: int | None = None
+    """Engine-level random seed (vLLM's `seed`)."""
+
+
+class LoadOwner(Owner):
+    """How weights are read."""
+
+    load_format: str | None = None
+    """Weight file format ("auto", "safetensors", "dummy", ...)."""
+    download_dir: str | None = None
+    """Where hub downloads are cached."""
+    config_format: str | None = None
+    """Config file format for vLLM ("auto", "hf", ...)."""
+
+
+class ParallelOwner(Owner):
+    """How one replica of a stage is split across devices."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel degree."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline-parallel degree (AR stages)."""
+    data_parallel_size: int = Field(1, ge=1)
+    """Data-parallel degree inside the stage engine (AR stages)."""
+    distributed_executor_backend: str | None = None
+    """vLLM executor backend ("mp", "ray", "uni")."""
+    enable_expert_parallel: bool | None = None
+    """Expert parallelism for MoE models (AR stages)."""
+    sequence_parallel_size: int | None = Field(None, ge=1)
+    """Diffusion sequence-parallel degree (accepted; not implemented yet, must be 1 to run)."""
+    ulysses_degree: int | None = Field(None, ge=1)
+    """Diffusion Ulysses attention degree (accepted; not implemented yet)."""
+    ring_degree: int | None = Field(None, ge=1)
+    """Diffusion ring attention degree (accepted; not implemented yet)."""
+    cfg_parallel_size: int | None = Field(None, ge=1)
+    """Diffusion CFG-parallel degree (accepted; not implemented yet)."""
+    vae_patch_parallel_size: int | None = Field(None, ge=1)
+    """Diffusion VAE patch-parallel degree (accepted; not implemented yet)."""
+
+
+class ConnectorOwner(Owner):
+    """How a stage exchanges payloads with its neighbours."""
+
+    input_connectors: dict[str, str] | None = None
+    """vLLM-Omni style `{from_stage_N: connector_name}`."""
+    output_connectors: dict[str, str] | None = None
+    """vLLM-Omni style `{to_stage_N: connector_name}`."""
+    omni_kv_config: dict[str, Any] | None = None
+    """KV / hidden-state transfer settings; an override replaces it whole."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """vLLM KV-transfer config of an AR stage (e.g. our NIXL KV connector)."""
+
+
+_DEVICES = re.compile(r"^\d+(,\d+)*$")
+
+
+class RuntimeOwner(Owner):
+    """Where and how the stage process runs."""
+
+    devices: str | None = None
+    """Devices of one replica, CUDA_VISIBLE_DEVICES style ("0", "0,1"); None: the platform's default."""
+    num_replicas: int = Field(1, ge=1)
+    """Copies of this stage behind the orchestrator."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set in the stage's process (and only there)."""
+    enforce_eager: bool | None = None
+    """Disable graph capture / compilation."""
+    compilation_config: dict[str, Any] | None = None
+    """vLLM compilation config (AR stages)."""
+    async_chunk: bool | None = None
+    """Stream partial outputs to the next stage (accepted; stages run after full inputs here)."""
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bool):
+            raise ValueError('must be a device list such as "0" or "0,1"')
+        if isinstance(value, int):
+            value = str(value)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            value = ",".join(map(str, value))
+        if not isinstance(value, str) or not _DEVICES.match(value.replace(" ", "")):
+            raise ValueError(f'{value!r} is not a device list such as "0" or "0,1"')
+        return value.replace(" ", "")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError("must be a mapping of VARIABLE: value")
+        out = {}
+        for key, val in value.items():
+            if isinstance(val, (dict, list)) or val is None:
+                raise ValueError(f"{key}: environment values must be scalars, got {val!r}")
+            out[str(key)] = ("true" if val else "false") if isinstance(val, bool) else str(val)
+        return out
+
+    @property
+    def device_count(self) -> int | None:
+        return len(self.devices.split(",")) if self.devices else None
+
+
+class ServingLimits(Owner):
+    """Request bounds the HTTP layer enforces (top-level `serving:` section, pipeline-wide).
+
+    Size and step bounds live on the final diffusion stage's `DiffusionOwner`.
+    """
+
+    max_n: int = Field(4, ge=1, le=64)
+    """Most images one request may ask for (`n`)."""
+    max_prompt_chars: int = Field(4000, ge=1)
+    """Longest prompt accepted, in characters."""
+    max_negative_prompt_chars: int = Field(4000, ge=0)
+    """Longest negative prompt accepted, in characters."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A request still unfinished after this long fails with a timeout error."""

@@ -1,0 +1,99 @@
+"""Owners only diffusion stages have: the diffusion engine and its sampling defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from vllm_omni_plugin.config.owners_common import Owner
+
+
+class DiffusionOwner(Owner):
+    """The diffusion engine of a stage, and the request bounds it enforces."""
+
+    pipeline_class: str | None = None
+    """diffusers pipeline class to run (default: the topology's, else model_index.json's)."""
+    dtype: str = "bfloat16"
+    """Weights and activations dtype ("bfloat16", "float16", "float32")."""
+    device: str | None = None
+    """torch device of the stage ("cuda", "cpu"); None: the platform's default."""
+    max_batch_size: int = Field(8, ge=1)
+    """Most images denoised together in one step."""
+    max_num_inference_steps: int = Field(100, ge=1)
+    """Most denoising steps one request may ask for."""
+    memory_budget_gb: float | None = Field(None, gt=0)
+    """Device memory the engine may use, in GiB; requests that can never fit are rejected."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """Device memory fraction the engine may use, in (0, 1] (an alternative to memory_budget_gb)."""
+    min_height: int = Field(256, ge=1)
+    """Smallest image height accepted."""
+    max_height: int = Field(2048, ge=1)
+    """Largest image height accepted."""
+    min_width: int = Field(256, ge=1)
+    """Smallest image width accepted."""
+    max_width: int = Field(2048, ge=1)
+    """Largest image width accepted."""
+    size_granularity: int | None = Field(None, ge=1)
+    """Height and width must be multiples of this (default: the pipeline family's)."""
+    request_batch_max_wait_ms: float | None = Field(None, ge=0)
+    """How long a new request may wait for others to batch with."""
+    enable_cpu_offload: bool | None = None
+    """Keep idle components in host memory (accepted; not implemented yet)."""
+    vae_use_slicing: bool | None = None
+    """Decode the VAE one image at a time."""
+    vae_use_tiling: bool | None = None
+    """Decode the VAE in tiles (large images)."""
+    cache_backend: str | None = None
+    """Step-cache acceleration backend (accepted; not implemented yet)."""
+    cache_config: dict[str, Any] | None = None
+    """Settings of the step-cache backend (accepted; not implemented yet)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DiffusionOwner:
+        for dim in ("height", "width"):
+            lo, hi = getattr(self, f"min_{dim}"), getattr(self, f"max_{dim}")
+            if lo > hi:
+                raise ValueError(f"min_{dim} ({lo}) is larger than max_{dim} ({hi})")
+        return self
+
+    def engine_config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the diffusion engine's config (team C's DiffusionEngineConfig)."""
+        return {
+            "device": self.device or "cuda",
+            "dtype": self.dtype,
+            "max_batch_size": self.max_batch_size,
+            "max_num_inference_steps": self.max_num_inference_steps,
+            "memory_budget_gb": self.memory_budget_gb,
+            "pipeline_class": self.pipeline_class,
+        }
+
+
+class DiffusionSamplingDefaults(Owner):
+    """Per-request defaults of a diffusion stage (`default_sampling_params`).
+
+    Unset values fall back to diffusers' own defaults for the pipeline.
+    """
+
+    num_inference_steps: int | None = Field(None, ge=1)
+    """Denoising steps."""
+    guidance_scale: float | None = Field(None, ge=0)
+    """Classifier-free guidance scale (mapped to the family's own CFG argument)."""
+    true_cfg_scale: float | None = Field(None, ge=0)
+    """Qwen-Image's true CFG scale (used with a negative prompt)."""
+    height: int | None = Field(None, ge=1)
+    """Image height in pixels."""
+    width: int | None = Field(None, ge=1)
+    """Image width in pixels."""
+    seed: int | None = None
+    """Seed of the request's torch.Generator("cpu")."""
+    negative_prompt: str | None = None
+    """Negative prompt used when a request sends none."""
+    output_type: str | None = None
+    """diffusers output_type ("pil")."""
+    extra_args: dict[str, Any] | None = None
+    """Extra keyword arguments passed to the pipeline call."""
+
+    def defaults_dict(self) -> dict[str, Any]:
+        """Set defaults only (the diffusion engine's `defaults`)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -1,0 +1,59 @@
+"""Single diffusion-stage pipelines: Qwen-Image, FLUX, and any other diffusers pipeline."""
+
+from __future__ import annotations
+
+from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
+
+
+def single_diffusion_stage(
+    key: str,
+    pipeline_class: str | None,
+    *,
+    class_names: tuple[str, ...] = (),
+    model_types: tuple[str, ...] = (),
+    granularity: int = 16,
+    description: str = "",
+) -> PipelineTopology:
+    """A pipeline made of one diffusion stage over the whole checkpoint folder."""
+    dit = StageSpec(
+        stage_id=0,
+        name="dit",
+        kind="diffusion",
+        inputs=[],
+        emits="image",
+        final_output=True,
+        pipeline_class=pipeline_class,
+    )
+    return PipelineTopology(
+        key=key,
+        stages=(dit,),
+        diffusers_class_names=class_names,
+        hf_model_types=model_types,
+        hf_architectures=class_names,
+        size_granularity=granularity,
+        description=description,
+    )
+
+
+# VAE scale 8 x transformer patch 2 for both families.
+QWEN_IMAGE = single_diffusion_stage(
+    "qwen_image",
+    "QwenImagePipeline",
+    class_names=("QwenImagePipeline",),
+    model_types=("qwen_image",),
+    description="Qwen-Image: one diffusion stage",
+)
+FLUX = single_diffusion_stage(
+    "flux",
+    "FluxPipeline",
+    class_names=("FluxPipeline",),
+    model_types=("flux",),
+    description="FLUX.1: one diffusion stage",
+)
+# The fallback: any diffusers model_index.json; its `_class_name` picks the pipeline class.
+GENERIC_DIFFUSERS = single_diffusion_stage(
+    "diffusers",
+    None,
+    granularity=8,
+    description="any diffusers text-to-image pipeline, run whole",
+)

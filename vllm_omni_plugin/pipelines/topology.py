@@ -1,0 +1,134 @@
+"""Frozen pipeline topologies: which stages exist, what each is, what feeds it, what it emits.
+
+A topology is code, not YAML: a deploy file tunes stages but never rewires them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+StageKind = Literal["ar", "diffusion"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of a frozen pipeline."""
+
+    stage_id: int
+    """Position of the stage in the pipeline; deploy YAMLs key their stages by it."""
+    name: str
+    """Short role name ("ar", "dit"), used in logs and process titles."""
+    kind: StageKind
+    """"ar": a vLLM engine generating tokens; "diffusion": our diffusion engine."""
+    inputs: list[int] = field(default_factory=list)
+    """Stage ids whose outputs this stage consumes; empty for an entry stage."""
+    emits: str = "image"
+    """What the stage hands on: "token_ids", "image", "hidden_states", ..."""
+    final_output: bool = False
+    """Whether this stage's output is the pipeline's response."""
+    model_subdir: str | None = None
+    """Folder of the pipeline checkpoint holding this stage's model (None: the root)."""
+    tokenizer_subdir: str | None = None
+    """Folder holding this stage's tokenizer (AR stages; None: the model folder)."""
+    pipeline_class: str | None = None
+    """diffusers pipeline class a diffusion stage runs (None: read from model_index.json)."""
+    hf_architecture: str | None = None
+    """vLLM model architecture of an AR stage."""
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    """A named, frozen stage graph plus the model identifiers that select it."""
+
+    key: str
+    """Registry key, e.g. "glm_image"; deploy YAMLs may name it as `pipeline:`."""
+    stages: tuple[StageSpec, ...]
+    """The stages, in stage-id order."""
+    diffusers_class_names: tuple[str, ...] = ()
+    """model_index.json `_class_name` values that select this pipeline."""
+    hf_model_types: tuple[str, ...] = ()
+    """config.json `model_type` values that select this pipeline."""
+    hf_architectures: tuple[str, ...] = ()
+    """Model class names (legacy `model_arch`, config.json `architectures`) that select it."""
+    size_granularity: int = 8
+    """Image height and width must be multiples of this."""
+    description: str = ""
+
+    def stage(self, stage_id: int) -> StageSpec:
+        for spec in self.stages:
+            if spec.stage_id == stage_id:
+                return spec
+        raise KeyError(f"pipeline {self.key!r} has no stage {stage_id}")
+
+    @property
+    def stage_ids(self) -> list[int]:
+        return [s.stage_id for s in self.stages]
+
+    @property
+    def edges(self) -> list[tuple[int, int]]:
+        return [(src, s.stage_id) for s in self.stages for src in s.inputs]
+
+    def validate(self) -> list[str]:
+        """Problems with the graph itself (empty when sound)."""
+        return validate_graph(
+            {s.stage_id: list(s.inputs) for s in self.stages},
+            finals=[s.stage_id for s in self.stages if s.final_output],
+            duplicates=_duplicates([s.stage_id for s in self.stages]),
+        )
+
+
+def _duplicates(ids: list[int]) -> list[int]:
+    seen: set[int] = set()
+    return sorted({i for i in ids if i in seen or seen.add(i)})
+
+
+def validate_graph(
+    inputs: dict[int, list[int]], finals: list[int] | None, duplicates: list[int] | None = None
+) -> list[str]:
+    """Check a stage graph: unique ids, inputs exist, no cycles, an entry and a final stage.
+
+    Shared by topologies and by the graphs legacy YAMLs declare (`engine_input_source`).
+    """
+    problems = [f"duplicate stage_id {d}" for d in duplicates or []]
+    if not inputs:
+        return problems + ["the pipeline has no stages"]
+    for sid, srcs in sorted(inputs.items()):
+        for src in srcs:
+            if src not in inputs:
+                problems.append(f"stage {sid} takes input from stage {src}, which does not exist")
+            elif src == sid:
+                problems.append(f"stage {sid} takes its own output as input")
+    if not any(not srcs for srcs in inputs.values()):
+        problems.append("no entry stage (every stage waits for another one)")
+    cycle = _find_cycle(inputs)
+    if cycle:
+        problems.append("cycle between stages " + " -> ".join(map(str, cycle)))
+    if finals is not None and not finals:
+        problems.append("no stage is marked as the final output")
+    return problems
+
+
+def _find_cycle(inputs: dict[int, list[int]]) -> list[int] | None:
+    state: dict[int, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: int, path: list[int]) -> list[int] | None:
+        state[node] = 1
+        for src in inputs.get(node, []):
+            if src not in inputs or src == node:
+                continue
+            if state.get(src) == 1:
+                return path[path.index(src) :] + [src] if src in path else [src, node, src]
+            if src not in state:
+                found = visit(src, path + [src])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(inputs):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
