@@ -1,0 +1,110 @@
+"""In-process and shared-memory connectors (shm between two real processes)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+from conn_peer import pattern
+from conn_peerctl import PeerProcess
+
+from vllm_omni_plugin.connectors import ConnectorError, make_connector
+
+MiB = 1 << 20
+
+
+def test_inproc_hands_over_the_object():
+    conn = make_connector("inproc", name="inproc-test")
+    t = torch.randn(4, 4)
+    desc = conn.put("r", 0, 1, t)
+    assert desc.kind == "tensor" and desc.shape == (4, 4) and desc.nbytes == 64
+    assert conn.get(desc, timeout=1) is t  # same process: no copy
+    assert conn.get(desc, timeout=1) is t  # gets are repeatable until release
+    conn.release(desc)
+    assert conn.pending() == 0
+    with pytest.raises(ConnectorError, match="unknown"):
+        conn.get(desc, timeout=1)
+    desc = conn.put("r", 0, 1, bytearray(b"abc"))
+    assert conn.get(desc, timeout=1) == b"abc"
+    obj = {"k": [1, 2]}
+    assert conn.get(conn.put("r", 1, 2, obj), timeout=1) is obj
+    snap = conn.stats.snapshot()
+    assert snap["puts"] == 3 and snap["roles"]["consumer"]["transfers"] == 4
+    assert (
+        snap["roles"]["producer"]["transfers"] == 1 and snap["roles"]["consumer"]["failures"] == 1
+    )
+    conn.close()
+
+
+def test_inproc_lease_expiry():
+    conn = make_connector("inproc", name="inproc-lease", lease_s=0.05)
+    desc = conn.put("r", 0, 1, b"x")
+    time.sleep(0.1)
+    assert conn.pending() == 0
+    with pytest.raises(ConnectorError):
+        conn.get(desc, timeout=1)
+    assert conn.stats.snapshot()["expired"] == 1
+
+
+@pytest.fixture(scope="module")
+def shm_producer():
+    peer = PeerProcess()
+    peer.call("make", "shm", "shm-producer", {})
+    yield peer
+    peer.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 32 * 1024, MiB + 1, 64 * MiB])
+def test_shm_bytes_exact_across_processes(shm_producer, nbytes):
+    conn = make_connector("shm", name="shm-consumer")
+    desc = shm_producer.call("put_pattern", "shm", nbytes, nbytes)
+    got = conn.get(desc, timeout=10)
+    conn.release(desc)
+    assert not os.path.exists(desc.location)  # release unlinks the file...
+    assert torch.equal(got, pattern(nbytes, nbytes))  # ...and the tensor stays valid
+    got.add_(1)  # private mapping: writable without touching anyone else
+    assert shm_producer.call("pending") == 0
+
+
+def test_shm_types_and_errors(shm_producer):
+    conn = make_connector("shm", name="shm-consumer")
+    payload = {"ids": torch.arange(6).reshape(2, 3), "s": "é"}
+    desc = shm_producer.call("put", "obj", payload)
+    got = conn.get(desc, timeout=5)
+    assert torch.equal(got["ids"], payload["ids"]) and got["s"] == "é"
+    conn.release(desc)
+    with pytest.raises(ConnectorError, match="not readable"):
+        conn.get(desc, timeout=5)  # released
+    desc = shm_producer.call("put", "bytes", b"")
+    assert conn.get(desc, timeout=5) == b""
+    conn.release(desc)
+    forged = type(desc)(**{**desc.__dict__, "location": "/etc/passwd"})
+    with pytest.raises(ConnectorError, match="does not name an omni shm file"):
+        conn.get(forged, timeout=5)
+    conn.release(forged)  # must not unlink anything outside our files
+    assert os.path.exists("/etc/passwd")
+
+
+def test_shm_orphans_of_dead_producers_are_removed():
+    peer = PeerProcess()
+    try:
+        peer.call("make", "shm", "shm-orphan", {})
+        desc = peer.call("put_pattern", "orphan", 4096, 1)
+        assert os.path.exists(desc.location)
+        peer.kill()
+    finally:
+        peer.close()
+    make_connector("shm", name="shm-sweeper").close()
+    assert not os.path.exists(desc.location)
+
+
+def test_shm_lease_expiry_in_producer():
+    conn = make_connector("shm", name="shm-lease", lease_s=0.05)
+    desc = conn.put("r", 0, 1, torch.ones(10))
+    time.sleep(0.1)
+    assert conn.pending() == 0 and not os.path.exists(desc.location)
+    conn.close()
+    gc.collect()

@@ -1,0 +1,215 @@
+"""Shared-memory connector for stages in different processes of one node.
+
+Each put writes the payload's bytes into its own file in a tmpfs (/dev/shm): one copy on the
+producer side. The consumer maps the file privately (copy-on-write, pre-faulted), so get costs no
+second copy and the returned tensor stays valid after release. Release unlinks the file (either
+side may do it); the producer also unlinks on lease expiry and on close, and a new connector
+removes files left behind by producers that died.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from vllm_omni_plugin.connectors.base import (
+    ConnectorError,
+    Deadline,
+    PayloadDescriptor,
+    StageConnector,
+    new_key,
+)
+from vllm_omni_plugin.connectors.serialization import decode, encode
+
+_FILE_RE = re.compile(r"^omni-shm-(\d+)-[0-9a-f]{32}$")
+
+
+def _default_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShmConnector(StageConnector):
+    kind = "shm"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        lease_s: float = 300.0,
+        shm_dir: str | None = None,
+        device: str = "cpu",
+    ):
+        super().__init__(name, lease_s)
+        self.dir = shm_dir or _default_dir()
+        self.device = torch.device(device)
+        self._lock = threading.Lock()
+        self._owned: dict[
+            str, tuple[str, int, float, float]
+        ] = {}  # key -> (path, nbytes, t0, until)
+        self._closed = False
+        self._remove_orphans()
+
+    # -- producer -------------------------------------------------------------------------
+    def put(
+        self, request_id: str, from_stage: int, to_stage: int, payload: Any
+    ) -> PayloadDescriptor:
+        if self._closed:
+            raise ConnectorError(f"connector {self.name!r} is closed")
+        enc = encode(payload)
+        key = new_key(request_id, from_stage, to_stage)
+        path = os.path.join(self.dir, f"omni-shm-{os.getpid()}-{uuid.uuid4().hex}")
+        try:
+            self._write(path, enc.data.cpu())
+        except OSError as e:
+            self.stats.record_failure("producer")
+            raise ConnectorError(f"shm put of {enc.nbytes} bytes to {self.dir} failed: {e}") from e
+        now = time.monotonic()
+        with self._lock:
+            self._sweep(now)
+            self._owned[key] = (path, enc.nbytes, now, now + self.lease_s)
+        self.stats.record_put(enc.nbytes)
+        return PayloadDescriptor(
+            self.kind,
+            self.name,
+            key,
+            request_id,
+            from_stage,
+            to_stage,
+            enc.kind,
+            enc.dtype,
+            enc.shape,
+            enc.nbytes,
+            self.lease_s,
+            location=path,
+        )
+
+    @staticmethod
+    def _write(path: str, data: torch.Tensor) -> None:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+            written = 0
+            while written < len(view):  # os.write may write less than asked (> 2 GiB)
+                written += os.write(fd, view[written:])
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
+    def _sweep(self, now: float) -> None:
+        """Drop leases the consumer released (file gone) and unlink expired ones."""
+        for key, (path, nbytes, t0, until) in list(self._owned.items()):
+            if not os.path.exists(path):
+                del self._owned[key]
+                self.stats.record_transfer("producer", nbytes, now - t0)
+            elif until <= now:
+                del self._owned[key]
+                _unlink(path)
+                self.stats.record_expired()
+
+    def _remove_orphans(self) -> None:
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for fname in names:
+            m = _FILE_RE.match(fname)
+            if m and not _pid_alive(int(m.group(1))):
+                _unlink(os.path.join(self.dir, fname))
+
+    # -- consumer -------------------------------------------------------------------------
+    def get(self, desc: PayloadDescriptor, timeout: float) -> Any:
+        self._check_desc(desc)
+        Deadline(timeout)  # a local file read cannot hang on a peer; validates the argument
+        start = time.perf_counter()
+        try:
+            data = self._map(self._checked_path(desc), desc.nbytes)
+        except (OSError, ValueError) as e:
+            self.stats.record_failure("consumer")
+            raise ConnectorError(
+                f"shm payload {desc.key} is not readable ({e}); released, expired, or its producer died"
+            ) from e
+        payload = decode(desc.kind, desc.dtype, desc.shape, data)
+        if isinstance(payload, torch.Tensor) and payload.device != self.device:
+            payload = payload.to(self.device)
+        self.stats.record_transfer("consumer", desc.nbytes, time.perf_counter() - start)
+        return payload
+
+    @staticmethod
+    def _map(path: str, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
+            if not os.path.exists(path):
+                raise FileNotFoundError(path)
+            return torch.empty(0, dtype=torch.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise ValueError(f"file holds {size} bytes, descriptor says {nbytes}")
+            # Private + populate: the tensor is writable without touching the file, and the
+            # page mapping cost is paid here rather than on first use by the model.
+            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive as long as needed
+
+    def _checked_path(self, desc: PayloadDescriptor) -> str:
+        # Only ever open/unlink files this connector kind made, whatever a descriptor says.
+        path = desc.location
+        if not isinstance(path, str) or not _FILE_RE.match(os.path.basename(path)):
+            raise ConnectorError(f"descriptor {desc.key} does not name an omni shm file: {path!r}")
+        if os.path.realpath(os.path.dirname(path)) != os.path.realpath(self.dir):
+            raise ConnectorError(f"descriptor {desc.key} names a file outside {self.dir}: {path!r}")
+        return path
+
+    def release(self, desc: PayloadDescriptor) -> None:
+        try:
+            _unlink(self._checked_path(desc))
+        except ConnectorError:
+            pass
+        with self._lock:
+            owned = self._owned.pop(desc.key, None)
+        if owned is not None:
+            self.stats.record_transfer("producer", owned[1], time.monotonic() - owned[2])
+
+    def pending(self) -> int:
+        """Payloads this producer still holds (for tests and leak checks)."""
+        with self._lock:
+            self._sweep(time.monotonic())
+            return len(self._owned)
+
+    def health(self) -> bool:
+        return not self._closed and os.access(self.dir, os.W_OK)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for path, *_ in self._owned.values():
+                _unlink(path)
+            self._owned.clear()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
