@@ -1,0 +1,37 @@
+"""The `vllm.endpoint_plugins` factory: our HTTP routes on vLLM's own API server.
+
+Routes attach only when the server runs a stage pipeline (`--stage-config`); listed in
+VLLM_PLUGINS on a plain `vllm serve MODEL`, the plugin adds nothing. With --stage-config the
+plugin loads even when VLLM_PLUGINS is unset (patches.py, patch 4): the flag is the opt-in.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from typing import Any
+
+
+class OmniImagesPlugin:
+    name = "omni_images"
+    required_tasks = None  # our pipelines serve no vLLM task; always eligible
+
+    def attach_router(self, app: Any) -> None:
+        args = getattr(app.state, "args", None)
+        if getattr(args, "stage_config", None) is None:
+            return
+        from vllm_omni_plugin.serving.routes import router
+
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        from vllm_omni_plugin.serving.engine_client import OmniEngineClient
+
+        if not isinstance(engine_client, OmniEngineClient):
+            return
+        from vllm_omni_plugin.serving.app_state import init_image_service
+
+        init_image_service(engine_client, state, args)
+
+
+def make_plugin() -> OmniImagesPlugin:
+    return OmniImagesPlugin()

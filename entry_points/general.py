@@ -1,0 +1,44 @@
+"""`vllm.general_plugins` hook: runs in every vLLM process (API server, EngineCore, workers).
+
+Keep it idempotent and cheap: register by dotted name only, import nothing heavy. Other teams
+append small guarded blocks below (CLI-flag patches, connector registration).
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    _register_models()
+    _install_cli_flags()
+    _register_kv_connector()
+
+
+def _register_models() -> None:
+    from vllm import ModelRegistry
+
+    from vllm_omni_plugin.models.glm_image import MODEL_ARCH, MODEL_CLASS
+
+    # Lazy "module:Class" form: the model module (torch kernels) loads only when used.
+    if MODEL_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(MODEL_ARCH, MODEL_CLASS)
+
+
+def _install_cli_flags() -> None:
+    # Adds --stage-config & co. to vLLM's parsers; the serve patches install only when
+    # --stage-config is actually given (see entry_points/patches.py).
+    from vllm_omni_plugin.entry_points.patches import install_cli_flags
+
+    install_cli_flags()
+
+
+def _register_kv_connector() -> None:
+    # NIXL stage connector as vLLM KV connector "OmniStageNixlConnector" (guarded: no-op if known).
+    from vllm_omni_plugin.connectors import register_kv_connector
+
+    register_kv_connector()

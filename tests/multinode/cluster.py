@@ -1,0 +1,166 @@
+"""Real `vllm serve` heads and headless stage nodes for the multi-node tests.
+
+A head runs the API server and stage 0 (AR); a node runs stage 1 (DiT) and registers with the
+head. Either may run inside a network namespace (`ip netns exec`), which is how two hosts are
+simulated; HTTP calls into a namespace go through `ns_client.py` run inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM = str(Path(sys.executable).parent / "vllm")
+CONFIG = "stage_configs/glm_image_tiny_nixl.yaml"
+NS_CLIENT = Path(__file__).with_name("ns_client.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One `vllm serve` process (head or node) with its log; stop() leaves nothing behind."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str], netns: str | None = None):
+        self.log = log
+        cmd = [VLLM, "serve", *args]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]  # ip execs the command: same pid
+        full_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+        full_env.update(env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=full_env, cwd=REPO
+        )
+        self.tree: list[psutil.Process] = []
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            found = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        # Stage processes run in their own sessions; remember them so none outlives a test.
+        self.tree.extend(p for p in found if p not in self.tree)
+        return found
+
+    def kill_all(self) -> None:
+        """SIGKILL the process and everything it started at once (a machine dying)."""
+        procs = [psutil.Process(self.proc.pid), *self.descendants()]
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        for p in self.tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def head_args(model: Path, http_port: int, master_port: int, host: str = "127.0.0.1") -> list:
+    return [
+        str(model),
+        "--stage-config",
+        CONFIG,
+        "--stage-ids",
+        "0",
+        "--omni-master-port",
+        str(master_port),
+        "--host",
+        host,
+        "--port",
+        str(http_port),
+    ]
+
+
+def node_args(model: Path, master: str, master_port: int) -> list:
+    return [
+        str(model),
+        "--stage-config",
+        CONFIG,
+        "--headless",
+        "--stage-ids",
+        "1",
+        "--omni-master-address",
+        master,
+        "--omni-master-port",
+        str(master_port),
+    ]
+
+
+def wait_status(url: str, want: int | None, proc: Proc, timeout: float) -> float:
+    """Poll `url` until it answers `want` (None: any status). Seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.proc.returncode}):\n{proc.log_tail()}")
+        try:
+            status = httpx.get(url, timeout=2).status_code
+            if want is None or status == want:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer {want} in {timeout} s:\n{proc.log_tail()}")
+
+
+def stage_metric(metrics: str, name: str, stage_id: int) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'stage_id="{stage_id}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} for stage {stage_id} not in /metrics")
+
+
+def connector_metric(metrics: str, name: str, connector: str, role: str) -> float:
+    for line in metrics.splitlines():
+        if (
+            line.startswith(name + "{")
+            and f'connector="{connector}"' in line
+            and f'role="{role}"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name}{{connector={connector},role={role}}} not in /metrics")
+
+
+def ns_call(netns: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run ns_client.py inside `netns` and return its JSON answer."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, str(NS_CLIENT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"ns_client failed ({out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,0 +1,202 @@
+"""The head's node registry over real TCP connections (no stage processes: seconds, not minutes).
+
+The test plays the node's side of the protocol (node_protocol.py) with the same `connect` the
+real node uses, against a real StageHead + RemoteStageClient on this test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from multiprocessing.connection import AuthenticationError
+
+import pytest
+
+from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.connectors.stats import all_snapshots
+from vllm_omni_plugin.orchestrator import StageUnavailableError, remote
+from vllm_omni_plugin.orchestrator.connector_stats import KEY as STATS_KEY
+from vllm_omni_plugin.orchestrator.connector_stats import absorb
+from vllm_omni_plugin.orchestrator.link import connect
+from vllm_omni_plugin.orchestrator.node import stage_init
+from vllm_omni_plugin.orchestrator.node_protocol import (
+    Heartbeat,
+    Ping,
+    Register,
+    Rejected,
+    StageStatus,
+    Superseded,
+    ToStage,
+    Welcome,
+    parse_stage_ids,
+)
+from vllm_omni_plugin.stages.messages import Abort, Result, Submit
+
+KEY = b"registry-test-key"
+DIT = {1: StageStatus("diffusion", True, {"max_steps": 9}, pid=4242)}
+
+
+@pytest.fixture
+async def head():
+    cfg = load_deploy_config("glm_image_tiny_nixl", model="/unused/glm-image")
+    h = remote.StageHead(KEY, 0, "127.0.0.1")
+    h.local_ids = [0]
+    client = h.client_for(stage_init(cfg, 1))
+    await h.start()
+    yield h, client
+    h.close()
+
+
+async def recv(conn, timeout: float = 5.0):
+    loop = asyncio.get_running_loop()
+    ok = await loop.run_in_executor(None, conn.poll, timeout)
+    assert ok, "nothing received"
+    return conn.recv()
+
+
+async def register(port: int, stages=DIT, key: bytes = KEY, node: str = "n1"):
+    loop = asyncio.get_running_loop()
+    conn = await loop.run_in_executor(None, connect, "127.0.0.1", port, key, 5.0)
+    conn.send(Register(node, "host", 1, stages))
+    return conn, await recv(conn)
+
+
+async def until(predicate, timeout: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def submit(rid: str) -> Submit:
+    return Submit(rid, {"prompt": "x"}, inputs={0: "descriptor"}, to_stage=None)
+
+
+async def test_wrong_key_is_refused(head):
+    h, client = head
+    with pytest.raises(AuthenticationError):
+        await register(h.port, key=b"another key")
+    assert not client.ready
+    with pytest.raises(StageUnavailableError, match="no live node"):
+        await client.submit(submit("r0"))
+
+
+async def test_a_stage_the_head_runs_itself_is_rejected(head):
+    h, client = head
+    conn, reply = await register(h.port, stages={0: StageStatus("ar", True)})
+    assert isinstance(reply, Rejected) and "not a remote stage" in reply.reason
+    conn, reply = await register(h.port, stages={1: StageStatus("ar", True)})
+    assert isinstance(reply, Rejected) and "diffusion" in reply.reason
+    assert not client.ready
+
+
+async def test_submit_abort_result_and_status_round_trip(head):
+    h, client = head
+    conn, reply = await register(h.port)
+    assert isinstance(reply, Welcome)
+    await until(lambda: client.ready)
+    assert client.info == {"max_steps": 9} and client.pid == 4242
+
+    task = asyncio.ensure_future(client.submit(submit("r1")))
+    routed = await recv(conn)
+    assert isinstance(routed, ToStage) and routed.stage_id == 1
+    assert routed.msg.request_id == "r1" and routed.msg.inputs == {0: "descriptor"}
+    conn.send(Result("r1", output=[b"png"], stage_s=0.25))
+    result = await asyncio.wait_for(task, 5)
+    assert result.output == [b"png"] and client.completed == 1 and client.busy_s == 0.25
+
+    task = asyncio.ensure_future(client.submit(submit("r2")))  # cancelled: abort reaches node
+    assert (await recv(conn)).msg.request_id == "r2"
+    task.cancel()
+    aborted = await recv(conn)
+    assert isinstance(aborted.msg, Abort) and aborted.msg.request_id == "r2"
+
+    conn.send(Heartbeat({1: StageStatus("diffusion", False, {"max_steps": 9})}))
+    assert isinstance(await recv(conn), Ping)  # the head answers heartbeats
+    await until(lambda: not client.ready)  # the node's stage is restarting: 503s
+    with pytest.raises(StageUnavailableError):
+        await client.submit(submit("r3"))
+    conn.send(Heartbeat(DIT))
+    await until(lambda: client.ready)
+
+
+async def test_node_lost_fails_in_flight_at_once_and_reregistration_resumes(head):
+    h, client = head
+    conn, _ = await register(h.port)
+    await until(lambda: client.ready)
+    task = asyncio.ensure_future(client.submit(submit("r1")))
+    await recv(conn)
+    conn.close()  # the node dies: EOF on the head's side
+    t0 = time.monotonic()
+    with pytest.raises(StageUnavailableError, match="lost"):
+        await asyncio.wait_for(task, 5)
+    assert time.monotonic() - t0 < 1.0
+    assert not client.ready and client.deaths == 1
+
+    conn, reply = await register(h.port, node="n2")
+    assert isinstance(reply, Welcome)
+    await until(lambda: client.ready)
+    assert client.restarts == 1
+
+
+async def test_newer_registration_supersedes_the_old_node(head):
+    h, client = head
+    old, _ = await register(h.port, node="old")
+    await until(lambda: client.ready)
+    task = asyncio.ensure_future(client.submit(submit("r1")))
+    await recv(old)
+    new, reply = await register(h.port, node="new")
+    assert isinstance(reply, Welcome)
+    assert isinstance(await recv(old), Superseded)  # the old node is told to exit
+    with pytest.raises(StageUnavailableError):
+        await asyncio.wait_for(task, 5)
+    await until(lambda: client.ready and client.link.peer.startswith("new"))
+
+
+async def test_missed_heartbeats_drop_a_hung_node(head, monkeypatch):
+    monkeypatch.setattr(remote, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(remote, "DEAD_AFTER_S", 1.0)
+    h, client = head
+    h._watchdog.cancel()
+    h._watchdog = asyncio.ensure_future(h._watch())  # with the shortened period
+    conn, _ = await register(h.port)  # registers, then never says anything again
+    await until(lambda: client.ready)
+    task = asyncio.ensure_future(client.submit(submit("r1")))
+    with pytest.raises(StageUnavailableError, match="no heartbeat"):
+        await asyncio.wait_for(task, 5)
+    assert not client.ready
+
+
+def test_connector_counters_ride_results_into_the_exporter():
+    snap = {
+        "name": "registry-test",
+        "puts": 0,
+        "put_bytes": 0,
+        "timeouts": 0,
+        "expired": 0,
+        "roles": {
+            role: {
+                "transfers": 2,
+                "bytes": 64,
+                "failures": 0,
+                "latency_buckets": [0] * 15,
+                "latency_sum": 0.0,
+            }
+            for role in ("producer", "consumer")
+        },
+    }
+    result = Result("r", metrics={STATS_KEY: {"source": "n:1", "snapshots": [snap]}, "k": 1})
+    absorb(result)
+    assert result.metrics == {"k": 1}  # taken off the result
+    merged = {s["name"]: s for s in all_snapshots()}["registry-test"]
+    assert merged["roles"]["consumer"]["transfers"] == 2
+
+
+def test_stage_ids_are_checked_against_the_pipeline():
+    cfg = load_deploy_config("glm_image_tiny_nixl", model="/unused/glm-image")
+    assert parse_stage_ids("1", cfg) == [1]
+    assert parse_stage_ids("1,0", cfg) == [0, 1]
+    for bad in ("2", "x", ","):
+        with pytest.raises(SystemExit):
+            parse_stage_ids(bad, cfg)

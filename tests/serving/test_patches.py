@@ -1,0 +1,111 @@
+"""entry_points/patches.py: flags are listed, serve patches install only with --stage-config,
+delegate to vLLM otherwise, and refuse an unknown vLLM version with a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from vllm_omni_plugin.entry_points import patches
+
+# Runs in a fresh interpreter so that no other test has installed anything yet.
+_PROBE = textwrap.dedent(
+    """
+    import sys
+    from vllm.entrypoints.launchers.api_server import entry
+    import vllm.plugins as vp
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm_omni_plugin.entry_points import patches
+
+    originals = (entry.build_async_engine_client, entry.init_app_state, vp.load_endpoint_plugins)
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(["some/model"])
+    assert args.stage_config is None and args.stage_overrides is None
+    assert not patches.serve_patches_installed()
+    now = (entry.build_async_engine_client, entry.init_app_state, vp.load_endpoint_plugins)
+    assert now == originals, "plain vllm serve must leave vLLM's functions untouched"
+    assert vp.load_endpoint_plugins(("generate",)) == []  # VLLM_PLUGINS unset: stock
+
+    if sys.argv[1] == "bad-version":
+        patches.vllm_version = lambda: "0.99.0"
+        parser.parse_args(["m", "--stage-config", "x.yaml"])  # must exit with a clear error
+        raise SystemExit("not reached")
+
+    args = parser.parse_args(["m", "--stage-config", "x.yaml", "--stage-overrides", "{}",
+                              "--stage-ids", "0", "--omni-master-port", "7000"])
+    assert args.stage_config == "x.yaml" and args.omni_master_port == 7000
+    assert patches.serve_patches_installed()
+    assert entry.build_async_engine_client.__wrapped__ is originals[0]
+    assert entry.init_app_state.__wrapped__ is originals[1]
+    # Not serving a pipeline in this process: the endpoint-plugin patch still behaves as stock.
+    assert vp.load_endpoint_plugins(("generate",)) == []
+    print("PROBE-OK")
+    """
+)
+
+
+def _probe(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_serve_patches_only_with_stage_config():
+    proc = _probe("ok")
+    assert proc.returncode == 0 and "PROBE-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_unknown_vllm_version_is_a_clear_cli_error():
+    proc = _probe("bad-version")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "checked on vLLM 0.32 and 0.33, but vLLM 0.99.0 is installed" in proc.stderr
+
+
+def test_version_guard(monkeypatch):
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.33.1+cu130")
+    patches.check_vllm_version()
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.31.0")
+    with pytest.raises(patches.OmniPatchError, match="0.31.0"):
+        patches.check_vllm_version()
+    monkeypatch.setenv(patches.ALLOW_UNTESTED_ENV, "1")
+    patches.check_vllm_version()
+
+
+def test_help_lists_the_flags():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    text = parser.format_help()
+    assert "OmniStageConfig" in text
+    for flag in (
+        "--stage-config",
+        "--stage-overrides",
+        "--stage-ids",
+        "--omni-master-address",
+        "--omni-master-port",
+    ):
+        assert flag in text
+        assert any(flag in a.option_strings for a in parser._actions)
+
+
+def test_endpoint_plugin_is_inert_without_stage_config():
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+    from vllm_omni_plugin.entry_points.endpoints import make_plugin
+
+    plugin = make_plugin()
+    assert plugin.name == patches.ENDPOINT_PLUGIN_NAME and plugin.required_tasks is None
+    app = FastAPI()
+    app.state.args = Namespace(stage_config=None)
+    before = len(app.routes)
+    plugin.attach_router(app)
+    assert len(app.routes) == before
+    app.state.args = Namespace(stage_config="x.yaml")
+    plugin.attach_router(app)
+    paths = {getattr(r, "path", None) for r in app.routes}
+    assert {"/v1/images/generations", "/v1/images/files/{token}", "/v1/chat/completions"} <= paths

@@ -1,0 +1,235 @@
+"""`vllm serve TINY_QWEN --stage-config qwen_image_tiny.yaml`: a real server with a real
+diffusion-stage process, driven by the official openai client.
+
+One server for the module (start-up ~30 s). Order matters: the stage-kill and SIGTERM tests
+run last.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from omni_server import API_KEY, alive
+from openai import OpenAI
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+PROMPT = "a red bicycle in the snow"
+
+
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def decode(b64: str) -> np.ndarray:
+    return np.asarray(
+        Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.float64
+    )
+
+
+def generate(server, seed: int, **kw) -> list[np.ndarray]:
+    res = client(server).images.generate(
+        model=server.model,
+        prompt=kw.pop("prompt", PROMPT),
+        size=kw.pop("size", "64x64"),
+        n=kw.pop("n", 1),
+        response_format="b64_json",
+        extra_body={"seed": seed, "num_inference_steps": 2, **kw},
+    )
+    return [decode(d.b64_json) for d in res.data]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """diffusers' own QwenImagePipeline on the same tiny weights."""
+    import torch
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(
+        str(tiny_models("qwen-image")), torch_dtype=torch.float32
+    )
+
+    def run(seed: int, size=(64, 64), n: int = 1) -> list[np.ndarray]:
+        images = pipe(
+            PROMPT,
+            width=size[0],
+            height=size[1],
+            num_inference_steps=2,
+            num_images_per_prompt=n,
+            generator=torch.Generator("cpu").manual_seed(seed),
+        ).images
+        return [np.asarray(im.convert("RGB"), dtype=np.float64) for im in images]
+
+    return run
+
+
+def test_models_health_metrics(qwen_server):
+    models = client(qwen_server).models.list()
+    assert [m.id for m in models.data] == [qwen_server.model]
+    assert httpx.get(f"{qwen_server.url}/health").status_code == 200
+    metrics = httpx.get(f"{qwen_server.url}/metrics").text
+    assert 'omni_stage_up{kind="diffusion",pipeline="qwen_image",stage_id="0"} 1.0' in metrics
+    assert "http_requests_total" in metrics  # vLLM's own instrumentation is still there
+
+
+def test_image_matches_diffusers(qwen_server, reference):
+    served = generate(qwen_server, seed=3)
+    assert len(served) == 1 and served[0].shape == (64, 64, 3)
+    diff = np.abs(served[0] - reference(3)[0]).mean()
+    assert diff <= 1.0, f"mean abs pixel diff {diff}"
+    # n=2 at a non-square size: two images, both equal to diffusers' num_images_per_prompt=2.
+    served = generate(qwen_server, seed=5, n=2, size="96x64")
+    ref = reference(5, size=(96, 64), n=2)
+    assert [im.shape for im in served] == [(64, 96, 3)] * 2
+    assert max(np.abs(a - b).mean() for a, b in zip(served, ref, strict=True)) <= 1.0
+
+
+def test_concurrent_requests_match_their_solo_images(qwen_server, reference):
+    seeds = [11, 12, 13, 14]
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        images = list(pool.map(lambda s: generate(qwen_server, seed=s)[0], seeds))
+    for seed, image in zip(seeds, images, strict=True):
+        assert np.abs(image - reference(seed)[0]).mean() <= 1.0, seed
+
+
+def test_url_format_and_output_formats(qwen_server):
+    res = client(qwen_server).images.generate(
+        prompt=PROMPT, size="64x64", response_format="url", extra_body={"output_format": "webp"}
+    )
+    url = res.data[0].url
+    assert url.startswith(qwen_server.url + "/v1/images/files/")
+    assert httpx.get(url).status_code == 401  # --api-key protects our routes too
+    got = httpx.get(url, headers=auth())
+    assert got.status_code == 200 and got.headers["content-type"] == "image/webp"
+    assert Image.open(io.BytesIO(got.content)).size == (64, 64)
+    jpeg = httpx.post(
+        f"{qwen_server.url}/v1/images/generations",
+        headers=auth(),
+        json={"prompt": PROMPT, "output_format": "jpeg", "seed": 1},
+        timeout=60,
+    ).json()
+    assert Image.open(io.BytesIO(base64.b64decode(jpeg["data"][0]["b64_json"]))).format == "JPEG"
+    assert httpx.get(f"{qwen_server.url}/v1/images/files/nope", headers=auth()).status_code == 404
+
+
+BAD_REQUESTS = [
+    (b"{not json", "invalid_json"),
+    (json.dumps({}).encode(), "missing_required_parameter"),
+    (json.dumps({"prompt": 3}).encode(), "invalid_type"),
+    (json.dumps({"prompt": "x" * 4001}).encode(), "string_above_max_length"),
+    (json.dumps({"prompt": "a", "size": "63x64"}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "size": "big"}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "n": 0}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "n": 100}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "num_inference_steps": 201}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "num_inference_steps": 0}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "response_format": "gif"}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "seed": "abc"}).encode(), "invalid_type"),
+    (json.dumps({"prompt": "a", "model": "dall-e-3"}).encode(), "model_not_found"),
+]
+
+
+def test_bad_requests_never_reach_the_stage(qwen_server):
+    def completed() -> float:
+        for line in httpx.get(f"{qwen_server.url}/metrics").text.splitlines():
+            if line.startswith("omni_stage_requests_completed_total"):
+                return float(line.split()[-1])
+        raise AssertionError("metric missing")
+
+    before = completed()
+    for body, code in BAD_REQUESTS:
+        r = httpx.post(
+            f"{qwen_server.url}/v1/images/generations",
+            content=body,
+            headers={**auth(), "content-type": "application/json"},
+        )
+        assert 400 <= r.status_code < 500, (body, r.status_code)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, (body, err)
+    assert completed() == before
+    r = httpx.post(f"{qwen_server.url}/v1/images/generations", json={"prompt": "a"})
+    assert r.status_code == 401  # no key
+    r = httpx.post(f"{qwen_server.url}/v1/chat/completions", headers=auth(), json={})
+    assert r.status_code == 400 and "no stage that produces text" in r.json()["error"]["message"]
+
+
+def _in_flight(server) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("omni_stage_requests_in_flight"):
+            return float(line.split()[-1])
+    raise AssertionError("metric missing")
+
+
+LONG = {"prompt": PROMPT, "size": "256x256", "num_inference_steps": 200, "seed": 2}
+
+
+def test_client_disconnect_cancels_the_work(qwen_server):
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{qwen_server.url}/v1/images/generations", headers=auth(), json=LONG, timeout=1.5
+        )
+    deadline = time.monotonic() + 5
+    while _in_flight(qwen_server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(qwen_server) == 0
+    # The stage is free again: a small request is not stuck behind 200 steps at 256x256.
+    t0 = time.monotonic()
+    generate(qwen_server, seed=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_killed_stage_fails_fast_then_recovers(qwen_server):
+    stage = next(p for p in qwen_server.descendants() if "omni-stage-0" in " ".join(p.cmdline()))
+    result: dict = {}
+
+    def long_request():
+        r = httpx.post(
+            f"{qwen_server.url}/v1/images/generations", headers=auth(), json=LONG, timeout=60
+        )
+        result["response"], result["t"] = r, time.monotonic()
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.5)
+    killed_at = time.monotonic()
+    stage.kill()
+    thread.join(30)
+    r = result["response"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "stage_unavailable"
+    assert result["t"] - killed_at < 5
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{qwen_server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, qwen_server.log_tail()
+        time.sleep(0.5)
+    assert len(generate(qwen_server, seed=1)) == 1
+    assert "stage 0 (diffusion) died with exit code -9" in qwen_server.log.read_text()
+    assert "omni_stage_restarts_total" in httpx.get(f"{qwen_server.url}/metrics").text
+
+
+def test_sigterm_leaves_no_orphans(qwen_server):
+    procs = qwen_server.descendants()
+    titles = [" ".join(p.cmdline()) for p in procs]
+    assert any("omni-stage-0" in t for t in titles), titles
+    qwen_server.stop()
+    assert qwen_server.proc.returncode is not None
+    time.sleep(1)
+    left = [p for p in procs if alive(p)]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"] and f"--port {qwen_server.port}" in " ".join(p.info["cmdline"])
+    ]

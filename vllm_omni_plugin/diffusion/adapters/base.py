@@ -1,0 +1,154 @@
+"""The adapter contract: one model family's math, split into batched phases.
+
+The engine never touches a model directly. For each family an adapter turns a list of request
+states into batched work: `prepare` (text encoding for all newly admitted requests in one call,
+plus each request's own latents and schedule), `denoise` (one step for a group of requests, each
+at its own step index, CFG rows in the same forward) and `decode` (one VAE call).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+
+from ..request import GenerationRequest, RequestState
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Per-family request bounds and the diffusers defaults of its pipeline."""
+
+    granularity: int  # height and width must be multiples of this
+    default_height: int
+    default_width: int
+    default_steps: int
+    default_guidance: float
+    min_size: int
+    max_size: int
+
+
+class DiffusionAdapter(ABC):
+    """Base class; subclasses set `pipeline_class` and implement the phases."""
+
+    pipeline_class: ClassVar[str] = ""
+    # False: the adapter runs each request whole (`generate`), no step batching.
+    step_batched: ClassVar[bool] = True
+    # model_index.json components this stage never needs (not read from disk).
+    skip_components: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.defaults = dict(defaults)
+        # The module the denoising loop calls; the engine may swap in a compiled wrapper.
+        self.transformer = pipe.transformer
+
+    # ---- facts -------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def spec(self) -> FamilySpec: ...
+
+    def uses_cfg(self, req: GenerationRequest) -> bool:
+        """Whether this (validated) request runs an unconditional pass, as diffusers decides."""
+        return False
+
+    def check_request(self, req: GenerationRequest) -> None:
+        """Family-specific validation (raise RequestValidationError)."""
+        return None
+
+    def weight_bytes(self) -> int:
+        total = 0
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                total += sum(p.numel() * p.element_size() for p in module.parameters())
+        return total
+
+    def row_bytes(self, height: int, width: int) -> int:
+        """Rough peak activation bytes of one transformer row plus its share of the VAE decode.
+
+        Used only for the memory budget: it is an estimate (linear in tokens x width for the
+        MLP/attention projections, quadratic for attention scores, which math SDPA materialises).
+        """
+        tokens, width_, heads = self.token_geometry(height, width)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        linear = tokens * width_ * elem * 24
+        scores = heads * tokens * tokens * elem * 2
+        vae = height * width * 128 * 4 * 3
+        return linear + scores + vae
+
+    def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
+        """(sequence tokens incl. text, transformer width, attention heads) for one row."""
+        cfg = self.pipe.transformer.config
+        heads = int(cfg.num_attention_heads)
+        inner = heads * int(cfg.attention_head_dim)
+        image_tokens = (height // 16) * (width // 16)
+        return image_tokens + 512, inner, heads
+
+    # ---- phases ------------------------------------------------------------------------
+    def batch_key(self, state: RequestState) -> Hashable:
+        """Requests with equal keys may share a denoising forward."""
+        return (state.req.height, state.req.width, state.do_cfg)
+
+    @abstractmethod
+    def prepare(self, states: list[RequestState]) -> None:
+        """Encode prompts (batched), draw latents with each request's generator, set schedules."""
+
+    @abstractmethod
+    def denoise(self, states: list[RequestState]) -> None:
+        """Advance every state by one step (its own `state.step`), updating `state.latents`."""
+
+    @abstractmethod
+    def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
+        """Decode finished states in one VAE call; one list of n images per state."""
+
+    def generate(self, state: RequestState, on_step: Any) -> list[Image.Image]:
+        raise NotImplementedError  # only whole-pipeline adapters implement this
+
+    # ---- helpers shared by the flow-matching families ----------------------------------
+    def euler_update(self, states: list[RequestState], noise_pred: torch.Tensor) -> None:
+        """FlowMatchEulerDiscreteScheduler.step for many requests at their own sigma index.
+
+        Same arithmetic as diffusers: sample upcast to float32, `sample + dt * model_output`,
+        cast back to the model output's dtype.
+        """
+        dts = []
+        for s in states:
+            dt = s.sigmas[s.step + 1] - s.sigmas[s.step]
+            dts.append(dt.expand(s.n))
+        dt = torch.cat(dts).to(noise_pred.device)
+        dt = dt.view(-1, *([1] * (noise_pred.dim() - 1)))
+        sample = torch.cat([s.latents for s in states]).to(torch.float32)
+        prev = (sample + dt * noise_pred).to(noise_pred.dtype)
+        for s, chunk in zip(states, prev.split([s.n for s in states]), strict=True):
+            s.latents = chunk
+
+    def set_schedule(self, state: RequestState, timesteps: torch.Tensor) -> None:
+        """Copy the scheduler's freshly computed schedule into the request (per-request state)."""
+        state.timesteps = timesteps.clone()
+        state.sigmas = self.pipe.scheduler.sigmas.clone()
+
+    def postprocess(self, images: torch.Tensor) -> list[Image.Image]:
+        return self.pipe.image_processor.postprocess(images, output_type="pil")
+
+
+def split_images(images: list[Image.Image], states: list[RequestState]) -> list[list[Image.Image]]:
+    out, i = [], 0
+    for s in states:
+        out.append(images[i : i + s.n])
+        i += s.n
+    return out
+
+
+def check_flow_match_scheduler(scheduler: Any) -> None:
+    """The batched Euler update assumes deterministic flow-matching Euler steps."""
+    name = type(scheduler).__name__
+    if name != "FlowMatchEulerDiscreteScheduler":
+        raise TypeError(f"step batching needs FlowMatchEulerDiscreteScheduler, got {name}")
+    if getattr(scheduler.config, "stochastic_sampling", False):
+        raise TypeError("stochastic_sampling schedulers are not step-batched")

@@ -1,0 +1,167 @@
+"""FLUX.1 (diffusers FluxPipeline) as batched phases.
+
+Math follows diffusers 0.42 `pipeline_flux.py`: CLIP pooled + T5 (padded to 512) prompt
+embeddings, packed 2x2 latents drawn with the request's own generator, linear sigmas with the
+image-length dependent `mu` shift, embedded guidance (FLUX.1-dev) and optional true CFG
+(`true_cfg_scale` from the stage defaults plus a negative prompt), unpack + VAE decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
+
+from ..request import GenerationRequest, RequestState
+from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
+
+MAX_SEQUENCE_LENGTH = 512
+
+
+class FluxAdapter(DiffusionAdapter):
+    pipeline_class = "FluxPipeline"
+
+    def __init__(self, pipe, device, dtype, defaults) -> None:
+        super().__init__(pipe, device, dtype, defaults)
+        check_flow_match_scheduler(pipe.scheduler)
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.true_cfg_scale = float(self.defaults.get("true_cfg_scale", 1.0))
+        self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def spec(self) -> FamilySpec:
+        g = self.vae_scale_factor * 2
+        size = self.pipe.default_sample_size * self.vae_scale_factor
+        return FamilySpec(g, size, size, 28, 3.5, g, 2048)
+
+    def uses_cfg(self, req: GenerationRequest) -> bool:
+        # diffusers: true CFG iff true_cfg_scale > 1 and a negative prompt is given.
+        return self.true_cfg_scale > 1 and req.negative_prompt is not None
+
+    def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
+        cfg = self.pipe.transformer.config
+        tokens = (height // (self.vae_scale_factor * 2)) * (width // (self.vae_scale_factor * 2))
+        heads = int(cfg.num_attention_heads)
+        return tokens + MAX_SEQUENCE_LENGTH, heads * int(cfg.attention_head_dim), heads
+
+    # ---- prepare -----------------------------------------------------------------------
+    def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        return embeds, pooled
+
+    def prepare(self, states: list[RequestState]) -> None:
+        embeds, pooled = self._encode([s.req.prompt for s in states])
+        cfg_states = [s for s in states if s.do_cfg]
+        if cfg_states:
+            neg, neg_pooled = self._encode([s.req.negative_prompt or "" for s in cfg_states])
+            for i, s in enumerate(cfg_states):
+                s.cond["neg"], s.cond["neg_pooled"] = neg[i : i + 1], neg_pooled[i : i + 1]
+        channels = self.pipe.transformer.config.in_channels // 4
+        for i, s in enumerate(states):
+            s.cond["embeds"], s.cond["pooled"] = embeds[i : i + 1], pooled[i : i + 1]
+            h = 2 * (s.req.height // (self.vae_scale_factor * 2))
+            w = 2 * (s.req.width // (self.vae_scale_factor * 2))
+            noise = randn_tensor(
+                (s.n, channels, h, w), generator=s.generator, device=self.device, dtype=embeds.dtype
+            )
+            s.latents = self.pipe._pack_latents(noise, s.n, channels, h, w)
+            self._schedule(s)
+
+    def _schedule(self, s: RequestState) -> None:
+        steps = s.total_steps
+        sched = self.pipe.scheduler
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if getattr(sched.config, "use_flow_sigmas", False):
+            sigmas = None
+        mu = calculate_shift(
+            s.latents.shape[1],
+            sched.config.get("base_image_seq_len", 256),
+            sched.config.get("max_image_seq_len", 4096),
+            sched.config.get("base_shift", 0.5),
+            sched.config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=sigmas, mu=mu)
+        self.set_schedule(s, timesteps)
+
+    # ---- denoise -----------------------------------------------------------------------
+    def _image_ids_for(self, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (height, width)
+        if key not in self._image_ids:
+            h = 2 * (height // (self.vae_scale_factor * 2))
+            w = 2 * (width // (self.vae_scale_factor * 2))
+            ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, dtype)
+            self._image_ids[key] = ids
+        return self._image_ids[key]
+
+    def denoise(self, states: list[RequestState]) -> None:
+        cfg_states = [s for s in states if s.do_cfg]
+        latents = torch.cat([s.latents for s in states] + [s.latents for s in cfg_states])
+        rows = states + cfg_states  # cond rows for all, then uncond rows for CFG requests
+
+        def per_row(values: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(
+                [v.expand(s.n, *v.shape[1:]) for v, s in zip(values, rows, strict=True)]
+            )
+
+        embeds = per_row([s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states])
+        pooled = per_row(
+            [s.cond["pooled"] for s in states] + [s.cond["neg_pooled"] for s in cfg_states]
+        )
+        t = per_row([s.timesteps[s.step].reshape(1) for s in rows]).to(latents.dtype)
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            g = [torch.full([1], s.req.guidance_scale, dtype=torch.float32) for s in rows]
+            guidance = per_row(g).to(self.device)
+        text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self._text_ids_dtype())
+        req0 = states[0].req
+        img_ids = self._image_ids_for(req0.height, req0.width, self._text_ids_dtype())
+        pred = self.transformer(
+            hidden_states=latents,
+            timestep=t / 1000,
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=img_ids,
+            joint_attention_kwargs={},
+            return_dict=False,
+        )[0]
+        n_cond = sum(s.n for s in states)
+        cond, uncond = pred[:n_cond], pred[n_cond:]
+        if cfg_states:
+            cond = self._apply_cfg(states, cond, uncond)
+        self.euler_update(states, cond)
+
+    def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        out, i, j = [], 0, 0
+        for s in states:
+            c = cond[i : i + s.n]
+            if s.do_cfg:
+                u = uncond[j : j + s.n]
+                c = u + self.true_cfg_scale * (c - u)
+                j += s.n
+            out.append(c)
+            i += s.n
+        return torch.cat(out)
+
+    def _text_ids_dtype(self) -> torch.dtype:
+        te = self.pipe.text_encoder
+        return te.dtype if te is not None else self.pipe.transformer.dtype
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
+        req0 = states[0].req
+        latents = torch.cat([s.latents for s in states])
+        latents = self.pipe._unpack_latents(latents, req0.height, req0.width, self.vae_scale_factor)
+        vae = self.pipe.vae
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return split_images(self.postprocess(image), states)

@@ -1,0 +1,213 @@
+"""GLM-Image's DiT stage (diffusers GlmImagePipeline after the AR stage) as batched phases.
+
+Input: the prompt (only its quoted "glyph" text reaches the ByT5 encoder) and the AR stage's
+prior token ids ([n or 1, L], as `GlmImagePipeline.generate_prior_tokens` returns them). Math
+follows diffusers 0.42 `pipeline_glm_image.py`: glyph embeddings, latents drawn with the
+request's generator, integer-spaced timesteps with GLM's sqrt `mu` shift, CFG as a second pass
+with the empty glyph prompt and the prior tokens dropped, latents_mean/std before the VAE.
+
+The transformer has no text attention mask, and diffusers left-pads glyph embeddings with zero
+vectors that the model does see; to keep each image independent of its batch neighbours, rows
+share a forward only when their glyph lengths are equal (one forward per length).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
+
+from ..errors import RequestValidationError
+from ..request import GenerationRequest, RequestState
+from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
+
+MAX_SEQUENCE_LENGTH = 2048
+
+
+class GlmImageAdapter(DiffusionAdapter):
+    pipeline_class = "GlmImagePipeline"
+    # The AR model and its processor run in the AR stage; the DiT stage never loads them.
+    skip_components = ("vision_language_encoder", "processor")
+
+    def __init__(self, pipe, device, dtype, defaults) -> None:
+        super().__init__(pipe, device, dtype, defaults)
+        check_flow_match_scheduler(pipe.scheduler)
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.patch = int(pipe.transformer.config.patch_size)
+        self._empty_glyph: torch.Tensor | None = None
+
+    @property
+    def spec(self) -> FamilySpec:
+        g = self.vae_scale_factor * self.patch * 2
+        size = self.pipe.default_sample_size * self.vae_scale_factor
+        return FamilySpec(g, size, size, 50, 1.5, g, 2048)
+
+    def uses_cfg(self, req: GenerationRequest) -> bool:
+        return (req.guidance_scale or 0) > 1
+
+    def check_request(self, req: GenerationRequest) -> None:
+        ids = req.prior_token_ids
+        if ids is None:
+            raise RequestValidationError(
+                "prior_token_ids", "GLM-Image's DiT needs the AR stage's prior token ids"
+            )
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
+            raise RequestValidationError("prior_token_ids", "must be a [n, L] LongTensor")
+        grid = self.vae_scale_factor * self.patch
+        expected = (req.height // grid) * (req.width // grid)
+        if ids.shape[0] not in (1, req.n) or ids.shape[1] != expected:
+            raise RequestValidationError(
+                "prior_token_ids",
+                f"shape {tuple(ids.shape)} does not match n={req.n} at {req.height}x{req.width} "
+                f"(expected [1 or {req.n}, {expected}])",
+            )
+        vocab = int(self.pipe.transformer.config.prior_vq_quantizer_codebook_size)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise RequestValidationError("prior_token_ids", f"ids must lie in [0, {vocab})")
+
+    def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
+        cfg = self.pipe.transformer.config
+        grid = self.vae_scale_factor * self.patch
+        heads = int(cfg.num_attention_heads)
+        tokens = (height // grid) * (width // grid) + 256
+        return tokens, heads * int(cfg.attention_head_dim), heads
+
+    # ---- prepare -----------------------------------------------------------------------
+    def _glyph_embeds(self, prompts: list[str]) -> list[torch.Tensor]:
+        """diffusers' `_get_glyph_embeds`, with all prompts' glyph texts in one encoder call.
+
+        Per prompt, its quoted texts (or [""]) are tokenized, a pad is prepended when the
+        number of texts is even (as diffusers does), and the valid tokens of all texts are
+        concatenated. Right padding + attention mask keeps each text's valid outputs equal to
+        an unbatched call.
+        """
+        tok = self.pipe.tokenizer
+        per_prompt: list[list[list[int]]] = []
+        for texts in self.pipe.get_glyph_texts(prompts):
+            texts = texts or [""]
+            ids = tok(texts, max_length=MAX_SEQUENCE_LENGTH, truncation=True).input_ids
+            ids = [[tok.pad_token_id] * ((len(ids) + 1) % 2) + x for x in ids]
+            per_prompt.append(ids)
+        flat = [x for ids in per_prompt for x in ids]
+        longest = max(len(x) for x in flat)
+        mask = torch.tensor(
+            [[1] * len(x) + [0] * (longest - len(x)) for x in flat], device=self.device
+        )
+        input_ids = torch.tensor(
+            [x + [tok.pad_token_id] * (longest - len(x)) for x in flat], device=self.device
+        )
+        hidden = self.pipe.text_encoder(input_ids, attention_mask=mask).last_hidden_state
+        out, row = [], 0
+        for ids in per_prompt:
+            k = len(ids)
+            valid = hidden[row : row + k][mask[row : row + k].bool()].unsqueeze(0)
+            out.append(valid.to(device=self.device, dtype=self.pipe.dtype))
+            row += k
+        return out
+
+    def prepare(self, states: list[RequestState]) -> None:
+        embeds = self._glyph_embeds([s.req.prompt for s in states])
+        if any(s.do_cfg for s in states) and self._empty_glyph is None:
+            # The unconditional prompt is always "" (diffusers' encode_prompt): encode once.
+            self._empty_glyph = self._glyph_embeds([""])[0]
+        channels = self.pipe.transformer.config.in_channels
+        for s, emb in zip(states, embeds, strict=True):
+            s.cond["embeds"] = emb
+            if s.do_cfg:
+                s.cond["neg"] = self._empty_glyph
+            ids = s.req.prior_token_ids.to(self.device)
+            s.cond["prior"] = (
+                ids.repeat_interleave(s.n, dim=0) if ids.shape[0] == 1 and s.n > 1 else ids
+            )
+            shape = (
+                s.n,
+                channels,
+                s.req.height // self.vae_scale_factor,
+                s.req.width // self.vae_scale_factor,
+            )
+            s.latents = randn_tensor(
+                shape, generator=s.generator, device=self.device, dtype=emb.dtype
+            )
+            self._schedule(s)
+
+    def _schedule(self, s: RequestState) -> None:
+        steps = s.total_steps
+        sched = self.pipe.scheduler
+        seq_len = (s.req.height // self.vae_scale_factor) * (s.req.width // self.vae_scale_factor)
+        seq_len //= self.patch**2
+        timesteps = np.linspace(sched.config.num_train_timesteps, 1.0, steps + 1)[:-1]
+        timesteps = timesteps.astype(np.int64).astype(np.float32)
+        sigmas = timesteps / sched.config.num_train_timesteps
+        mu = calculate_shift(
+            seq_len,
+            sched.config.get("base_image_seq_len", 256),
+            sched.config.get("base_shift", 0.25),
+            sched.config.get("max_shift", 0.75),
+        )
+        ts, _ = retrieve_timesteps(sched, steps, self.device, timesteps, sigmas, mu=mu)
+        self.set_schedule(s, ts)
+
+    # ---- denoise -----------------------------------------------------------------------
+    def denoise(self, states: list[RequestState]) -> None:
+        # Rows: (state, glyph embeds, drop prior?) for cond, then uncond of CFG requests.
+        rows = [(s, s.cond["embeds"], False) for s in states]
+        rows += [(s, s.cond["neg"], True) for s in states if s.do_cfg]
+        preds: dict[tuple[int, bool], torch.Tensor] = {}
+        by_len: dict[int, list[tuple[RequestState, torch.Tensor, bool]]] = {}
+        for row in rows:
+            by_len.setdefault(row[1].shape[1], []).append(row)
+        for group in by_len.values():
+            out = self._forward(group)
+            for (s, _, drop), chunk in zip(group, out.split([r[0].n for r in group]), strict=True):
+                preds[(id(s), drop)] = chunk
+        noise = []
+        for s in states:
+            cond = preds[(id(s), False)]
+            if s.do_cfg:
+                uncond = preds[(id(s), True)]
+                cond = uncond + s.req.guidance_scale * (cond - uncond)
+            noise.append(cond)
+        self.euler_update(states, torch.cat(noise))
+
+    def _forward(self, rows: list[tuple[RequestState, torch.Tensor, bool]]) -> torch.Tensor:
+        tr = self.transformer
+        latents = torch.cat([s.latents for s, _, _ in rows])
+        embeds = torch.cat([e.expand(s.n, -1, -1) for s, e, _ in rows])
+        prior = torch.cat([s.cond["prior"] for s, _, _ in rows])
+        drop = torch.cat(
+            [torch.full_like(s.cond["prior"], d, dtype=torch.bool) for s, _, d in rows]
+        )
+        t = torch.cat([s.timesteps[s.step].expand(s.n) for s, _, _ in rows]) - 1
+        req0 = rows[0][0].req
+        dtype = embeds.dtype
+        size = torch.tensor([[req0.height, req0.width]], dtype=dtype, device=self.device)
+        crop = torch.zeros(1, 2, dtype=dtype, device=self.device)
+        b = latents.shape[0]
+        return tr(
+            hidden_states=latents.to(self.pipe.transformer.dtype),
+            encoder_hidden_states=embeds,
+            prior_token_id=prior,
+            prior_token_drop=drop,
+            timestep=t,
+            target_size=size.repeat(b, 1),
+            crop_coords=crop.repeat(b, 1),
+            attention_kwargs=None,
+            return_dict=False,
+        )[0].float()
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
+        vae = self.pipe.vae
+        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+        c = vae.config.latent_channels
+        mean = (
+            torch.tensor(vae.config.latents_mean).view(1, c, 1, 1).to(latents.device, latents.dtype)
+        )
+        std = (
+            torch.tensor(vae.config.latents_std).view(1, c, 1, 1).to(latents.device, latents.dtype)
+        )
+        latents = latents * std + mean
+        image = vae.decode(latents, return_dict=False)[0]
+        return split_images(self.postprocess(image), states)

@@ -1,0 +1,170 @@
+"""Qwen-Image (diffusers QwenImagePipeline) as batched phases.
+
+Math follows diffusers 0.42 `pipeline_qwenimage.py`: Qwen2.5-VL hidden states of the templated
+prompt (template tokens dropped, each prompt keeps its own length), packed latents drawn with the
+request's generator, `mu`-shifted linear sigmas, true CFG (`guidance_scale` is diffusers'
+`true_cfg_scale`, on when > 1 and a negative prompt is given) with the norm rescale, and the
+latents_mean/std un-normalisation before the (video-shaped) VAE decode.
+
+Prompts of different lengths share a forward: rows are right-padded and the transformer gets an
+`encoder_hidden_states_mask`, so padding is never attended to and each token keeps its RoPE
+position (text positions do not depend on the padded length).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
+
+from ..request import GenerationRequest, RequestState
+from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
+
+MAX_SEQUENCE_LENGTH = 512
+
+
+class QwenImageAdapter(DiffusionAdapter):
+    pipeline_class = "QwenImagePipeline"
+
+    def __init__(self, pipe, device, dtype, defaults) -> None:
+        super().__init__(pipe, device, dtype, defaults)
+        check_flow_match_scheduler(pipe.scheduler)
+        self.vae_scale_factor = pipe.vae_scale_factor
+
+    @property
+    def spec(self) -> FamilySpec:
+        g = self.vae_scale_factor * 2
+        size = self.pipe.default_sample_size * self.vae_scale_factor
+        return FamilySpec(g, size, size, 50, 4.0, g, 2048)
+
+    def uses_cfg(self, req: GenerationRequest) -> bool:
+        return (req.guidance_scale or 0) > 1 and req.negative_prompt is not None
+
+    def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
+        cfg = self.pipe.transformer.config
+        g = self.vae_scale_factor * 2
+        heads = int(cfg.num_attention_heads)
+        tokens = (height // g) * (width // g) + MAX_SEQUENCE_LENGTH
+        return tokens, heads * int(cfg.attention_head_dim), heads
+
+    # ---- prepare -----------------------------------------------------------------------
+    def _encode(self, prompts: list[str]) -> list[torch.Tensor]:
+        """One text-encoder call for all prompts; each keeps only its own (valid) tokens."""
+        embeds, mask = self.pipe._get_qwen_prompt_embeds(prompts, self.device)
+        embeds = embeds[:, :MAX_SEQUENCE_LENGTH]
+        lengths = mask[:, :MAX_SEQUENCE_LENGTH].sum(dim=1).tolist()
+        return [embeds[i : i + 1, : int(n)] for i, n in enumerate(lengths)]
+
+    def prepare(self, states: list[RequestState]) -> None:
+        embeds = self._encode([s.req.prompt for s in states])
+        cfg_states = [s for s in states if s.do_cfg]
+        if cfg_states:
+            negs = self._encode([s.req.negative_prompt or "" for s in cfg_states])
+            for s, neg in zip(cfg_states, negs, strict=True):
+                s.cond["neg"] = neg
+        channels = self.pipe.transformer.config.in_channels // 4
+        for s, emb in zip(states, embeds, strict=True):
+            s.cond["embeds"] = emb
+            h = 2 * (s.req.height // (self.vae_scale_factor * 2))
+            w = 2 * (s.req.width // (self.vae_scale_factor * 2))
+            noise = randn_tensor(
+                (s.n, 1, channels, h, w), generator=s.generator, device=self.device, dtype=emb.dtype
+            )
+            s.latents = self.pipe._pack_latents(noise, s.n, channels, h, w)
+            self._schedule(s)
+
+    def _schedule(self, s: RequestState) -> None:
+        steps = s.total_steps
+        sched = self.pipe.scheduler
+        mu = calculate_shift(
+            s.latents.shape[1],
+            sched.config.get("base_image_seq_len", 256),
+            sched.config.get("max_image_seq_len", 4096),
+            sched.config.get("base_shift", 0.5),
+            sched.config.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        timesteps, _ = retrieve_timesteps(sched, steps, self.device, sigmas=sigmas, mu=mu)
+        self.set_schedule(s, timesteps)
+
+    # ---- denoise -----------------------------------------------------------------------
+    def denoise(self, states: list[RequestState]) -> None:
+        cfg_states = [s for s in states if s.do_cfg]
+        rows = states + cfg_states  # cond rows, then uncond rows of the CFG requests
+        texts = [s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states]
+        longest = max(t.shape[1] for t in texts)
+        embeds, masks = [], []
+        for s, t in zip(rows, texts, strict=True):
+            pad = longest - t.shape[1]
+            padded = torch.cat([t, t.new_zeros(1, pad, t.shape[2])], dim=1) if pad else t
+            embeds.append(padded.expand(s.n, -1, -1))
+            mask = torch.zeros(1, longest, dtype=torch.long, device=t.device)
+            mask[:, : t.shape[1]] = 1
+            masks.append(mask.expand(s.n, -1))
+        embeds_t = torch.cat(embeds)
+        # diffusers drops an all-ones mask; do the same so unpadded batches take its exact path.
+        mask_t = torch.cat(masks)
+        mask_t = None if bool(mask_t.all()) else mask_t
+        latents = torch.cat([s.latents for s in rows])
+        t = torch.cat([s.timesteps[s.step].expand(s.n) for s in rows]).to(latents.dtype)
+        req0 = states[0].req
+        g = self.vae_scale_factor * 2
+        img_shapes = [[(1, req0.height // g, req0.width // g)]] * latents.shape[0]
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.cat(
+                [torch.full([s.n], s.req.guidance_scale, dtype=torch.float32) for s in rows]
+            ).to(self.device)
+        pred = self.transformer(
+            hidden_states=latents,
+            timestep=t / 1000,
+            guidance=guidance,
+            encoder_hidden_states_mask=mask_t,
+            encoder_hidden_states=embeds_t,
+            img_shapes=img_shapes,
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+        n_cond = sum(s.n for s in states)
+        cond, uncond = pred[:n_cond], pred[n_cond:]
+        if cfg_states:
+            cond = self._apply_cfg(states, cond, uncond)
+        self.euler_update(states, cond)
+
+    @staticmethod
+    def _apply_cfg(states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        out, i, j = [], 0, 0
+        for s in states:
+            c = cond[i : i + s.n]
+            if s.do_cfg:
+                u = uncond[j : j + s.n]
+                comb = u + s.req.guidance_scale * (c - u)
+                cond_norm = torch.norm(c, dim=-1, keepdim=True)
+                noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+                c = comb * (cond_norm / noise_norm)
+                j += s.n
+            out.append(c)
+            i += s.n
+        return torch.cat(out)
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
+        req0 = states[0].req
+        vae = self.pipe.vae
+        latents = torch.cat([s.latents for s in states])
+        latents = self.pipe._unpack_latents(latents, req0.height, req0.width, self.vae_scale_factor)
+        latents = latents.to(vae.dtype)
+        z = vae.config.z_dim
+        mean = (
+            torch.tensor(vae.config.latents_mean)
+            .view(1, z, 1, 1, 1)
+            .to(latents.device, latents.dtype)
+        )
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        latents = latents / std + mean
+        image = vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return split_images(self.postprocess(image), states)

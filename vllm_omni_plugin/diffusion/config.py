@@ -1,0 +1,58 @@
+"""Engine configuration: what a diffusion stage gets from its typed stage config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DiffusionEngineConfig:
+    # Pipeline folder in the diffusers layout (model_index.json + component subfolders).
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    # Most images (latent rows before CFG doubling) denoised in one transformer forward.
+    max_batch_size: int = 8
+    max_num_inference_steps: int = 200
+    # Total memory the stage may use (weights + activations), in GiB; None = no budget check.
+    memory_budget_gb: float | None = None
+    # Request defaults from the stage config (num_inference_steps, guidance_scale, height, width,
+    # seed, negative_prompt, and family extras such as FLUX's true_cfg_scale).
+    defaults: dict[str, Any] | None = None
+    # Force an adapter by diffusers pipeline class name instead of model_index.json's _class_name.
+    pipeline_class: str | None = None
+    # Size bounds enforced at validation (None = the family's own bounds).
+    min_height: int | None = None
+    min_width: int | None = None
+    max_height: int | None = None
+    max_width: int | None = None
+    # torch.compile the denoising transformer (GPU serving; first steps pay the compile).
+    compile_transformer: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_stage_config(cls, stage: Any) -> DiffusionEngineConfig:
+        """Build from team B's typed StageConfig (a diffusion stage), without importing it."""
+        owner = stage.diffusion
+        sampling = getattr(stage, "sampling", None)
+        defaults: dict[str, Any] = {}
+        if sampling is not None:
+            dump = (
+                sampling.model_dump() if hasattr(sampling, "model_dump") else dict(vars(sampling))
+            )
+            defaults = {k: v for k, v in dump.items() if v is not None}
+        return cls(
+            model=str(stage.model_path),
+            device=owner.device or "cpu",
+            dtype=owner.dtype,
+            max_batch_size=owner.max_batch_size,
+            max_num_inference_steps=owner.max_num_inference_steps,
+            memory_budget_gb=owner.memory_budget_gb,
+            defaults=defaults,
+            pipeline_class=owner.pipeline_class,
+            min_height=getattr(owner, "min_height", None),
+            min_width=getattr(owner, "min_width", None),
+            max_height=getattr(owner, "max_height", None),
+            max_width=getattr(owner, "max_width", None),
+        )

@@ -1,0 +1,217 @@
+"""The diffusion engine: request queue -> scheduler -> runner -> outputs.
+
+    batch = scheduler.schedule(); out = runner.run(batch); outputs = scheduler.update(batch, out)
+
+Thread-safe for `add_request` / `abort` / `progress` from other threads while one thread drives
+`step()`: the lock covers the scheduler's bookkeeping, not the model run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import threading
+from typing import Any
+
+import torch
+
+from .adapters.base import DiffusionAdapter
+from .adapters.loader import load_pipeline, torch_dtype
+from .adapters.registry import get_adapter_class, pipeline_class_of
+from .config import DiffusionEngineConfig
+from .errors import CapacityError, DiffusionEngineError, RequestValidationError
+from .outputs import GenerationOutput
+from .request import GenerationRequest, RequestState
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+MAX_SEED = 2**63 - 1
+
+
+class DiffusionEngine:
+    def __init__(self, config: DiffusionEngineConfig, adapter: DiffusionAdapter | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        if config.max_batch_size < 1:
+            raise DiffusionEngineError("max_batch_size must be >= 1")
+        self.adapter = adapter or self._load_adapter()
+        if config.compile_transformer:
+            self.adapter.transformer = torch.compile(self.adapter.pipe.transformer)
+        self.defaults: dict[str, Any] = dict(config.defaults or {})
+        self._activation_budget = self._budget()
+        self.scheduler = Scheduler(
+            config.max_batch_size,
+            self.adapter.batch_key,
+            cost=self._cost,
+            budget=self._activation_budget,
+            step_batched=self.adapter.step_batched,
+        )
+        self.runner = ModelRunner(self.adapter)
+        self._lock = threading.Lock()
+        self._progress: dict[str, tuple[int, int]] = {}
+
+    def _load_adapter(self) -> DiffusionAdapter:
+        cfg = self.config
+        name = cfg.pipeline_class or pipeline_class_of(cfg.model)
+        cls = get_adapter_class(name)
+        pipe = load_pipeline(cfg.model, self.dtype, self.device, skip=cls.skip_components)
+        return cls(pipe, self.device, self.dtype, dict(cfg.defaults or {}))
+
+    def _budget(self) -> int | None:
+        if self.config.memory_budget_gb is None:
+            return None
+        total = int(self.config.memory_budget_gb * 2**30)
+        left = total - self.adapter.weight_bytes()
+        if left <= 0:
+            raise DiffusionEngineError(
+                f"memory_budget_gb={self.config.memory_budget_gb} is smaller than the model "
+                f"weights ({self.adapter.weight_bytes() / 2**30:.2f} GiB)"
+            )
+        return left
+
+    def _cost(self, state: RequestState) -> int:
+        return state.rows * self.adapter.row_bytes(state.req.height, state.req.width)
+
+    # ---- requests ----------------------------------------------------------------------
+    def validate(self, req: GenerationRequest) -> GenerationRequest:
+        """Fill defaults (stage config, else diffusers') and check every field."""
+        spec = self.adapter.spec
+        d = self.defaults
+        if not isinstance(req.request_id, str) or not req.request_id:
+            raise RequestValidationError("request_id", "must be a non-empty string")
+        if not isinstance(req.prompt, str) or not req.prompt.strip():
+            raise RequestValidationError("prompt", "must be a non-empty string")
+        negative = (
+            req.negative_prompt if req.negative_prompt is not None else d.get("negative_prompt")
+        )
+        if negative is not None and not isinstance(negative, str):
+            raise RequestValidationError("negative_prompt", "must be a string")
+        n = _int_field("n", req.n, 1, None)
+        if n > self.config.max_batch_size:
+            raise CapacityError(
+                "n", f"{n} images exceed max_batch_size={self.config.max_batch_size}"
+            )
+        g = spec.granularity
+        filled = {}
+        for name, default, lo, hi in (
+            ("height", spec.default_height, self.config.min_height, self.config.max_height),
+            ("width", spec.default_width, self.config.min_width, self.config.max_width),
+        ):
+            value = getattr(req, name)
+            value = d.get(name, default) if value is None else value
+            value = _int_field(name, value, lo or spec.min_size, hi or spec.max_size)
+            if value % g:
+                raise RequestValidationError(name, f"{value} is not a multiple of {g}")
+            filled[name] = value
+        steps = req.num_inference_steps
+        steps = d.get("num_inference_steps", spec.default_steps) if steps is None else steps
+        steps = _int_field("num_inference_steps", steps, 1, self.config.max_num_inference_steps)
+        guidance = req.guidance_scale
+        guidance = d.get("guidance_scale", spec.default_guidance) if guidance is None else guidance
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)):
+            raise RequestValidationError("guidance_scale", "must be a number")
+        if not math.isfinite(guidance) or guidance < 0:
+            raise RequestValidationError("guidance_scale", f"must be >= 0, got {guidance}")
+        seed = req.seed if req.seed is not None else d.get("seed")
+        if seed is not None:
+            seed = _int_field("seed", seed, 0, MAX_SEED)
+        out = dataclasses.replace(
+            req,
+            negative_prompt=negative,
+            n=n,
+            num_inference_steps=steps,
+            guidance_scale=float(guidance),
+            seed=seed,
+            **filled,
+        )
+        self.adapter.check_request(out)
+        if self._activation_budget is not None:
+            rows = n * (2 if self.adapter.uses_cfg(out) else 1)
+            need = rows * self.adapter.row_bytes(out.height, out.width)
+            if need > self._activation_budget:
+                raise CapacityError(
+                    "n" if n > 1 else "height",
+                    f"needs about {need / 2**30:.2f} GiB of activations "
+                    f"({n} image(s) at {out.height}x{out.width}), more than the "
+                    f"{self._activation_budget / 2**30:.2f} GiB left by memory_budget_gb",
+                )
+        return out
+
+    def add_request(self, req: GenerationRequest) -> GenerationRequest:
+        req = self.validate(req)
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        state = RequestState(req=req, seed=seed, do_cfg=self.adapter.uses_cfg(req))
+        # Exactly what diffusers gets from `generator=torch.Generator("cpu").manual_seed(seed)`.
+        state.generator = torch.Generator("cpu").manual_seed(seed)
+        with self._lock:
+            if self.scheduler.find(req.request_id) is not None:
+                raise RequestValidationError("request_id", f"{req.request_id!r} is already running")
+            self.scheduler.add(state)
+            self._progress[req.request_id] = (0, req.num_inference_steps)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished()
+
+    def progress(self, request_id: str) -> tuple[int, int]:
+        """(steps done, total steps) of a request the engine knows; KeyError otherwise."""
+        with self._lock:
+            state = self.scheduler.find(request_id)
+            if state is not None:
+                self._progress[request_id] = (state.step, state.total_steps)
+            return self._progress[request_id]
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[GenerationOutput]:
+        with self._lock:
+            batch = self.scheduler.schedule()
+        out = self.runner.run(batch)
+        with self._lock:
+            outputs = self.scheduler.update(batch, out)
+            for s in (*batch.prefill, *batch.denoise):
+                self._progress[s.request_id] = (s.step, s.total_steps)
+            if batch.whole is not None:
+                s = batch.whole
+                self._progress[s.request_id] = (s.step, s.total_steps)
+            for o in outputs:
+                done = o.metrics.get("steps", 0)
+                self._progress[o.request_id] = (done, o.metrics.get("total_steps", done))
+            # Keep progress of finished requests readable, but bounded.
+            while len(self._progress) > 4096:
+                self._progress.pop(next(iter(self._progress)))
+        return outputs
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Run requests to completion (all validated before any starts); outputs in order."""
+        for r in requests:
+            self.validate(r)
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise RequestValidationError("request_id", "duplicate request ids")
+        for r in requests:
+            self.add_request(r)
+        results: dict[str, GenerationOutput] = {}
+        wanted = set(ids)
+        while wanted - results.keys():
+            if not self.has_unfinished():
+                raise DiffusionEngineError(f"requests lost: {sorted(wanted - results.keys())}")
+            for o in self.step():
+                results[o.request_id] = o
+        return [results[i] for i in ids]
+
+
+def _int_field(name: str, value: Any, lo: int | None, hi: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestValidationError(name, f"must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise RequestValidationError(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise RequestValidationError(name, f"must be <= {hi}, got {value}")
+    return value

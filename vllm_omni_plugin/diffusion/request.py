@@ -1,0 +1,75 @@
+"""A generation request as users send it, and the engine's per-request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt: str
+    negative_prompt: str | None = None
+    n: int = 1
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    # GLM-Image only: [n or 1, L] prior token ids, exactly what
+    # GlmImagePipeline.generate_prior_tokens returns (the AR stage's output).
+    prior_token_ids: torch.LongTensor | None = None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity semantics: states live in queues and sets
+class RequestState:
+    """Everything the engine keeps for one request between steps.
+
+    The adapter fills `latents`, `timesteps`, `sigmas` and `cond` in `prepare`; the scheduler
+    owns `step`. Each request has its own schedule, so requests at different steps (or with
+    different step counts) can share one transformer forward.
+    """
+
+    req: GenerationRequest  # validated: every optional field is filled
+    seed: int
+    do_cfg: bool
+    arrival: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    step: int = 0
+    generator: torch.Generator | None = None
+    latents: torch.Tensor | None = None
+    timesteps: torch.Tensor | None = None
+    sigmas: torch.Tensor | None = None
+    # Family-specific conditioning (prompt embeddings, masks, prior ids, ...).
+    cond: dict[str, Any] = field(default_factory=dict)
+    started: float | None = None
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def total_steps(self) -> int:
+        assert self.req.num_inference_steps is not None
+        return self.req.num_inference_steps
+
+    @property
+    def n(self) -> int:
+        return self.req.n
+
+    @property
+    def rows(self) -> int:
+        """Transformer batch rows this request occupies per step (CFG doubles them)."""
+        return self.req.n * (2 if self.do_cfg else 1)

@@ -1,0 +1,150 @@
+"""A vLLM v1 logits processor that keeps GLM-Image's AR output a valid image grid.
+
+Installed through the `vllm.logits_processors` entry point, so every engine has it; it is inert
+unless a request asks for it or the engine serves a GLM-Image checkpoint:
+
+* Per request, `SamplingParams.extra_args["omni_image_grid"] = {"num_tokens": N, "num_codes": C,
+  "eos_token_id": E}` (what `t2i_sampling_overrides` returns): output tokens 0..N-1 may only be
+  image codes (ids < C), token N may only be E. Random weights sample out-of-range ids and early
+  EOS; the DiT would crash on either.
+* Engine-wide, for a `glm_image` model: the two generation_config.json fields transformers'
+  `generate` honours and vLLM ignores, so greedy vLLM equals greedy transformers on the same
+  checkpoint: single-token `sequence_bias`, and `forced_eos_token_id` at the last allowed token
+  (output index max_tokens - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from vllm import SamplingParams
+from vllm.logger import init_logger
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from vllm_omni_plugin.models.glm_image.processing import GRID_EXTRA_ARG
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Rule:
+    output_ids: Sequence[int]  # live reference to the request's output tokens
+    codes_until: int  # output index before which only ids < num_codes are allowed
+    num_codes: int
+    eos_from: int  # output index from which only eos_id is allowed
+    eos_id: int
+
+
+def _grid_spec(params: SamplingParams) -> dict | None:
+    extra = params.extra_args or {}
+    return extra.get(GRID_EXTRA_ARG)
+
+
+class ImageGridLogitsProcessor(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        spec = _grid_spec(sampling_params)
+        if spec is None:
+            return
+        try:
+            n, c, e = int(spec["num_tokens"]), int(spec["num_codes"]), int(spec["eos_token_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"extra_args[{GRID_EXTRA_ARG!r}] needs integer num_tokens, num_codes, "
+                f"eos_token_id; got {spec!r}"
+            ) from exc
+        if n < 1 or c < 1 or e < 0:
+            raise ValueError(f"extra_args[{GRID_EXTRA_ARG!r}] out of range: {spec!r}")
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is not None and max_tokens < n:
+            raise ValueError(f"max_tokens={max_tokens} is below the image grid's {n} tokens")
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
+        self.device = device
+        self.rules: dict[int, _Rule] = {}
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        self.forced_eos: int | None = None
+        model_config = getattr(vllm_config, "model_config", None)
+        hf_config = getattr(model_config, "hf_config", None)
+        if getattr(hf_config, "model_type", None) == "glm_image":
+            self._load_generation_config(model_config)
+
+    def _load_generation_config(self, model_config) -> None:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(
+                model_config.model, revision=model_config.revision
+            )
+        except Exception:  # no generation_config.json: nothing to honour
+            return
+        self.forced_eos = gen.forced_eos_token_id
+        if isinstance(self.forced_eos, list):
+            self.forced_eos = self.forced_eos[0] if self.forced_eos else None
+        bias = gen.sequence_bias or []
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        single = [(int(seq[0]), float(v)) for seq, v in pairs if len(seq) == 1]
+        if len(single) != len(list(pairs)):
+            logger.warning("GLM-Image: multi-token sequence_bias entries are ignored")
+        if single:
+            self.bias_ids = torch.tensor([i for i, _ in single], device=self.device)
+            self.bias_values = torch.tensor([v for _, v in single], device=self.device)
+
+    def is_argmax_invariant(self) -> bool:
+        # It bans and forces tokens: greedy results change.
+        return False
+
+    def _new_rule(
+        self, params: SamplingParams, _prompt: list[int] | None, output_ids: list[int]
+    ) -> _Rule | None:
+        spec = _grid_spec(params)
+        if spec is not None:
+            n = int(spec["num_tokens"])
+            return _Rule(output_ids, n, int(spec["num_codes"]), n, int(spec["eos_token_id"]))
+        if self.forced_eos is not None and params.max_tokens is not None:
+            last = params.max_tokens - 1
+            return _Rule(output_ids, 0, 0, last, self.forced_eos)
+        return None
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.rules, batch_update, self._new_rule)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.bias_ids is not None:
+            logits[:, self.bias_ids] += self.bias_values.to(logits.dtype)
+        if not self.rules:
+            return logits
+        # The output list holds every token sampled so far (async scheduling keeps a -1
+        # placeholder for the one in flight), so its length is the index being sampled now.
+        code_rows: list[int] = []
+        code_limits: list[int] = []
+        eos_rows: list[int] = []
+        eos_ids: list[int] = []
+        for row, rule in self.rules.items():
+            j = len(rule.output_ids)
+            if j >= rule.eos_from:
+                eos_rows.append(row)
+                eos_ids.append(rule.eos_id)
+            elif j < rule.codes_until:
+                code_rows.append(row)
+                code_limits.append(rule.num_codes)
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        if code_rows:
+            rows = torch.tensor(code_rows, device=logits.device)
+            limits = torch.tensor(code_limits, device=logits.device)
+            banned = vocab.unsqueeze(0) >= limits.unsqueeze(1)
+            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+        if eos_rows:
+            rows = torch.tensor(eos_rows, device=logits.device)
+            keep = torch.tensor(eos_ids, device=logits.device)
+            banned = vocab.unsqueeze(0) != keep.unsqueeze(1)
+            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+        return logits

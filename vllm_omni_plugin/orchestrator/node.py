@@ -1,0 +1,242 @@
+"""A headless stage node: `vllm serve MODEL --stage-config FILE --headless --stage-ids 1
+--omni-master-address HEAD --omni-master-port P`.
+
+It runs only its stages, with the very code the head uses for local stages (StageClient ->
+StageProcess -> `python -m vllm_omni_plugin.stages.worker`, titled `omni-stage-<id>`, restarted
+when it dies), then registers with the head and relays: Submit/Abort in, Result out. Stage
+payloads never pass through here: the descriptor in a Submit is resolved by the stage process
+itself (NIXL READ from the producer). The node heartbeats; if the head goes silent or away it
+aborts its in-flight work and registers again once the head is back. No HTTP server runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from ..stages.messages import Abort, Result, StageInit, Submit
+from .errors import StageUnavailableError
+from .link import Link, connect
+from .node_protocol import (
+    DEAD_AFTER_S,
+    HEARTBEAT_S,
+    REGISTER_TIMEOUT_S,
+    Heartbeat,
+    Register,
+    Rejected,
+    StageStatus,
+    Superseded,
+    ToStage,
+    Unavailable,
+    Welcome,
+    authkey,
+    parse_stage_ids,
+)
+from .stage_client import StageClient
+
+logger = logging.getLogger("vllm_omni_plugin.orchestrator.node")
+
+RETRY_MAX_S = 5.0
+
+
+def stage_init(cfg: Any, stage_id: int) -> StageInit:
+    """The StageInit the head's orchestrator would build for this stage (typed config)."""
+    spec = next(s for s in cfg.topology.stages if s.stage_id == stage_id)
+    return StageInit(
+        stage=cfg.stage(stage_id),
+        spec=spec,
+        pipeline=cfg.pipeline,
+        connectors=dict(getattr(cfg, "connectors", None) or {}),
+    )
+
+
+class HeadlessNode:
+    def __init__(
+        self,
+        cfg: Any,
+        stage_ids: list[int],
+        head: tuple[str, int],
+        key: bytes,
+        *,
+        startup_timeout_s: float,
+    ):
+        self.head = head
+        self.key = key
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.stages = {
+            sid: StageClient(stage_init(cfg, sid), startup_timeout_s=startup_timeout_s)
+            for sid in stage_ids
+        }
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.link: Link | None = None
+        self.superseded = False
+
+    def statuses(self) -> dict[int, StageStatus]:
+        return {
+            sid: StageStatus(s.kind, s.ready, dict(s.info), s.restarts, s.deaths, s.pid)
+            for sid, s in self.stages.items()
+        }
+
+    # ---- main loop ---------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        try:
+            results = await asyncio.gather(
+                *(s.start() for s in self.stages.values()), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                logger.error("headless node: a stage failed to start: %s", errors[0])
+                return 1
+            logger.info("headless node %s: stage(s) %s ready", self.name, sorted(self.stages))
+            while not self._stop.is_set() and not self.superseded:
+                link = await self._connect()
+                if link is not None:
+                    await self._serve(link)
+            return 0
+        finally:
+            for s in self.stages.values():
+                s.shutdown()
+
+    async def _connect(self) -> Link | None:
+        """Connect and register, retrying with backoff until the head answers or we stop."""
+        loop = asyncio.get_running_loop()
+        host, port = self.head
+        delay, attempt = 0.5, 0
+        while not self._stop.is_set():
+            attempt += 1
+            link = None
+            try:
+                conn = await loop.run_in_executor(None, connect, host, port, self.key, 10.0)
+                link = Link(conn, f"head {host}:{port}")
+                link.send(Register(self.name, socket.gethostname(), os.getpid(), self.statuses()))
+                reply = await loop.run_in_executor(None, link.recv, REGISTER_TIMEOUT_S)
+                if isinstance(reply, Welcome):
+                    logger.info("registered stage(s) %s with %s", sorted(self.stages), link.peer)
+                    return link
+                why = reply.reason if isinstance(reply, Rejected) else repr(reply)
+                logger.error("head %s:%d rejected this node: %s", host, port, why)
+                link.close()
+                delay = RETRY_MAX_S
+            except Exception as exc:  # head not up yet, wrong key, network down
+                if link is not None:
+                    link.close()
+                if attempt == 1 or attempt % 10 == 0:
+                    logger.warning("cannot register with head %s:%d: %r; retrying", host, port, exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+        return None
+
+    async def _serve(self, link: Link) -> None:
+        loop = asyncio.get_running_loop()
+        lost: asyncio.Future[str] = loop.create_future()
+
+        def on_lost(_link: Link, why: str) -> None:
+            if not lost.done():
+                lost.set_result(why)
+
+        self.link = link
+        link.start_reader(loop, self._on_message, on_lost)
+        beat = asyncio.ensure_future(self._heartbeat(link))
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({lost, stop}, return_when=asyncio.FIRST_COMPLETED)
+        beat.cancel()
+        stop.cancel()
+        link.close()
+        self.link = None
+        why = lost.result() if lost.done() else "node shutting down"
+        # The head failed (or will fail) these requests already; drop their work.
+        for task in list(self.tasks.values()):
+            task.cancel()
+        if not self._stop.is_set() and not self.superseded:
+            logger.warning("lost the head (%s); registering again", why)
+
+    async def _heartbeat(self, link: Link) -> None:
+        while link.alive:
+            try:
+                link.send(Heartbeat(self.statuses()))
+            except OSError:
+                link.drop("send failed")
+                return
+            await asyncio.sleep(HEARTBEAT_S)
+            silent = time.monotonic() - link.last_seen
+            if silent > DEAD_AFTER_S:
+                link.drop(f"head silent for {silent:.1f} s")
+                return
+
+    # ---- messages from the head --------------------------------------------------------
+    def _on_message(self, link: Link, msg: Any) -> None:
+        if isinstance(msg, ToStage) and isinstance(msg.msg, Submit):
+            rid = msg.msg.request_id
+            self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, msg.msg))
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, Abort):
+            task = self.tasks.pop(msg.msg.request_id, None)
+            if task is not None:
+                task.cancel()  # StageClient.submit aborts the request in the stage
+        elif isinstance(msg, Superseded):
+            logger.error("superseded: %s; exiting", msg.reason)
+            self.superseded = True
+            link.drop("superseded")
+
+    async def _run(self, link: Link, stage_id: int, msg: Submit) -> None:
+        rid = msg.request_id
+        stage = self.stages.get(stage_id)
+        reply: Result | Unavailable
+        try:
+            if stage is None:
+                raise StageUnavailableError(f"node {self.name} does not run stage {stage_id}")
+            reply = await stage.submit(msg)
+        except StageUnavailableError as exc:
+            reply = Unavailable(rid, str(exc))
+        except asyncio.CancelledError:
+            return
+        finally:
+            self.tasks.pop(rid, None)
+        with contextlib.suppress(OSError):
+            link.send(reply)
+
+
+def run_node(args: argparse.Namespace) -> None:
+    """`vllm serve ... --stage-config FILE --headless`: run this node until SIGTERM."""
+    from ..serving.engine_client import STARTUP_TIMEOUT_ENV, load_config
+    from .orchestrator import DEFAULT_STARTUP_TIMEOUT_S
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    cfg = load_config(args)
+    if getattr(args, "stage_ids", None) is None:
+        raise SystemExit("--headless with --stage-config needs --stage-ids (the stages to run)")
+    if not getattr(args, "omni_master_address", None) or not getattr(args, "omni_master_port", 0):
+        raise SystemExit(
+            "--headless with --stage-config needs --omni-master-address and --omni-master-port "
+            "(the head's node registry)"
+        )
+    ids = parse_stage_ids(args.stage_ids, cfg)
+    with contextlib.suppress(ImportError):
+        from setproctitle import setproctitle
+
+        setproctitle(f"omni-node stages={','.join(map(str, ids))} ({cfg.pipeline})")
+    timeout = float(os.environ.get(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S))
+    node = HeadlessNode(
+        cfg,
+        ids,
+        (args.omni_master_address, int(args.omni_master_port)),
+        authkey(cfg),
+        startup_timeout_s=timeout,
+    )
+    code = asyncio.run(node.run())
+    if code:
+        raise SystemExit(code)

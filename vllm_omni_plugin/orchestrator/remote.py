@@ -1,0 +1,413 @@
+"""Head side of a multi-node deployment: the node registry and RemoteStageClient.
+
+`vllm serve MODEL --stage-config FILE --stage-ids 0 --omni-master-port P` runs stage 0 locally
+(a StageClient) and every other stage as a RemoteStageClient: the same face to the orchestrator
+(submit/abort/ready/info and the counters /metrics reads), backed by whichever headless node
+registered that stage. Without a live node the stage is not ready: /health is unhealthy and
+requests fail fast with StageUnavailableError (HTTP 503). A node that closes its connection or
+misses heartbeats fails its in-flight requests at once; when a node (re)registers, serving
+resumes. The wire protocol is described in node_protocol.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..stages.messages import Abort, Result, StageInit, Submit
+from .errors import StageUnavailableError
+from .link import Link, accept
+from .node_protocol import (
+    DEAD_AFTER_S,
+    HEARTBEAT_S,
+    REGISTER_TIMEOUT_S,
+    Heartbeat,
+    Ping,
+    Register,
+    Rejected,
+    StageStatus,
+    Superseded,
+    ToStage,
+    Unavailable,
+    Welcome,
+    explicit_authkey,
+)
+from .stage_client import StageClient
+
+logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
+
+
+class RemoteStageClient:
+    """A stage that runs on a headless node; mirrors StageClient's interface."""
+
+    def __init__(self, init: StageInit, head: StageHead):
+        self.init = init
+        self.stage_id: int = init.stage.stage_id
+        self.kind: str = init.spec.kind
+        self.head = head
+        self.link: Link | None = None
+        self.status: StageStatus | None = None
+        self.closed = False
+        self.pending: dict[str, asyncio.Future[Result]] = {}
+        self.registrations = 0
+        self.restarts = 0  # re-registrations after the first
+        self.deaths = 0  # nodes lost (EOF or missed heartbeats)
+        self.completed = 0
+        self.failed = 0
+        self.busy_s = 0.0
+        self._info: dict[str, Any] = {}
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self._info  # kept after the node goes away: the limits do not change
+
+    @property
+    def ready(self) -> bool:
+        return (
+            not self.closed
+            and self.link is not None
+            and self.link.alive
+            and self.status is not None
+            and self.status.ready
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self.status.pid if self.status else None
+
+    @property
+    def state(self) -> str:
+        if self.closed:
+            return "closed"
+        if self.link is None:
+            return "waiting for a node"
+        return "ready" if self.ready else "down on its node"
+
+    async def start(self) -> None:
+        """Nothing to spawn: the head's listener attaches a node when one registers."""
+        logger.info(
+            "stage %d (%s) is remote: waiting for a node to register on port %s",
+            self.stage_id,
+            self.kind,
+            self.head.port,
+        )
+
+    def shutdown(self) -> None:
+        self.closed = True
+        self.head.call_in_loop(self._fail_all, "the server is shutting down")
+
+    # ---- requests ----------------------------------------------------------------------
+    async def submit(self, msg: Submit) -> Result:
+        link = self.link
+        if not self.ready or link is None:
+            raise StageUnavailableError(
+                f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
+                f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
+            )
+        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self.pending[msg.request_id] = fut
+        try:
+            link.send(ToStage(self.stage_id, msg))
+        except OSError:
+            self.pending.pop(msg.request_id, None)
+            raise StageUnavailableError(
+                f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable"
+            ) from None
+        try:
+            result = await fut
+        except asyncio.CancelledError:
+            self.pending.pop(msg.request_id, None)
+            self.abort(msg.request_id)
+            raise
+        self.busy_s += result.stage_s
+        if result.error is None:
+            self.completed += 1
+        else:
+            self.failed += 1
+        return result
+
+    def abort(self, request_id: str) -> None:
+        if self.link is not None:
+            with contextlib.suppress(OSError):
+                self.link.send(ToStage(self.stage_id, Abort(request_id)))
+
+    # ---- called by the head on its loop ------------------------------------------------
+    def attach(self, link: Link, status: StageStatus) -> None:
+        if self.registrations:
+            self.restarts += 1
+        self.registrations += 1
+        self.link = link
+        self.update(status)
+        logger.info(
+            "stage %d (%s) registered by node %s (ready=%s)",
+            self.stage_id,
+            self.kind,
+            link.peer,
+            status.ready,
+        )
+
+    def update(self, status: StageStatus) -> None:
+        was_ready = self.status is not None and self.status.ready
+        self.status = status
+        if status.info:
+            self._info = dict(status.info)
+        if was_ready and not status.ready:
+            logger.warning("stage %d is down on its node; requests fail fast", self.stage_id)
+
+    def detach(self, link: Link, why: str) -> None:
+        if link is not self.link:
+            return  # a link that was already replaced
+        self.link = None
+        self.deaths += 1
+        n = len(self.pending)
+        logger.error(
+            "stage %d (%s): node %s lost (%s); failing %d in-flight request(s)",
+            self.stage_id,
+            self.kind,
+            link.peer,
+            why,
+            n,
+        )
+        self._fail_all(f"stage {self.stage_id} ({self.kind}): node {link.peer} lost ({why})")
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.pending
+
+    def on_result(self, msg: Result) -> None:
+        fut = self.pending.pop(msg.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def on_unavailable(self, msg: Unavailable) -> None:
+        fut = self.pending.pop(msg.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(StageUnavailableError(msg.message))
+            self.failed += 1
+
+    def _fail_all(self, why: str) -> None:
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(StageUnavailableError(why))
+        self.failed += len(pending)
+
+
+class StageHead:
+    """Listens for headless nodes, authenticates and registers them, watches their heartbeats."""
+
+    def __init__(self, authkey: bytes, port: int, bind: str = "0.0.0.0"):
+        self.authkey = authkey
+        self.port = port
+        self.bind = bind
+        self.local_ids: list[int] = []
+        self.clients: dict[int, RemoteStageClient] = {}
+        self.links: set[Link] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: socket.socket | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._closed = False
+
+    def client_for(self, init: StageInit) -> RemoteStageClient:
+        client = RemoteStageClient(init, self)
+        self.clients[client.stage_id] = client
+        return client
+
+    def stage_factory(self, startup_timeout_s: float) -> Callable[[StageInit], Any]:
+        """For Orchestrator(stage_factory=...): local stages as usual, the others remote."""
+
+        def make(init: StageInit) -> Any:
+            if init.stage.stage_id in self.local_ids:
+                return StageClient(init, startup_timeout_s=startup_timeout_s)
+            return self.client_for(init)
+
+        return make
+
+    def call_in_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            fn(*args)
+        elif _running_in(loop):
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        sock = socket.create_server((self.bind, self.port), reuse_port=False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        if not explicit_authkey():
+            logger.warning(
+                "node registry: no VLLM_OMNI_AUTHKEY set; using a key derived from the "
+                "pipeline, which is not a secret. Set VLLM_OMNI_AUTHKEY on the head and nodes."
+            )
+        threading.Thread(target=self._accept_loop, name="omni-head-accept", daemon=True).start()
+        self._watchdog = asyncio.ensure_future(self._watch())
+        logger.info(
+            "node registry listening on %s:%d for stage(s) %s",
+            self.bind,
+            self.port,
+            sorted(self.clients),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        if self._watchdog is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._watchdog.cancel)
+        for link in list(self.links):
+            link.close()
+
+    # ---- threads: accept + handshake ---------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closed:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._handshake, args=(sock, addr), name="omni-head-handshake", daemon=True
+            ).start()
+
+    def _handshake(self, sock: socket.socket, addr: Any) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            conn = accept(sock, self.authkey, REGISTER_TIMEOUT_S)
+        except Exception as exc:  # wrong key, garbage, timeout: drop it
+            logger.warning("node registry: rejected connection from %s: %r", peer, exc)
+            return
+        link = Link(conn, peer)
+        try:
+            msg = link.recv(REGISTER_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("node registry: %s did not register: %r", peer, exc)
+            link.close()
+            return
+        if not isinstance(msg, Register):
+            logger.warning("node registry: %s sent %s, not Register", peer, type(msg).__name__)
+            link.close()
+            return
+        link.peer = f"{msg.node}@{addr[0]}"
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_register, link, msg)
+
+    # ---- loop: registry ----------------------------------------------------------------
+    def _on_register(self, link: Link, msg: Register) -> None:
+        problem = self._check(msg)
+        if problem is not None:
+            logger.error("node registry: rejected node %s: %s", link.peer, problem)
+            with contextlib.suppress(OSError):
+                link.send(Rejected(problem))
+            link.close()
+            return
+        # Last registration wins: a restarted node takes over at once, even before the old
+        # connection's death is noticed; the superseded node is told to exit.
+        for sid in msg.stages:
+            old = self.clients[sid].link
+            if old is not None and old is not link:
+                with contextlib.suppress(OSError):
+                    old.send(Superseded(f"node {link.peer} registered stage {sid}"))
+                why = f"superseded by node {link.peer}"
+                self.clients[sid].detach(old, why)  # now: the new link replaces it below
+                old.drop(why)
+        try:
+            link.send(Welcome(head=socket.gethostname()))
+        except OSError:
+            link.close()
+            return
+        self.links.add(link)
+        for sid, status in msg.stages.items():
+            self.clients[sid].attach(link, status)
+        assert self._loop is not None
+        link.start_reader(self._loop, self._on_message, self._on_lost)
+
+    def _check(self, msg: Register) -> str | None:
+        if self._closed:
+            return "the head is shutting down"
+        if not msg.stages:
+            return "it runs no stage"
+        for sid, status in msg.stages.items():
+            client = self.clients.get(sid)
+            if client is None:
+                remote = sorted(self.clients)
+                return f"stage {sid} is not a remote stage of this head (remote: {remote})"
+            if status.kind != client.kind:
+                return f"stage {sid} is {client.kind} here but {status.kind} on the node"
+        return None
+
+    def _on_message(self, link: Link, msg: Any) -> None:
+        if isinstance(msg, Heartbeat):
+            for sid, status in msg.stages.items():
+                client = self.clients.get(sid)
+                if client is not None and client.link is link:
+                    client.update(status)
+            with contextlib.suppress(OSError):
+                link.send(Ping())
+        elif isinstance(msg, (Result, Unavailable)):
+            for client in self.clients.values():
+                if client.link is link and client.owns(msg.request_id):
+                    if isinstance(msg, Result):
+                        client.on_result(msg)
+                    else:
+                        client.on_unavailable(msg)
+                    break
+
+    def _on_lost(self, link: Link, why: str) -> None:
+        self.links.discard(link)
+        for client in self.clients.values():
+            client.detach(link, why)
+
+    async def _watch(self) -> None:
+        """Missed heartbeats: a hung node (SIGSTOP, dead network) is dropped like a dead one."""
+        while not self._closed:
+            await asyncio.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            for link in list(self.links):
+                if now - link.last_seen > DEAD_AFTER_S:
+                    link.drop(f"no heartbeat for {now - link.last_seen:.1f} s")
+
+
+def _running_in(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def head_from_args(cfg: Any, args: Any) -> StageHead | None:
+    """The node registry for `vllm serve ... --stage-ids 0 --omni-master-port P`, or None.
+
+    `--stage-ids` lists the stages this head runs itself; every other stage of the pipeline is
+    remote. `--omni-master-address` on the head is the address to listen on (default: all).
+    """
+    from .node_protocol import authkey, parse_stage_ids
+
+    ids_arg = getattr(args, "stage_ids", None)
+    port = getattr(args, "omni_master_port", None)
+    if ids_arg is None and port is None:
+        return None
+    if ids_arg is None:
+        raise SystemExit("--omni-master-port on the head needs --stage-ids (its local stages)")
+    if port is None:
+        raise SystemExit(
+            f"--stage-ids {ids_arg} runs the other stages on headless nodes: give the head "
+            "--omni-master-port for them to register on"
+        )
+    local = parse_stage_ids(ids_arg, cfg)
+    head = StageHead(
+        authkey(cfg), int(port), getattr(args, "omni_master_address", None) or "0.0.0.0"
+    )
+    head.local_ids = local
+    return head

@@ -1,0 +1,201 @@
+"""The asyncio face of one stage: submit a request and await its result; notice death; restart.
+
+A stage that dies (its control socket reads EOF, or the supervisor sees an exit code) fails
+every in-flight request at once with StageUnavailableError (HTTP 503), logs the stage id and
+exit code, and is restarted in the background with backoff. Requests that arrive while it is
+down fail fast instead of queueing behind a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ..stages.messages import Abort, Result, StageInit, Submit
+from .errors import StageStartupError, StageUnavailableError
+from .stage_process import StageProcess
+
+logger = logging.getLogger("vllm_omni_plugin.orchestrator")
+
+SUPERVISE_INTERVAL_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+
+class StageClient:
+    def __init__(self, init: StageInit, *, startup_timeout_s: float, restart: bool = True):
+        self.init = init
+        self.stage_id: int = init.stage.stage_id
+        self.kind: str = init.spec.kind
+        self.startup_timeout_s = startup_timeout_s
+        self.restart_enabled = restart
+        self.state = "stopped"  # stopped | starting | ready | dead | closed
+        self.proc: StageProcess | None = None
+        self.pending: dict[str, asyncio.Future[Result]] = {}
+        self.restarts = 0
+        self.deaths = 0
+        self.completed = 0
+        self.failed = 0
+        self.busy_s = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.proc.info if self.proc else {}
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._spawn()
+        self._spawn_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        assert self._loop is not None
+        self.state = "starting"
+        proc = StageProcess(self.init, self._message_threadsafe, self._exit_threadsafe)
+        self.proc = proc
+        t0 = time.monotonic()
+        await self._loop.run_in_executor(None, proc.start, self.startup_timeout_s)
+        if self.state == "closed":  # shut down while we were starting
+            proc.kill()
+            return
+        self.state = "ready"
+        logger.info(
+            "stage %d (%s) ready in %.1f s (pid %s)",
+            self.stage_id,
+            self.kind,
+            time.monotonic() - t0,
+            proc.pid,
+        )
+
+    def _spawn_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _supervise(self) -> None:
+        """Backup death detection (exit codes) for when the socket gives no EOF."""
+        while self.state != "closed":
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            proc = self.proc
+            if self.state == "ready" and proc is not None and proc.returncode() is not None:
+                await self._on_death(proc)
+
+    def shutdown(self) -> None:
+        """Stop the stage (any thread). In-flight requests fail with StageUnavailableError."""
+        self.state = "closed"
+        if self.proc is not None:
+            self.proc.shutdown()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, "the server is shutting down")
+        for task in list(self._tasks):
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(task.cancel)
+
+    # ---- requests ----------------------------------------------------------------------
+    async def submit(self, msg: Submit) -> Result:
+        if self.state != "ready" or self.proc is None:
+            raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is {self.state}")
+        assert self._loop is not None
+        fut: asyncio.Future[Result] = self._loop.create_future()
+        self.pending[msg.request_id] = fut
+        try:
+            self.proc.send(msg)
+        except OSError:
+            self.pending.pop(msg.request_id, None)
+            raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is down") from None
+        try:
+            result = await fut
+        except asyncio.CancelledError:
+            # The client went away: drop the request's work in this stage too.
+            self.pending.pop(msg.request_id, None)
+            self.abort(msg.request_id)
+            raise
+        self.busy_s += result.stage_s
+        if result.error is None:
+            self.completed += 1
+        else:
+            self.failed += 1
+        return result
+
+    def abort(self, request_id: str) -> None:
+        if self.proc is not None and self.state == "ready":
+            try:
+                self.proc.send(Abort(request_id))
+            except OSError:
+                pass
+
+    # ---- callbacks from the process's threads ------------------------------------------
+    def _message_threadsafe(self, msg: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_message, msg)
+
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, Result):
+            fut = self.pending.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _exit_threadsafe(self, proc: StageProcess) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(lambda: self._spawn_task(self._on_death(proc)))
+
+    async def _on_death(self, proc: StageProcess) -> None:
+        # Only the current process counts: a late EOF from a replaced one is ignored.
+        if self.state != "ready" or proc is not self.proc:
+            return
+        self.state = "dead"
+        self.deaths += 1
+        assert self._loop is not None
+        code = await self._loop.run_in_executor(None, _wait_code, proc)
+        n = len(self.pending)
+        logger.error(
+            "stage %d (%s) died with exit code %s; failing %d in-flight request(s)%s",
+            self.stage_id,
+            self.kind,
+            code,
+            n,
+            ", restarting" if self.restart_enabled else "",
+        )
+        self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
+        await self._loop.run_in_executor(None, proc.kill)
+        if self.restart_enabled:
+            await self._restart()
+
+    async def _restart(self) -> None:
+        backoff = 1.0
+        while self.state not in ("closed", "ready"):
+            try:
+                await self._spawn()
+                self.restarts += 1
+                return
+            except StageStartupError as exc:
+                logger.error("restart of stage %d failed: %s", self.stage_id, exc)
+                self.state = "dead"
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _fail_all(self, why: str) -> None:
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(StageUnavailableError(why))
+        self.failed += len(pending)
+
+
+def _wait_code(proc: StageProcess) -> int | None:
+    assert proc.proc is not None
+    try:
+        return proc.proc.wait(2.0)
+    except Exception:
+        return proc.returncode()

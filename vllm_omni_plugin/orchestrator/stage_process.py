@@ -1,0 +1,185 @@
+"""One stage's OS process: spawn with its devices and env, wait until ready, talk, kill.
+
+Synchronous on purpose (it runs in threads); the asyncio side lives in stage_client.py.
+
+* The child is `python -m vllm_omni_plugin.stages.worker` with `omni-stage-<id>` in its argv
+  (and as its process title), in a new session: killing the process group also takes down
+  anything the stage started (a vLLM EngineCore, its workers), so nothing is orphaned.
+* Control messages go over a socket pair. When this process dies, the child reads EOF and
+  exits, so a SIGKILLed API server does not leave stages behind either.
+* stdout/stderr are pumped into our stderr (prefixed) and a ring buffer whose tail goes into
+  start-up errors.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..stages.messages import Ready, Shutdown, StageInit
+from .errors import StageStartupError
+
+logger = logging.getLogger("vllm_omni_plugin.orchestrator")
+
+LOG_TAIL_LINES = 40
+
+
+def stage_env(stage: Any) -> dict[str, str]:
+    """The child's environment: ours, then the stage's `devices` and `env` from its config."""
+    env = dict(os.environ)
+    devices = getattr(stage, "devices", None)
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = str(devices)
+    env.update({str(k): str(v) for k, v in (getattr(stage, "env", None) or {}).items()})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class StageProcess:
+    def __init__(
+        self,
+        init: StageInit,
+        on_message: Callable[[Any], None],
+        on_exit: Callable[[StageProcess], None],
+    ):
+        self.init = init
+        self.stage_id: int = init.stage.stage_id
+        self.kind: str = init.spec.kind
+        self._on_message = on_message
+        self._on_exit = on_exit
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.info: dict[str, Any] = {}
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._send_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._closing = False
+
+    @property
+    def name(self) -> str:
+        return f"omni-stage-{self.stage_id}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout_s: float) -> None:
+        """Spawn and block until the stage says Ready; StageStartupError otherwise."""
+        parent_sock, child_sock = socket.socketpair()
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_omni_plugin.stages.worker",
+            f"--fd={child_sock.fileno()}",
+            self.name,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env=stage_env(self.init.stage),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=[child_sock.fileno()],
+            start_new_session=True,
+        )
+        child_sock.close()
+        self.conn = Connection(parent_sock.detach())
+        threading.Thread(target=self._pump_logs, name=f"{self.name}-log", daemon=True).start()
+        self.send(self.init)
+        threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True).start()
+
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.2):
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self.kill()
+                what = (
+                    f"exited with code {code}"
+                    if code is not None
+                    else f"did not become ready within {timeout_s:.0f} s"
+                )
+                raise StageStartupError(
+                    f"stage {self.stage_id} ({self.kind}) {what} during start-up. "
+                    f"Last lines of its log:\n" + "\n".join(self.log_tail)
+                )
+
+    def send(self, msg: Any) -> None:
+        if self.conn is None:
+            raise BrokenPipeError(f"{self.name} is not running")
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def _read(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            while True:
+                msg = conn.recv()
+                if isinstance(msg, Ready):
+                    self.info = msg.info
+                    self._ready.set()
+                    continue
+                self._on_message(msg)
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a message we could not unpickle: treat the stage as broken
+            logger.exception("%s sent an unreadable message", self.name)
+        if self._ready.is_set() and not self._closing:
+            self._on_exit(self)
+
+    def _pump_logs(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.log_tail.append(line)
+            print(f"({self.name}) {line}", file=sys.stderr, flush=True)
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask politely, then SIGTERM, then SIGKILL the whole process group."""
+        self._closing = True
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.send(Shutdown())
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill the stage's process group (the stage and everything it started)."""
+        self._closing = True
+        if self.proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                self.proc.wait(2.0 if sig == signal.SIGTERM else 10.0)
+                # The leader is gone; grandchildren may linger in the group: SIGKILL them.
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
+                continue
+            break
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None

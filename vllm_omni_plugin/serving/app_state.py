@@ -1,0 +1,87 @@
+"""App state for vLLM's server in stage-config mode (what `init_app_state` sets otherwise).
+
+vLLM's shared routes read: `engine_client` (/health, /kv_event_sources, the watchdog),
+`openai_serving_models` (/v1/models), `args`, `vllm_config`, `log_stats`, and the server-load
+fields (/load). Our own routes read `omni_images` (set by the endpoint plugin's init_state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from .deferred_limits import limits_or_deferred
+from .engine_client import OmniEngineClient
+from .handlers import ImageService
+from .metrics import OmniCollector, register
+
+
+class _Card:
+    def __init__(self, data: dict[str, Any]):
+        self._data = data
+
+    def model_dump(self) -> dict[str, Any]:
+        return self._data
+
+
+class PipelineModels:
+    """/v1/models for a pipeline: one card per served name, rooted at the pipeline folder."""
+
+    def __init__(self, names: list[str], root: str, pipeline: str):
+        self.names = names
+        self.root = root
+        self.pipeline = pipeline
+        self.created = int(time.time())
+
+    async def show_available_models(self) -> _Card:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm-omni-plugin",
+                "root": self.root,
+                "parent": None,
+                "max_model_len": None,
+                "pipeline": self.pipeline,
+                "permission": [],
+            }
+            for name in self.names
+        ]
+        return _Card({"object": "list", "data": cards})
+
+
+def served_names(client: OmniEngineClient, args: argparse.Namespace) -> list[str]:
+    return list(args.served_model_name or [str(client.cfg.model)])
+
+
+async def init_omni_app_state(
+    client: OmniEngineClient, state: Any, args: argparse.Namespace
+) -> None:
+    from vllm.plugins.endpoint_plugins.interface import init_endpoint_plugins_state
+
+    state.engine_client = client
+    state.args = args
+    state.vllm_config = client.vllm_config
+    state.log_stats = False
+    state.openai_serving_models = PipelineModels(
+        served_names(client, args), str(client.cfg.model), client.cfg.pipeline
+    )
+    state.enable_server_load_tracking = getattr(args, "enable_server_load_tracking", False)
+    state.server_load_metrics = 0
+    await init_endpoint_plugins_state(client, state, args)
+
+
+def init_image_service(client: OmniEngineClient, state: Any, args: argparse.Namespace) -> None:
+    """Called by the endpoint plugin: the handler state behind /v1/images/*."""
+    orchestrator = client.orchestrator
+    service = ImageService(
+        orchestrator,
+        # Deferred while a remote final stage has not registered (multi-node heads).
+        limits_or_deferred(orchestrator, getattr(client.cfg, "serving", None)),
+        served_names(client, args),
+        pipeline=client.cfg.pipeline,
+    )
+    state.omni_images = service
+    register(OmniCollector(orchestrator, service, client.cfg.pipeline))

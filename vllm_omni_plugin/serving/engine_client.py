@@ -1,0 +1,153 @@
+"""The engine client vLLM's API server holds when it serves a stage pipeline.
+
+vLLM's `build_and_serve` and its shared routes use a small part of the EngineClient surface:
+`get_supported_tasks`, `model_config`, `vllm_config.shutdown_timeout`, `check_health` (/health),
+`errored`/`is_running` (its watchdog), `shutdown` (on SIGTERM), `get_kv_event_sources`. This
+class provides exactly that, backed by the orchestrator, so vLLM's server runs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+from ..orchestrator import Orchestrator
+from ..orchestrator.orchestrator import DEFAULT_STARTUP_TIMEOUT_S
+
+logger = logging.getLogger("vllm_omni_plugin.serving")
+
+STARTUP_TIMEOUT_ENV = "VLLM_OMNI_STAGE_STARTUP_TIMEOUT_S"
+
+
+class OmniEngineClient:
+    def __init__(self, orchestrator: Orchestrator, cfg: Any, args: argparse.Namespace):
+        self.orchestrator = orchestrator
+        self.cfg = cfg
+        self.args = args
+        # No vLLM ModelConfig: the pipeline root is not a vLLM model.
+        self.model_config = None
+        self.vllm_config = SimpleNamespace(
+            model_config=None,
+            lora_config=None,
+            shutdown_timeout=getattr(args, "shutdown_timeout", 0) or 0,
+        )
+        self._stopped = False
+
+    # ---- what vLLM's server reads ------------------------------------------------------
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        # No stage produces text, so vLLM's text routes stay unregistered; our endpoint
+        # plugin answers /v1/chat/completions and /v1/completions with a clear 400.
+        return ()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def errored(self) -> bool:
+        # A dead stage is restarted, never fatal: vLLM's watchdog must not stop the server.
+        return False
+
+    @property
+    def dead_error(self) -> BaseException:
+        return RuntimeError(f"stages down: {self.orchestrator.unhealthy_stages()}")
+
+    async def check_health(self) -> None:
+        if not self.orchestrator.healthy():
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            raise EngineDeadError(f"stage(s) {self.orchestrator.unhealthy_stages()} are not ready")
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    def get_kv_event_sources(self) -> dict:
+        return {}
+
+    async def abort(self, request_id: str | Any) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for stage in self.orchestrator.stages.values():
+            for rid in ids:
+                stage.abort(rid)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._stopped = True
+        self.orchestrator.shutdown()
+
+
+def requested_model(args: argparse.Namespace) -> str | None:
+    """MODEL as the user gave it (positional or --model), or None if they gave none."""
+    tag = getattr(args, "model_tag", None)
+    if tag:
+        return tag
+    from vllm.engine.arg_utils import EngineArgs
+
+    model = getattr(args, "model", None)
+    return None if model in (None, EngineArgs.model) else model
+
+
+def load_config(args: argparse.Namespace) -> Any:
+    """The typed deploy config for `vllm serve [MODEL] --stage-config FILE`, or SystemExit."""
+    from vllm_omni_plugin.config import ConfigError, load_deploy_config
+
+    model = requested_model(args)
+    try:
+        cfg = load_deploy_config(
+            args.stage_config, model=model, stage_overrides=args.stage_overrides
+        )
+    except ConfigError as exc:
+        raise SystemExit(f"vllm serve --stage-config {args.stage_config}: {exc}") from None
+    if not cfg.model:
+        raise SystemExit(
+            f"vllm serve --stage-config {args.stage_config}: no model. Pass MODEL "
+            "(`vllm serve MODEL --stage-config FILE`) or set `model:` in the YAML."
+        )
+    return cfg
+
+
+def _setup_logging() -> None:
+    """vLLM configures only its own `vllm` logger; give ours a handler so stage start-up,
+    death and restart lines reach the server log."""
+    root = logging.getLogger("vllm_omni_plugin")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter(
+                "(omni) %(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"
+            )
+        )
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+@asynccontextmanager
+async def omni_engine_client(args: argparse.Namespace) -> AsyncIterator[OmniEngineClient]:
+    _setup_logging()
+    cfg = load_config(args)
+    timeout = float(os.environ.get(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S))
+    # Multi-node head (--stage-ids + --omni-master-port): the other stages run on headless
+    # nodes that register with it (orchestrator/remote.py). None on a single node.
+    from ..orchestrator.remote import head_from_args
+
+    head = head_from_args(cfg, args)
+    factory = head.stage_factory(timeout) if head is not None else None
+    orchestrator = Orchestrator(cfg, startup_timeout_s=timeout, stage_factory=factory)
+    try:
+        if head is not None:
+            await head.start()
+        await orchestrator.start()
+        yield OmniEngineClient(orchestrator, cfg, args)
+    finally:
+        orchestrator.shutdown()
+        if head is not None:
+            head.close()

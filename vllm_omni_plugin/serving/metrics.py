@@ -1,0 +1,59 @@
+"""Per-stage metrics for vLLM's /metrics: a collector on vLLM's own Prometheus registry.
+
+vLLM's names (http_*, process_*, ...) stay as they are; ours carry the `omni_` prefix and a
+`stage_id` label, read from the orchestrator at scrape time (no bookkeeping on the hot path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_STAGE_METRICS = (
+    # (name, stats key, help, counter?)
+    ("omni_stage_up", "up", "1 when the stage process is ready, 0 while it is down", False),
+    ("omni_stage_restarts", "restarts", "Stage restarts after a death", True),
+    ("omni_stage_deaths", "deaths", "Stage processes that died unexpectedly", True),
+    ("omni_stage_requests_completed", "completed", "Requests the stage finished", True),
+    ("omni_stage_requests_failed", "failed", "Requests that failed in the stage", True),
+    ("omni_stage_requests_in_flight", "in_flight", "Requests inside the stage now", False),
+    ("omni_stage_busy_seconds", "busy_seconds", "Stage-side time spent on requests", True),
+)
+
+
+class OmniCollector:
+    def __init__(self, orchestrator: Any, service: Any, pipeline: str):
+        self.orchestrator = orchestrator
+        self.service = service
+        self.pipeline = pipeline
+
+    def collect(self):
+        stats = self.orchestrator.stage_stats()
+        for name, key, doc, counter in _STAGE_METRICS:
+            family_cls = CounterMetricFamily if counter else GaugeMetricFamily
+            family = family_cls(name, doc, labels=["pipeline", "stage_id", "kind"])
+            for s in stats:
+                family.add_metric([self.pipeline, str(s["stage_id"]), s["kind"]], float(s[key]))
+            yield family
+        requests = CounterMetricFamily(
+            "omni_image_requests", "Image requests by HTTP status", labels=["pipeline", "status"]
+        )
+        for status, count in sorted(self.service.outcomes.items()):
+            requests.add_metric([self.pipeline, status], float(count))
+        yield requests
+
+
+_registered: list[tuple[Any, OmniCollector]] = []
+
+
+def register(collector: OmniCollector) -> None:
+    """Register on vLLM's registry, replacing a collector of an earlier app in this process."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    registry = get_prometheus_registry()
+    while _registered:
+        old_registry, old = _registered.pop()
+        old_registry.unregister(old)
+    registry.register(collector)
+    _registered.append((registry, collector))

@@ -1,0 +1,104 @@
+"""HTTP routes our endpoint plugin attaches to vLLM's app (stage-config mode only).
+
+All paths are under /v1, so vLLM's --api-key middleware guards them like its own routes.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .errors import APIError
+from .handlers import ClientDisconnected, ImageService
+from .validation import MAX_BODY_BYTES
+
+router = APIRouter()
+
+
+def _service(request: Request) -> ImageService:
+    service = getattr(request.app.state, "omni_images", None)
+    if service is None:
+        raise APIError(503, "the image pipeline is not initialised", code="not_ready")
+    return service
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refusing oversized ones before buffering them."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(
+                413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is fully read, so the only message left to receive is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@router.post("/v1/images/generations")
+async def create_image(request: Request) -> Response:
+    service = None
+    try:
+        service = _service(request)
+        body = await _read_body(request)
+        data, headers = await service.generate(
+            body, str(request.base_url), lambda: _wait_disconnect(request)
+        )
+    except APIError as exc:
+        if service is not None:
+            service.outcomes[str(exc.status)] += 1
+        return _error(exc)
+    except ClientDisconnected:
+        service.outcomes["499"] += 1
+        return Response(status_code=499)
+    service.outcomes["200"] += 1
+    return JSONResponse(data, headers=headers)
+
+
+@router.get("/v1/images/files/{token}")
+async def get_image_file(token: str, request: Request) -> Response:
+    try:
+        found = _service(request).url_store.get(token)
+    except APIError as exc:
+        return _error(exc)
+    if found is None:
+        return _error(APIError(404, "image not found or expired", param="token", code="not_found"))
+    data, media_type = found
+    return Response(content=data, media_type=media_type)
+
+
+def _no_text_stage(request: Request) -> JSONResponse:
+    pipeline = getattr(getattr(request.app.state, "omni_images", None), "pipeline", "this pipeline")
+    return _error(
+        APIError(
+            400,
+            f"{pipeline} has no stage that produces text, so {request.url.path} is not "
+            "available; use POST /v1/images/generations.",
+            code="unsupported_endpoint",
+        )
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return _no_text_stage(request)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return _no_text_stage(request)

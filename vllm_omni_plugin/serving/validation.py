@@ -1,0 +1,109 @@
+"""Turn a raw request body into a ValidRequest, or an OpenAI-shaped 4xx. Nothing here touches a
+stage: every bound is checked in the API server against limits taken from the stage config."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import APIError, invalid
+from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
+
+MAX_BODY_BYTES = 1 << 20  # far above any legal request (prompts are bounded in characters)
+MAX_SEED = (1 << 63) - 1
+_SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("request body must be a JSON object", None, "invalid_json")
+    return data
+
+
+def _pydantic_error(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    loc = err.get("loc", ())
+    param = str(loc[0]) if loc else None  # a union adds its member's name after the field
+    kind = err.get("type", "")
+    if kind == "missing":
+        return invalid(f"missing required parameter '{param}'", param, "missing_required_parameter")
+    if kind == "literal_error":
+        return invalid(f"invalid value for '{param}': {err['msg']}", param, "invalid_value")
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return invalid(f"invalid type for '{param}': {err['msg']}", param, "invalid_type")
+    return invalid(f"invalid value for '{param}': {err['msg']}", param, "invalid_value")
+
+
+def parse_size(size: str | None, limits: ImageLimits) -> tuple[int, int]:
+    if size is None or size == "auto":
+        return limits.default_width, limits.default_height
+    match = _SIZE_RE.match(size)
+    if match is None:
+        raise invalid(f"size must look like 'WIDTHxHEIGHT' (e.g. '64x64'), got {size!r}", "size")
+    width, height = int(match.group(1)), int(match.group(2))
+    g = limits.granularity
+    for name, value, top in (
+        ("width", width, limits.max_width),
+        ("height", height, limits.max_height),
+    ):
+        if not limits.min_size <= value <= top:
+            raise invalid(
+                f"size {size}: {name} {value} is outside [{limits.min_size}, {top}]", "size"
+            )
+        if value % g:
+            raise invalid(f"size {size}: {name} {value} is not a multiple of {g}", "size")
+    return width, height
+
+
+def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
+    try:
+        req = ImageGenerationRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _pydantic_error(exc) from None
+
+    if not req.prompt.strip():
+        raise invalid("prompt must not be empty", "prompt")
+    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
+        if text is not None and len(text) > limits.max_prompt_chars:
+            raise invalid(
+                f"{name} has {len(text)} characters; the limit is {limits.max_prompt_chars}",
+                name,
+                "string_above_max_length",
+            )
+    if not 1 <= req.n <= limits.max_n:
+        raise invalid(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
+    width, height = parse_size(req.size, limits)
+    steps = req.num_inference_steps
+    if steps is not None and not 1 <= steps <= limits.max_steps:
+        raise invalid(
+            f"num_inference_steps must be between 1 and {limits.max_steps}, got {steps}",
+            "num_inference_steps",
+        )
+    guidance = req.guidance_scale
+    if guidance is not None and (not math.isfinite(guidance) or not 0 <= guidance <= 100):
+        raise invalid("guidance_scale must be a finite number in [0, 100]", "guidance_scale")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise invalid(f"seed must be an integer in [0, {MAX_SEED}]", "seed")
+    return ValidRequest(
+        prompt=req.prompt,
+        n=req.n,
+        width=width,
+        height=height,
+        response_format=req.response_format,
+        output_format=req.output_format,
+        output_compression=req.output_compression,
+        seed=req.seed,
+        num_inference_steps=steps,
+        guidance_scale=None if guidance is None else float(guidance),
+        negative_prompt=req.negative_prompt,
+    )

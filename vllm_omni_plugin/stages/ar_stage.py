@@ -1,0 +1,118 @@
+"""An AR stage process: a vLLM AsyncLLM (stock engine, our model and scheduler) behind the
+control socket. Requests decode together (continuous batching); each finished request's
+output goes to the next stage through the edge's connector.
+
+The pipeline-specific part (prompt building, sampling constraint, output -> payload) comes from
+`ar_glue.py`, keyed by the topology.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .ar_glue import glue_for
+from .messages import Abort, Result, Shutdown, StageInit, Submit
+from .payloads import StagePayloads
+
+logger = logging.getLogger("vllm_omni_plugin.stages.ar")
+
+# vLLM on CPU: a first request with a 1-token prompt can kill the worker (SIGILL) under
+# --enforce-eager; a short warm-up request with a longer prompt avoids it.
+WARMUP_PROMPT = [1, 2, 3, 4]
+
+
+class ARStageRunner:
+    def __init__(self, init: StageInit, conn: Connection):
+        self.init = init
+        self.conn = conn
+        self.stage_id: int = init.stage.stage_id
+        self.glue = glue_for(init.pipeline, init.stage)
+        self.payloads = StagePayloads(init.connectors)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.loop = asyncio.new_event_loop()
+        self.engine = self.loop.run_until_complete(self._build_engine())
+
+    async def _build_engine(self):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = self.init.stage.engine_kwargs()
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        await self._warm_up(engine)
+        return engine
+
+    async def _warm_up(self, engine) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=2, detokenize=False)
+        async for _ in engine.generate({"prompt_token_ids": WARMUP_PROMPT}, params, "warmup"):
+            pass
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": "ar", "pipeline": self.init.pipeline, "model": self.init.stage.model_path}
+
+    # ---- the loop ----------------------------------------------------------------------
+    def serve(self) -> None:
+        self._done = self.loop.create_future()
+        self.loop.add_reader(self.conn.fileno(), self._on_readable)
+        try:
+            self.loop.run_until_complete(self._done)
+        finally:
+            self.loop.remove_reader(self.conn.fileno())
+
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll(0):
+                self._handle(self.conn.recv())
+        except (EOFError, OSError):
+            # The API server is gone: stop (the finally in worker.main cleans up).
+            if not self._done.done():
+                self._done.set_exception(EOFError())
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Submit):
+            self.tasks[msg.request_id] = self.loop.create_task(self._run(msg))
+        elif isinstance(msg, Abort):
+            task = self.tasks.pop(msg.request_id, None)
+            if task is not None:
+                task.cancel()
+        elif isinstance(msg, Shutdown) and not self._done.done():
+            self._done.set_result(None)
+
+    async def _run(self, msg: Submit) -> None:
+        t0 = time.perf_counter()
+        rid = msg.request_id
+        try:
+            prompt_ids, params = self.glue.prepare(msg.params)
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
+                final = out
+            assert final is not None and final.finished
+            token_ids = list(final.outputs[0].token_ids)
+            payload = self.glue.to_payload(token_ids, msg.params)
+            output = self.payloads.emit(
+                payload, rid, self.stage_id, msg.to_stage, msg.out_connector
+            )
+            result = Result(rid, output=output, metrics={"generated_tokens": len(token_ids)})
+        except asyncio.CancelledError:
+            return  # aborted: AsyncLLM.generate aborts the request in the engine on cancel
+        except ValueError as exc:  # a request the glue refuses (size, image-to-image, ...)
+            result = Result(rid, error=str(exc), error_field="size")
+        except Exception as exc:
+            logger.exception("request %s failed", rid)
+            result = Result(rid, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.tasks.pop(rid, None)
+        result.stage_s = time.perf_counter() - t0
+        self.conn.send(result)
+
+    def close(self) -> None:
+        self.payloads.close()
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass

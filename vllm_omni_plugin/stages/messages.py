@@ -1,0 +1,62 @@
+"""Control messages between the orchestrator (API server) and a stage process.
+
+They travel pickled over one socket pair per stage (multiprocessing.connection framing). Large
+payloads between stages go through a connector; these messages carry its small descriptors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StageInit:
+    """First message to a new stage process: its typed config, never a dict."""
+
+    stage: Any  # vllm_omni_plugin.config.StageConfig
+    spec: Any  # vllm_omni_plugin.pipelines StageSpec: kind, inputs, emits
+    pipeline: str  # topology key, e.g. "glm_image"
+    connectors: dict[str, Any] = field(default_factory=dict)  # name -> ConnectorSpec
+
+
+@dataclass
+class Ready:
+    """The stage loaded its model. `info` holds facts the API server validates against."""
+
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Submit:
+    request_id: str
+    params: dict[str, Any]  # the validated request's generation parameters
+    # Outputs of upstream stages: stage_id -> connector descriptor (or the payload itself
+    # when no connector is configured for that edge).
+    inputs: dict[int, Any] = field(default_factory=dict)
+    # Connector name for this stage's own output (None: send it back inline).
+    out_connector: str | None = None
+    to_stage: int | None = None
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Result:
+    request_id: str
+    # Final stages: list of encoded images (bytes). Intermediate stages: a connector
+    # descriptor, or the payload inline.
+    output: Any = None
+    error: str | None = None
+    error_field: str | None = None  # set for request validation errors (-> HTTP 400)
+    stage_s: float = 0.0  # time the stage spent on this request, from receipt to reply
+    metrics: dict[str, Any] = field(default_factory=dict)

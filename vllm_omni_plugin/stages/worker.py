@@ -1,0 +1,71 @@
+"""Entry point of a stage process: `python -m vllm_omni_plugin.stages.worker --fd=N omni-stage-K`.
+
+The orchestrator passes one end of a socket pair as fd N; the first message on it is the
+stage's typed StageInit. The worker names itself `omni-stage-<id>` (ps shows it), loads its
+stage runner, says Ready, and serves until Shutdown or until the socket closes (the API server
+is gone), so a stage never outlives its server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+
+from ..orchestrator.connector_stats import StatsRelay
+from .messages import Ready, StageInit
+
+
+def _set_title(init: StageInit) -> None:
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # the title is also in argv, which ps shows
+        return
+    setproctitle(f"omni-stage-{init.stage.stage_id} ({init.spec.kind}, {init.pipeline})")
+
+
+def make_runner(init: StageInit, conn: Connection):
+    if init.spec.kind == "diffusion":
+        from .diffusion_stage import DiffusionStageRunner
+
+        return DiffusionStageRunner(init, conn)
+    if init.spec.kind == "ar":
+        from .ar_stage import ARStageRunner
+
+        return ARStageRunner(init, conn)
+    raise ValueError(f"unknown stage kind {init.spec.kind!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("title", nargs="?")
+    args = parser.parse_args(argv)
+    os.set_inheritable(args.fd, False)  # children (a vLLM EngineCore) must not hold it
+    conn = Connection(args.fd)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    init: StageInit = conn.recv()
+    _set_title(init)
+    log = logging.getLogger(f"omni-stage-{init.stage.stage_id}")
+    t0 = time.monotonic()
+    # StatsRelay: each Result carries this process's connector counters to /metrics.
+    runner = make_runner(init, StatsRelay(conn))
+    info = runner.info()
+    log.info("loaded in %.1f s: %s", time.monotonic() - t0, info)
+    conn.send(Ready(pid=os.getpid(), info=info))
+    try:
+        runner.serve()
+    except (EOFError, OSError):
+        log.info("control connection closed; exiting")
+    finally:
+        runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
