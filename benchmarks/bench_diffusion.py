@@ -69,6 +69,7 @@ def flux_pipe(kind: str, device: torch.device, dtype: torch.dtype, smoke: bool =
         joint, pooled, vae_ch = 4096, 768, (128, 256, 512, 512)
         if smoke:
             tr_kw.update(num_layers=1, num_single_layers=1)
+    clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build directly in the target dtype (no fp32 copy)
     try:
@@ -127,7 +128,7 @@ def flux_pipe(kind: str, device: torch.device, dtype: torch.dtype, smoke: bool =
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(sched, vae, clip, build_clip_tokenizer(), t5, build_t5_tokenizer(), tr)
+    pipe = FluxPipeline(sched, vae, clip, clip_tok, t5, t5_tok, tr)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -252,7 +253,7 @@ def pixel_diff(a, b) -> float:
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).mean())
 
 
-def run_case(case: Case, repeats: int, step_time: bool) -> dict:
+def run_case(case: Case, repeats: int, step_time: bool, compile_: bool = False) -> dict:
     # Warm-up both paths (allocator, lazy inits, compile).
     case.diffusers(case.request(0))
     case.engine.generate([case.request(0)])
@@ -291,12 +292,13 @@ def run_case(case: Case, repeats: int, step_time: bool) -> dict:
     }
     res["c1_speedup"] = res["c1_latency_s"]["diffusers"] / res["c1_latency_s"]["engine"]
     res["c8_speedup"] = res["c8_images_per_s"]["engine"] / res["c8_images_per_s"]["diffusers"]
+    print(json.dumps(res), flush=True)
     if step_time:
-        res["step_ms"] = transformer_step_ms(case)
+        res["step_ms"] = transformer_step_ms(case, compile_)
     return res
 
 
-def transformer_step_ms(case: Case, iters: int = 10) -> dict:
+def transformer_step_ms(case: Case, compile_: bool, iters: int = 10) -> dict:
     """One denoising step at batch 1: diffusers' transformer forward vs the engine's step."""
     eng, adapter = case.engine, case.engine.adapter
     r = eng.add_request(case.request(0))
@@ -339,12 +341,19 @@ def transformer_step_ms(case: Case, iters: int = 10) -> dict:
         )
 
     out = {}
+    fns = [("diffusers_eager", diffusers_step), ("engine_eager", engine_step)]
+    if compile_:
+        fns.append(("engine_compiled", engine_step))
     with torch.inference_mode():
-        for name, fn in (("diffusers_eager", diffusers_step), ("engine", engine_step)):
+        for name, fn in fns:
+            if name == "engine_compiled":
+                adapter.transformer = torch.compile(case.pipe.transformer)
             for _ in range(3):
                 fn()
             times = [case.timed(fn)[0] for _ in range(iters)]
             out[name] = 1000 * min(times)
+            print(f"  {case.name} one step batch 1 {name}: {out[name]:.1f} ms", flush=True)
+    adapter.transformer = case.pipe.transformer
     eng.abort(r.request_id)
     while eng.has_unfinished():
         eng.step()
@@ -362,7 +371,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="tiny FLUX folder (default: build one)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the engine's transformer")
+    ap.add_argument("--compile", action="store_true", help="also time the step with torch.compile")
     ap.add_argument("--smoke", action="store_true", help="full configs with 1 block, 64 px, on CPU")
     args = ap.parse_args()
     config = args.config or ("full" if args.gpu else "cpu")
@@ -413,7 +422,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown config {name}")
         built = time.perf_counter() - t0
-        res = run_case(case, args.repeats, step_time=gpu or args.smoke)
+        res = run_case(case, args.repeats, step_time=gpu or args.smoke, compile_=args.compile)
         res["build_s"] = built
         results.append(res)
         del case

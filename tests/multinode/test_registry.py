@@ -14,7 +14,7 @@ import pytest
 
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.connectors.stats import all_snapshots
-from vllm_omni_plugin.orchestrator import StageUnavailableError, remote
+from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote
 from vllm_omni_plugin.orchestrator.connector_stats import KEY as STATS_KEY
 from vllm_omni_plugin.orchestrator.connector_stats import absorb
 from vllm_omni_plugin.orchestrator.link import connect
@@ -30,6 +30,9 @@ from vllm_omni_plugin.orchestrator.node_protocol import (
     Welcome,
     parse_stage_ids,
 )
+from vllm_omni_plugin.serving.deferred_limits import limits_or_deferred
+from vllm_omni_plugin.serving.errors import APIError
+from vllm_omni_plugin.serving.handlers import ImageService
 from vllm_omni_plugin.stages.messages import Abort, Result, Submit
 
 KEY = b"registry-test-key"
@@ -166,6 +169,47 @@ async def test_missed_heartbeats_drop_a_hung_node(head, monkeypatch):
     with pytest.raises(StageUnavailableError, match="no heartbeat"):
         await asyncio.wait_for(task, 5)
     assert not client.ready
+
+
+async def test_head_answers_503_until_nodes_register_then_validates_with_their_limits():
+    cfg = load_deploy_config("glm_image_tiny_nixl", model="/unused/glm-image")
+    h = remote.StageHead(KEY, 0, "127.0.0.1")  # no local stage: nothing to spawn here
+    orchestrator = Orchestrator(cfg, stage_factory=h.stage_factory(10.0))
+    await h.start()
+    await orchestrator.start()
+    service = ImageService(orchestrator, limits_or_deferred(orchestrator, cfg.serving), ["m"])
+
+    async def never() -> None:
+        await asyncio.Event().wait()
+
+    async def status(body: bytes) -> int:
+        with pytest.raises(APIError) as err:
+            await service.generate(body, "http://head/", never)
+        return err.value.status
+
+    try:
+        assert not orchestrator.healthy() and orchestrator.unhealthy_stages() == [0, 1]
+        assert await status(b'{"prompt": "a cat"}') == 503  # no limits known yet: stage missing
+        info = {
+            "max_batch_size": 4,
+            "min_size": 64,
+            "max_width": 1024,
+            "max_height": 1024,
+            "granularity": 32,
+            "max_steps": 200,
+            "default_width": 64,
+            "default_height": 64,
+        }
+        conn, _ = await register(h.port, stages={1: StageStatus("diffusion", True, info)})
+        await until(lambda: orchestrator.stages[1].ready)
+        # The final stage's limits now apply on the head; stage 0 still has no node: 503.
+        assert await status(b'{"prompt": "a cat", "size": "65x64"}') == 400
+        assert await status(b'{"prompt": "a cat", "num_inference_steps": 201}') == 400
+        assert await status(b'{"prompt": "a cat"}') == 503
+        conn.close()
+    finally:
+        orchestrator.shutdown()
+        h.close()
 
 
 def test_connector_counters_ride_results_into_the_exporter():

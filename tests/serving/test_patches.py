@@ -109,3 +109,19 @@ def test_endpoint_plugin_is_inert_without_stage_config():
     plugin.attach_router(app)
     paths = {getattr(r, "path", None) for r in app.routes}
     assert {"/v1/images/generations", "/v1/images/files/{token}", "/v1/chat/completions"} <= paths
+
+
+def test_callers_must_look_patched_names_up_at_call_time():
+    from vllm.entrypoints.launchers.api_server import entry
+
+    # vLLM as installed: both callers resolve the patched names as module globals.
+    patches._require_global_call(entry.run_server_worker, "build_async_engine_client")
+    patches._require_global_call(entry.build_and_serve, "init_app_state")
+
+    bound = entry.build_async_engine_client
+
+    def caller_binding_early(args):  # what a vLLM that bound the name at import would do
+        return bound(args)
+
+    with pytest.raises(patches.OmniPatchError, match="no longer calls build_async_engine_client"):
+        patches._require_global_call(caller_binding_early, "build_async_engine_client")

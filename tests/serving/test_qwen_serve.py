@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from omni_server import API_KEY, alive
+from omni_server import API_KEY, REQUEST_TIMEOUT_S, alive
 from openai import OpenAI
 from PIL import Image
 
@@ -189,6 +189,26 @@ def test_client_disconnect_cancels_the_work(qwen_server):
     t0 = time.monotonic()
     generate(qwen_server, seed=1)
     assert time.monotonic() - t0 < 10
+
+
+def test_request_timeout_is_a_504_and_aborts_the_work(qwen_server):
+    # 200 steps at 1024x1024 take minutes here; the server's limit is REQUEST_TIMEOUT_S.
+    huge = {**LONG, "size": "1024x1024"}
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{qwen_server.url}/v1/images/generations", headers=auth(), json=huge, timeout=120
+    )
+    took = time.monotonic() - t0
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_timeout" and "request_timeout_s" in err["message"]
+    assert REQUEST_TIMEOUT_S <= took < REQUEST_TIMEOUT_S + 10
+    assert _in_flight(qwen_server) == 0
+    # The stage dropped the request: a small one is not stuck behind it.
+    t0 = time.monotonic()
+    generate(qwen_server, seed=1)
+    assert time.monotonic() - t0 < 10
+    assert "unfinished after" in qwen_server.log.read_text()
 
 
 def test_killed_stage_fails_fast_then_recovers(qwen_server):

@@ -1,4 +1,4 @@
-"""Head side of a multi-node deployment: the node registry and RemoteStageClient.
+"""Head side of a multi-node deployment: the node registry (StageHead).
 
 `vllm serve MODEL --stage-config FILE --stage-ids 0 --omni-master-port P` runs stage 0 locally
 (a StageClient) and every other stage as a RemoteStageClient: the same face to the orchestrator
@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Abort, Result, StageInit, Submit
-from .errors import StageUnavailableError
+from ..stages.messages import Result, StageInit
 from .link import Link, accept
 from .node_protocol import (
     DEAD_AFTER_S,
@@ -31,171 +30,15 @@ from .node_protocol import (
     Ping,
     Register,
     Rejected,
-    StageStatus,
     Superseded,
-    ToStage,
     Unavailable,
     Welcome,
     explicit_authkey,
 )
+from .remote_stage import RemoteStageClient
 from .stage_client import StageClient
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
-
-
-class RemoteStageClient:
-    """A stage that runs on a headless node; mirrors StageClient's interface."""
-
-    def __init__(self, init: StageInit, head: StageHead):
-        self.init = init
-        self.stage_id: int = init.stage.stage_id
-        self.kind: str = init.spec.kind
-        self.head = head
-        self.link: Link | None = None
-        self.status: StageStatus | None = None
-        self.closed = False
-        self.pending: dict[str, asyncio.Future[Result]] = {}
-        self.registrations = 0
-        self.restarts = 0  # re-registrations after the first
-        self.deaths = 0  # nodes lost (EOF or missed heartbeats)
-        self.completed = 0
-        self.failed = 0
-        self.busy_s = 0.0
-        self._info: dict[str, Any] = {}
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return self._info  # kept after the node goes away: the limits do not change
-
-    @property
-    def ready(self) -> bool:
-        return (
-            not self.closed
-            and self.link is not None
-            and self.link.alive
-            and self.status is not None
-            and self.status.ready
-        )
-
-    @property
-    def pid(self) -> int | None:
-        return self.status.pid if self.status else None
-
-    @property
-    def state(self) -> str:
-        if self.closed:
-            return "closed"
-        if self.link is None:
-            return "waiting for a node"
-        return "ready" if self.ready else "down on its node"
-
-    async def start(self) -> None:
-        """Nothing to spawn: the head's listener attaches a node when one registers."""
-        logger.info(
-            "stage %d (%s) is remote: waiting for a node to register on port %s",
-            self.stage_id,
-            self.kind,
-            self.head.port,
-        )
-
-    def shutdown(self) -> None:
-        self.closed = True
-        self.head.call_in_loop(self._fail_all, "the server is shutting down")
-
-    # ---- requests ----------------------------------------------------------------------
-    async def submit(self, msg: Submit) -> Result:
-        link = self.link
-        if not self.ready or link is None:
-            raise StageUnavailableError(
-                f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
-                f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
-            )
-        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self.pending[msg.request_id] = fut
-        try:
-            link.send(ToStage(self.stage_id, msg))
-        except OSError:
-            self.pending.pop(msg.request_id, None)
-            raise StageUnavailableError(
-                f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable"
-            ) from None
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            self.pending.pop(msg.request_id, None)
-            self.abort(msg.request_id)
-            raise
-        self.busy_s += result.stage_s
-        if result.error is None:
-            self.completed += 1
-        else:
-            self.failed += 1
-        return result
-
-    def abort(self, request_id: str) -> None:
-        if self.link is not None:
-            with contextlib.suppress(OSError):
-                self.link.send(ToStage(self.stage_id, Abort(request_id)))
-
-    # ---- called by the head on its loop ------------------------------------------------
-    def attach(self, link: Link, status: StageStatus) -> None:
-        if self.registrations:
-            self.restarts += 1
-        self.registrations += 1
-        self.link = link
-        self.update(status)
-        logger.info(
-            "stage %d (%s) registered by node %s (ready=%s)",
-            self.stage_id,
-            self.kind,
-            link.peer,
-            status.ready,
-        )
-
-    def update(self, status: StageStatus) -> None:
-        was_ready = self.status is not None and self.status.ready
-        self.status = status
-        if status.info:
-            self._info = dict(status.info)
-        if was_ready and not status.ready:
-            logger.warning("stage %d is down on its node; requests fail fast", self.stage_id)
-
-    def detach(self, link: Link, why: str) -> None:
-        if link is not self.link:
-            return  # a link that was already replaced
-        self.link = None
-        self.deaths += 1
-        n = len(self.pending)
-        logger.error(
-            "stage %d (%s): node %s lost (%s); failing %d in-flight request(s)",
-            self.stage_id,
-            self.kind,
-            link.peer,
-            why,
-            n,
-        )
-        self._fail_all(f"stage {self.stage_id} ({self.kind}): node {link.peer} lost ({why})")
-
-    def owns(self, request_id: str) -> bool:
-        return request_id in self.pending
-
-    def on_result(self, msg: Result) -> None:
-        fut = self.pending.pop(msg.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
-
-    def on_unavailable(self, msg: Unavailable) -> None:
-        fut = self.pending.pop(msg.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(StageUnavailableError(msg.message))
-            self.failed += 1
-
-    def _fail_all(self, why: str) -> None:
-        pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(StageUnavailableError(why))
-        self.failed += len(pending)
 
 
 class StageHead:

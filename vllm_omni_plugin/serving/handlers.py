@@ -49,8 +49,12 @@ class ImageService:
         served_names: list[str],
         url_store: UrlStore | None = None,
         pipeline: str = "",
+        request_timeout_s: float | None = None,
     ):
         self.orchestrator = orchestrator
+        # `serving.request_timeout_s`: past it a request fails with 504 and its work is
+        # aborted in every stage (None: no limit).
+        self.request_timeout_s = request_timeout_s
         self.pipeline = pipeline
         self.limits = limits
         self.served_names = served_names
@@ -110,14 +114,27 @@ class ImageService:
         work = asyncio.ensure_future(self.orchestrator.generate(request_id, params))
         watch = asyncio.ensure_future(disconnected())
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {work, watch}, timeout=self.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             watch.cancel()
         if work not in done:
             # Cancelling the orchestrator call aborts the request in the stage holding it.
             work.cancel()
-            logger.info("request %s cancelled: client disconnected", request_id)
-            raise ClientDisconnected(request_id)
+            if watch in done:
+                logger.info("request %s cancelled: client disconnected", request_id)
+                raise ClientDisconnected(request_id)
+            logger.warning(
+                "request %s aborted: unfinished after %.0f s", request_id, self.request_timeout_s
+            )
+            raise APIError(
+                504,
+                f"the request did not finish within the server's limit of "
+                f"{self.request_timeout_s:g} s (serving.request_timeout_s); it was cancelled",
+                code="request_timeout",
+                type="timeout_error",
+            )
         try:
             return work.result()
         except StageUnavailableError as exc:

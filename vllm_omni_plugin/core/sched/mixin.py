@@ -28,7 +28,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_omni_plugin.core.sched import STAGE_OUTPUT_KEY
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's own log handler prints it in engine and worker processes.
+logger = init_logger("vllm.omni_plugin.sched")
 
 
 class OmniARSchedulerMixin:

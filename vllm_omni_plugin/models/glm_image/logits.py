@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 import torch
 from vllm import SamplingParams
 from vllm.logger import init_logger
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from vllm_omni_plugin.models.glm_image.processing import GRID_EXTRA_ARG
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's own log handler prints it in worker processes.
+logger = init_logger("vllm.omni_plugin.glm_image")
 
 
 @dataclass
@@ -115,7 +115,23 @@ class ImageGridLogitsProcessor(LogitsProcessor):
         return None
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.rules, batch_update, self._new_rule)
+        # vLLM's contract: apply removed, then added, then moved (indices are batch rows).
+        if batch_update is None:
+            return
+        for row in batch_update.removed:
+            self.rules.pop(row, None)
+        for row, params, prompt, output_ids in batch_update.added:
+            rule = self._new_rule(params, prompt, output_ids)
+            if rule is None:
+                self.rules.pop(row, None)
+            else:
+                self.rules[row] = rule
+        for a, b, direction in batch_update.moved:
+            rule_a, rule_b = self.rules.pop(a, None), self.rules.pop(b, None)
+            if rule_a is not None:
+                self.rules[b] = rule_a
+            if rule_b is not None and direction == MoveDirectionality.SWAP:
+                self.rules[a] = rule_b
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.bias_ids is not None:

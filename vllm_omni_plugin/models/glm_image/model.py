@@ -36,7 +36,8 @@ from vllm.sequence import IntermediateTensors
 from vllm_omni_plugin.models.glm_image.positions import GridPositionCodec, T2ILayout
 from vllm_omni_plugin.models.glm_image.processing import parse_t2i_layout
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's own log handler prints it in worker processes.
+logger = init_logger("vllm.omni_plugin.glm_image")
 
 
 class GlmImageAttention(nn.Module):
