@@ -13,6 +13,10 @@ Start-up: the tiny GLM-Image deployment (AR + DiT stages) to its first healthy /
 stock `vllm serve` of its AR model alone (vision_language_encoder/ with --tokenizer processor/
 and the AR stage's own engine settings from the YAML). Target: <= stock + 15 s.
 
+For scale it also measures the machine's floor for one stage hop: a round trip of a small
+pickled message between two idle processes over a socket pair (what every stage visit costs at
+least; GLM-Image makes two per request, Qwen-Image one).
+
 Prints a table and, last, one JSON line. Tiny models are built once under --models-dir.
 """
 
@@ -55,13 +59,14 @@ def tiny_model(pipeline: str, models_dir: Path) -> Path:
 class Server:
     """One `vllm serve` process; the clock starts at spawn and stops at the first healthy /health."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, extra_env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.update(extra_env or {})
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [VLLM, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
@@ -124,9 +129,46 @@ def measure_overhead(server: Server, n: int, warmup: int) -> dict:
     }
 
 
-def stock_ar_args(glm_model: Path) -> list[str]:
+_ECHO = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "c = Connection(int(sys.argv[1]))\n"
+    "while True:\n"
+    "    c.send(c.recv())\n"
+)
+
+
+def hop_floor(n: int = 300) -> dict:
+    """Round trip of a small message to an echoing process (the control path's floor)."""
+    from multiprocessing.connection import Connection
+
+    ours, theirs = socket.socketpair()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()]
+    )
+    theirs.close()
+    conn = Connection(ours.detach())
+    msg = {"request_id": "img-0", "params": {"prompt": "a lighthouse", "n": 1, "seed": 1}}
+    times = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            conn.send(msg)
+            conn.recv()
+            times.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.005)  # let the peer go idle, as a stage does between requests
+    finally:
+        child.kill()
+        conn.close()
+    return {
+        "hop_rtt_ms_p50": round(statistics.median(times), 3),
+        "hop_rtt_ms_p90": round(pct(times, 0.9), 3),
+    }
+
+
+def stock_ar_args(glm_model: Path) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` flags for the GLM-Image AR model alone, with the AR stage's engine settings
-    (the stock scheduler: the comparison is about start-up, not scheduling)."""
+    (the stock scheduler: the comparison is about start-up, not scheduling), and the stage's env."""
     from vllm_omni_plugin.config import load_deploy_config
 
     cfg = load_deploy_config("glm_image_tiny", model=str(glm_model))
@@ -143,7 +185,7 @@ def stock_ar_args(glm_model: Path) -> list[str]:
             args.append("--no-" + key.replace("_", "-"))
         else:
             args += [flag, str(value)]
-    return args
+    return args, dict(ar.env)
 
 
 def main() -> None:
@@ -157,6 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     results: dict = {"machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"}
+    results["floor"] = hop_floor()
 
     for pipeline in [p for p in args.pipelines.split(",") if p]:
         model = tiny_model(pipeline, args.models_dir)
@@ -173,11 +216,14 @@ def main() -> None:
 
     if not args.no_startup and "glm_image" in results:
         model = tiny_model("glm_image", args.models_dir)
-        stock = Server(stock_ar_args(model), logs / "stock_ar.log")
-        try:
-            results["stock_ar_startup_s"] = round(stock.wait_healthy(args.startup_timeout), 1)
-        finally:
-            stock.stop()
+        flags, stage_env = stock_ar_args(model)
+        # Stock as a user runs it, and with the AR stage's own env from the YAML.
+        for key, env in (("stock_ar_startup_s", None), ("stock_ar_stage_env_startup_s", stage_env)):
+            stock = Server(flags, logs / f"{key}.log", extra_env=env)
+            try:
+                results[key] = round(stock.wait_healthy(args.startup_timeout), 1)
+            finally:
+                stock.stop()
         results["startup_delta_s"] = round(
             results["glm_image"]["startup_s"] - results["stock_ar_startup_s"], 1
         )
@@ -196,8 +242,13 @@ def main() -> None:
         print(
             f"start-up: GLM-Image deployment {results['glm_image']['startup_s']} s, stock vllm "
             f"serve of its AR model {results['stock_ar_startup_s']} s "
-            f"(delta {results['startup_delta_s']} s, target <= 15 s)"
+            f"(delta {results['startup_delta_s']} s, target <= 15 s); stock with the AR "
+            f"stage's env {results['stock_ar_stage_env_startup_s']} s"
         )
+    floor = results["floor"]
+    print(
+        f"floor: one process round trip p50 {floor['hop_rtt_ms_p50']} ms, p90 {floor['hop_rtt_ms_p90']} ms"
+    )
     print(f"logs: {logs}")
     print(json.dumps(results))
 

@@ -9,7 +9,6 @@ aborts the request in the stage that holds it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -141,7 +140,7 @@ class Orchestrator:
             if result.error is not None:
                 raise StageRequestError(sid, result.error, result.error_field)
             stage_s += result.stage_s
-            metrics[f"stage_{sid}"] = dataclasses.asdict(result)["metrics"]
+            metrics[f"stage_{sid}"] = dict(result.metrics)  # asdict would deep-copy the output
             outputs[sid] = result.output
         images: list[bytes] = []
         for sid in self.final_ids:

@@ -62,13 +62,14 @@ class StageClient:
     async def _spawn(self) -> None:
         assert self._loop is not None
         self.state = "starting"
-        proc = StageProcess(self.init, self._message_threadsafe, self._exit_threadsafe)
+        proc = StageProcess(self.init, self._on_message, self._on_exit)
         self.proc = proc
         t0 = time.monotonic()
         await self._loop.run_in_executor(None, proc.start, self.startup_timeout_s)
         if self.state == "closed":  # shut down while we were starting
             proc.kill()
             return
+        proc.start_reading(self._loop)  # replies wake this loop directly: no reader thread
         self.state = "ready"
         logger.info(
             "stage %d (%s) ready in %.1f s (pid %s)",
@@ -135,20 +136,15 @@ class StageClient:
             except OSError:
                 pass
 
-    # ---- callbacks from the process's threads ------------------------------------------
-    def _message_threadsafe(self, msg: Any) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._on_message, msg)
-
+    # ---- callbacks from the process (on this loop) --------------------------------------
     def _on_message(self, msg: Any) -> None:
         if isinstance(msg, Result):
             fut = self.pending.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    def _exit_threadsafe(self, proc: StageProcess) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(lambda: self._spawn_task(self._on_death(proc)))
+    def _on_exit(self, proc: StageProcess) -> None:
+        self._spawn_task(self._on_death(proc))
 
     async def _on_death(self, proc: StageProcess) -> None:
         # Only the current process counts: a late EOF from a replaced one is ignored.

@@ -1,11 +1,13 @@
 """One stage's OS process: spawn with its devices and env, wait until ready, talk, kill.
 
-Synchronous on purpose (it runs in threads); the asyncio side lives in stage_client.py.
+Start-up and shutdown are synchronous (they run in executor threads); once the stage is ready,
+its replies are read on the caller's event loop (`start_reading`, see frames.py for why), and
+the asyncio side lives in stage_client.py.
 
 * The child is `python -m vllm_omni_plugin.stages.worker` with `omni-stage-<id>` in its argv
   (and as its process title), in a new session: killing the process group also takes down
   anything the stage started (a vLLM EngineCore, its workers), so nothing is orphaned.
-* Control messages go over a socket pair. When this process dies, the child reads EOF and
+* Control messages go over a socket pair (multiprocessing.connection framing). When this process dies, the child reads EOF and
   exits, so a SIGKILLed API server does not leave stages behind either.
 * stdout/stderr are pumped into our stderr (prefixed) and a ring buffer whose tail goes into
   start-up errors.
@@ -13,6 +15,7 @@ Synchronous on purpose (it runs in threads); the asyncio side lives in stage_cli
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -28,6 +31,7 @@ from typing import Any
 
 from ..stages.messages import Ready, Shutdown, StageInit
 from .errors import StageStartupError
+from .frames import FrameReader
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -52,6 +56,7 @@ class StageProcess:
         on_message: Callable[[Any], None],
         on_exit: Callable[[StageProcess], None],
     ):
+        # Both callbacks run on the event loop given to `start_reading`.
         self.init = init
         self.stage_id: int = init.stage.stage_id
         self.kind: str = init.spec.kind
@@ -62,7 +67,7 @@ class StageProcess:
         self.info: dict[str, Any] = {}
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._send_lock = threading.Lock()
-        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
     @property
@@ -96,10 +101,9 @@ class StageProcess:
         self.conn = Connection(parent_sock.detach())
         threading.Thread(target=self._pump_logs, name=f"{self.name}-log", daemon=True).start()
         self.send(self.init)
-        threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True).start()
 
         deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(0.2):
+        while not self._wait_ready(0.2):
             code = self.proc.poll()
             if code is not None or time.monotonic() > deadline:
                 self.kill()
@@ -114,28 +118,78 @@ class StageProcess:
                 )
 
     def send(self, msg: Any) -> None:
-        if self.conn is None:
+        conn = self.conn
+        if conn is None:
             raise BrokenPipeError(f"{self.name} is not running")
         with self._send_lock:
-            self.conn.send(msg)
+            conn.send(msg)
 
-    def _read(self) -> None:
-        conn = self.conn
-        assert conn is not None
+    def _wait_ready(self, timeout_s: float) -> bool:
+        """True once the stage said Ready (Ready is the first message a stage sends)."""
+        assert self.conn is not None and self.proc is not None
         try:
-            while True:
-                msg = conn.recv()
-                if isinstance(msg, Ready):
-                    self.info = msg.info
-                    self._ready.set()
-                    continue
-                self._on_message(msg)
-        except (EOFError, OSError):
-            pass
+            if not self.conn.poll(timeout_s):
+                return False
+            msg = self.conn.recv()
+        except (EOFError, OSError):  # the stage is exiting: let the caller read its code
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+            return False
+        if isinstance(msg, Ready):
+            self.info = msg.info
+            return True
+        return False
+
+    def start_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver the stage's messages on `loop` (call from the loop's thread, after start)."""
+        assert self.conn is not None
+        self._loop = loop
+        reader = FrameReader(self.conn.fileno())
+        loop.add_reader(reader.fd, self._on_readable, reader)
+
+    def _on_readable(self, reader: FrameReader) -> None:
+        try:
+            messages = reader.read()
         except Exception:  # a message we could not unpickle: treat the stage as broken
             logger.exception("%s sent an unreadable message", self.name)
-        if self._ready.is_set() and not self._closing:
-            self._on_exit(self)
+            messages = None
+        if messages is None:  # EOF: the stage died (or is being shut down by us)
+            self._close_conn()
+            if not self._closing:
+                self._on_exit(self)
+            return
+        for msg in messages:
+            self._on_message(msg)
+
+    def _close_conn(self) -> None:
+        """Close the control socket, first taking it off the event loop (from any thread)."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            conn.close()
+            return
+
+        def detach() -> None:
+            try:
+                loop.remove_reader(conn.fileno())
+            finally:
+                conn.close()
+
+        try:
+            in_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            in_loop = False
+        if in_loop:
+            detach()
+            return
+        try:
+            loop.call_soon_threadsafe(detach)
+        except RuntimeError:  # the loop closed meanwhile
+            conn.close()
 
     def _pump_logs(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -180,6 +234,4 @@ class StageProcess:
             except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
                 continue
             break
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        self._close_conn()

@@ -108,8 +108,6 @@ class ARStageRunner:
         finally:
             self.tasks.pop(rid, None)
         result.stage_s = time.perf_counter() - t0
-        result.metrics["_t0"] = t0  # E2-PROFILE
-        result.metrics["_t1"] = time.perf_counter()  # E2-PROFILE
         self.conn.send(result)
 
     def close(self) -> None:
