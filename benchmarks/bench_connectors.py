@@ -4,9 +4,15 @@
 
 A "handoff" is what a stage pays per payload: producer put + descriptor over the control path
 (a pipe) + consumer get + release + an acknowledgement back, timed on the producer. memcpy is one
-process copying the bytes (into a reused buffer, and into a fresh one); TCP sends the bytes over a
-loopback socket into a reused buffer and waits for the same acknowledgement. Prints a table and a
-final JSON line. Two-core machines are noisy: compare ratios within one run.
+process copying the bytes (into a reused buffer, and into a fresh one; "memcpy-hugepage" between
+reused buffers on transparent huge pages, like the NIXL pools); TCP sends the bytes over a
+loopback socket into a reused buffer and waits for the same acknowledgement. "nixl-pool" is the
+NIXL connector with the payload built in its send pool (`NixlConnector.empty`), "nixl" with a
+payload in ordinary memory (registered in place per put).
+
+On a shared, loaded host the load changes between rows, so each connector row also times a plain
+memcpy right before every handoff ("x memcpy@loop" = that memcpy's p50 / the handoff's p50): the
+like-for-like ratio. Prints a table and a final JSON line.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import torch  # noqa: E402
+
+from vllm_omni_plugin.connectors.staging import huge_page_buffer  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -59,7 +67,19 @@ def bench_memcpy(nbytes: int, iters: int) -> dict[str, dict[str, float]]:
         ctypes.memmove(out.data_ptr(), src.data_ptr(), nbytes)
         fresh.append(time.perf_counter() - t)
         del out
-    return {"memcpy": summarize(reused, nbytes), "memcpy+alloc": summarize(fresh, nbytes)}
+    huge_src, huge_dst = huge_page_buffer(nbytes), huge_page_buffer(nbytes)
+    huge_src.copy_(src)
+    huge_dst.fill_(0)
+    huge = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        ctypes.memmove(huge_dst.data_ptr(), huge_src.data_ptr(), nbytes)
+        huge.append(time.perf_counter() - t)
+    return {
+        "memcpy": summarize(reused, nbytes),
+        "memcpy+alloc": summarize(fresh, nbytes),
+        "memcpy-hugepage": summarize(huge, nbytes),
+    }
 
 
 # -- consumer processes ----------------------------------------------------------------------
@@ -119,9 +139,13 @@ def bench_tcp(nbytes: int, iters: int) -> dict[str, float]:
 def bench_connector(kind: str, nbytes: int, iters: int, warmup: int = 3) -> dict[str, float]:
     from vllm_omni_plugin.connectors import make_connector
 
+    pooled = kind == "nixl-pool"
+    kind = "nixl" if pooled else kind
     producer = make_connector(kind, name=f"bench-{kind}")
     base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    times = []
+    dst = torch.empty_like(base)
+    ctypes.memmove(dst.data_ptr(), base.data_ptr(), nbytes)
+    times, copies = [], []
     if kind == "inproc":
         for _ in range(iters + warmup):
             t = time.perf_counter()
@@ -137,7 +161,12 @@ def bench_connector(kind: str, nbytes: int, iters: int, warmup: int = 3) -> dict
         proc.start()
         assert here.recv_bytes() == b"ready"
         for _ in range(iters + warmup):
-            payload = base.clone()  # a fresh payload per request, made outside the timing
+            # A fresh payload per request, made outside the timing.
+            payload = producer.empty((nbytes,), torch.uint8) if pooled else torch.empty_like(base)
+            ctypes.memmove(payload.data_ptr(), base.data_ptr(), nbytes)
+            t = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), base.data_ptr(), nbytes)
+            copies.append(time.perf_counter() - t)
             t = time.perf_counter()
             desc = producer.put("bench", 0, 1, payload)
             here.send_bytes(pickle.dumps(desc))
@@ -147,14 +176,18 @@ def bench_connector(kind: str, nbytes: int, iters: int, warmup: int = 3) -> dict
         here.send_bytes(b"stop")
         proc.join()
     producer.close()
-    return summarize(times[warmup:], nbytes)
+    out = summarize(times[warmup:], nbytes)
+    if copies:
+        out["memcpy_at_loop_p50_ms"] = statistics.median(copies[warmup:]) * 1e3
+        out["vs_memcpy_at_loop"] = out["memcpy_at_loop_p50_ms"] / out["p50_ms"]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="32K,1M,64M")
     parser.add_argument("--iters", default="200,50,12")
-    parser.add_argument("--kinds", default="inproc,shm,nixl")
+    parser.add_argument("--kinds", default="inproc,shm,nixl,nixl-pool")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     iters = [int(i) for i in args.iters.split(",")]
@@ -167,11 +200,14 @@ def main() -> None:
         for r in row.values():
             r["vs_memcpy"] = r["gib_s"] / row["memcpy"]["gib_s"]
         results[str(nbytes)] = row
-    print(f"{'size':>10} {'path':<14} {'p50 ms':>9} {'p90 ms':>9} {'GiB/s':>8} {'x memcpy':>9}")
+    head = f"{'size':>10} {'path':<16} {'p50 ms':>9} {'p90 ms':>9} {'GiB/s':>8} {'x memcpy':>9}"
+    print(head + f" {'x memcpy@loop':>14}")
     for size, row in results.items():
         for name, r in row.items():
+            at_loop = f"{r['vs_memcpy_at_loop']:>14.2f}" if "vs_memcpy_at_loop" in r else ""
             print(
-                f"{int(size):>10} {name:<14} {r['p50_ms']:>9.3f} {r['p90_ms']:>9.3f} {r['gib_s']:>8.2f} {r['vs_memcpy']:>9.2f}"
+                f"{int(size):>10} {name:<16} {r['p50_ms']:>9.3f} {r['p90_ms']:>9.3f}"
+                f" {r['gib_s']:>8.2f} {r['vs_memcpy']:>9.2f} {at_loop}"
             )
     print(json.dumps({"bench": "connectors", "cpu_count": os.cpu_count(), "results": results}))
 

@@ -113,7 +113,7 @@ def flux_pipe(kind: str, device: torch.device, dtype: torch.dtype, smoke: bool =
                 up_block_types=["UpDecoderBlock2D"] * 4,
                 block_out_channels=vae_ch,
                 layers_per_block=1 if kind == "small" else 2,
-                norm_num_groups=32,
+                norm_num_groups=8 if kind == "small" else 32,
                 scaling_factor=0.3611,
                 shift_factor=0.1159,
                 use_quant_conv=False,

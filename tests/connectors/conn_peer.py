@@ -46,6 +46,15 @@ class Peer:
     def put_pattern(self, request_id: str, nbytes: int, seed: int):
         return self.conn.put(request_id, 0, 1, pattern(nbytes, seed))
 
+    def put_pattern_pooled(self, request_id: str, nbytes: int, seed: int):
+        """Like put_pattern, but built in the connector's send pool (NixlConnector.empty)."""
+        payload = self.conn.empty((nbytes,), torch.uint8)
+        payload.copy_(pattern(nbytes, seed))
+        return self.conn.put(request_id, 0, 1, payload)  # the lease keeps the slot alive
+
+    def send_pool_used(self) -> int:
+        return self.conn.send_pool.used_bytes()
+
     def put(self, request_id: str, payload: Any):
         return self.conn.put(request_id, 0, 1, payload)
 

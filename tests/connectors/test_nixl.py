@@ -55,6 +55,23 @@ def test_bytes_exact(producer, consumer, nbytes):
     assert torch.equal(got, pattern(nbytes, nbytes))
 
 
+def test_send_pool_payload_is_exact_and_needs_no_registration(producer, consumer):
+    """A payload built in the producer's empty(): no per-put registration, slot freed after use."""
+    base = producer.call("send_pool_used")
+    nbytes = 64 * MiB + 3
+    desc = producer.call("put_pattern_pooled", "req-pooled", nbytes, 7)
+    assert desc.location.region_md is None  # lies in the pool registered at start-up
+    assert producer.call("send_pool_used") > base
+    got = consumer.get(desc, timeout=30)
+    consumer.release(desc)
+    assert torch.equal(got, pattern(nbytes, 7))
+    # The READ's notification ends the lease, which held the last reference to the tensor.
+    assert wait_for(lambda: producer.call("send_pool_used") == base)
+    # A late get of the same descriptor is refused instead of returning reused bytes.
+    with pytest.raises(ConnectorError):
+        consumer.get(desc, timeout=5)
+
+
 def test_payload_types_roundtrip(producer, consumer):
     payloads = [
         torch.arange(24, dtype=torch.float16).reshape(4, 6)[:, ::2],  # non-contiguous

@@ -65,7 +65,8 @@ def test_shm_bytes_exact_across_processes(shm_producer, nbytes):
     conn.release(desc)
     assert not os.path.exists(desc.location)  # release unlinks the file...
     assert torch.equal(got, pattern(nbytes, nbytes))  # ...and the tensor stays valid
-    got.add_(1)  # private mapping: writable without touching anyone else
+    got.add_(1)  # the consumer owns the (unlinked) file's pages: writable
+    assert torch.equal(got, pattern(nbytes, nbytes).add_(1))
     assert shm_producer.call("pending") == 0
 
 

@@ -92,3 +92,19 @@ def test_duplicate_and_abort(engine):
     assert outs["a1"].error == "aborted" and outs["a1"].images == []
     assert outs["a2"].error is None and len(outs["a2"].images) == 1
     assert not engine.abort("missing")
+
+
+def test_engine_config_from_typed_stage_config(engine, tiny_models):
+    from vllm_omni_plugin.config import load_deploy_config
+
+    model = str(tiny_models("qwen-image"))
+    cfg = load_deploy_config("qwen_image_tiny", model=model)
+    (stage,) = [s for s in cfg.stages if s.kind == "diffusion"]
+    ecfg = DiffusionEngineConfig.from_stage_config(stage)
+    assert (ecfg.device, ecfg.dtype, ecfg.max_batch_size) == ("cpu", "float32", 4)
+    staged = DiffusionEngine(ecfg, adapter=engine.adapter)
+    r = staged.validate(GenerationRequest("s", "a cat"))
+    assert (r.height, r.width, r.num_inference_steps) == (64, 64, 2)  # the YAML's defaults
+    with pytest.raises(RequestValidationError) as e:
+        staged.validate(GenerationRequest("s", "a cat", height=2048))  # above the YAML's max
+    assert e.value.field == "height"

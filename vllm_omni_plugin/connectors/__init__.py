@@ -33,7 +33,9 @@ def make_connector(kind: str, name: str | None = None, **options: Any) -> StageC
     Options (all optional): every kind takes `lease_s`. shm: `shm_dir`, `device`.
     nixl: `device`, `agent_name` (fix it to keep one name across restarts), `send_pool_mb`,
     `recv_pool_mb`, `copy_threshold_mb`, `poll_interval_s`, `progress_delay_us` (NIXL progress
-    thread sleep between polls; 0 = NIXL's busy loop), `backends`.
+    thread sleep between polls; 0 = NIXL's busy loop), `backends`. A NIXL producer can build a
+    payload in `conn.empty(shape, dtype)` (inside its registered send pool): put() then needs no
+    copy and no registration, the fastest path on one host.
     """
     if kind == "inproc":
         from vllm_omni_plugin.connectors.inproc import InProcConnector

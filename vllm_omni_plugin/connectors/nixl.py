@@ -2,8 +2,10 @@
 
 Producer (put): payloads up to `copy_threshold` bytes are copied into a slot of a send pool that was
 registered once (no per-put registration, no metadata change); larger ones, and device tensors,
-are registered where they lie (no copy) and their partial metadata rides in the descriptor. The
-descriptor also carries the agent's metadata and incarnation, so a consumer handshakes on first
+are registered where they lie (no copy) and their partial metadata rides in the descriptor. A
+producer that builds its payload in `empty()` (a tensor inside the send pool) gets neither a copy
+nor a registration; on one host that is also the fastest READ source (huge pages, staging.py).
+The descriptor also carries the agent's metadata and incarnation, so a consumer handshakes on first
 contact and again after the producer restarted. The producer frees a payload when the consumer's
 READ notification arrives, when the consumer releases it, or when its lease expires.
 
@@ -67,8 +69,9 @@ class _Lease:
     t0: float
     until: float
     offset: int | None = None  # send-pool slot
-    tensor: torch.Tensor | None = None  # payload registered in place
+    tensor: torch.Tensor | None = None  # payload registered in place, or an empty() payload
     reg: Any = None
+    tag_offset: int | None = None  # empty() payload: its slot's tag, cleared at release
 
 
 class NixlConnector(StageConnector):
@@ -80,7 +83,7 @@ class NixlConnector(StageConnector):
         lease_s: float = 300.0,
         device: str = "cpu",
         agent_name: str | None = None,
-        send_pool_mb: float = 64,
+        send_pool_mb: float = 256,
         recv_pool_mb: float = 192,
         copy_threshold_mb: float = 1,
         poll_interval_s: float = 0.005,
@@ -100,6 +103,7 @@ class NixlConnector(StageConnector):
             progress_delay_us,
         )
         # Pools are virtual until touched: registering them costs ~1 ms, not their size in RSS.
+        # The send pool also holds `empty()` payloads, hence room for a few 64 MiB ones.
         self.send_pool = StagingPool(int(send_pool_mb * MiB))
         self.recv_pool = StagingPool(int(recv_pool_mb * MiB)) if self.device.type == "cpu" else None
         self._regs = [self.agent.register(self.send_pool.buffer)]
@@ -125,6 +129,22 @@ class NixlConnector(StageConnector):
         return self.agent.name
 
     # -- producer -------------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor inside the registered send pool, for a payload to `put`.
+
+        put() of this very tensor (not a slice of it) sends it without a copy or a registration.
+        Its pool slot returns when the tensor and every descriptor put from it are done. Falls
+        back to ordinary memory when the pool is full. Put it once per fill: a second put of the
+        same tensor invalidates descriptors of the first (their get raises ConnectorError).
+        """
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        offset = self.send_pool.alloc(HEADER + nbytes)
+        if offset is None:
+            return torch.empty(tuple(shape), dtype=dtype)
+        slot = self.send_pool.lease_view(offset, HEADER + nbytes)  # frees the slot when garbage
+        slot[:8].view(torch.int64)[0] = 0  # no put yet: no READ may succeed
+        return slot[HEADER:].view(dtype).reshape(tuple(shape))
+
     def put(
         self, request_id: str, from_stage: int, to_stage: int, payload: Any
     ) -> PayloadDescriptor:
@@ -162,6 +182,15 @@ class NixlConnector(StageConnector):
 
     def _stage(self, data: torch.Tensor, lease: _Lease) -> NixlLocation:
         n = data.numel()
+        if data.device.type == "cpu":
+            slot = self.send_pool.slot_of(data.data_ptr() - HEADER)
+            if slot is not None and HEADER + n <= slot[1]:  # built in empty(): already registered
+                tag = secrets.randbits(63) | 1
+                self.send_pool.view(slot[0], 8).view(torch.int64)[0] = tag
+                lease.tensor, lease.tag_offset = data, slot[0]  # keeps the slot until released
+                return self._location(
+                    None, self.send_pool.base_ptr + slot[0], HEADER + n, 0, "DRAM", tag
+                )
         small = data.device.type == "cpu" and n <= self.copy_threshold
         offset = self.send_pool.alloc(HEADER + n) if small else None
         if offset is not None:
@@ -210,6 +239,8 @@ class NixlConnector(StageConnector):
             # Clear the tag so a READ arriving after expiry is detected, not served stale bytes.
             self.send_pool.view(lease.offset, 8).zero_()
             self.send_pool.free(lease.offset)
+        if lease.tag_offset is not None:  # the slot itself lives until its tensor dies
+            self.send_pool.view(lease.tag_offset, 8).zero_()
         if lease.reg is not None:
             self.agent.deregister(lease.reg)
         if why == "expired":

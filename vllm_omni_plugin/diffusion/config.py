@@ -27,24 +27,23 @@ class DiffusionEngineConfig:
     min_width: int | None = None
     max_height: int | None = None
     max_width: int | None = None
+    # Height/width must also be multiples of this (on top of the family's own granularity).
+    size_granularity: int | None = None
     # torch.compile the denoising transformer (GPU serving; first steps pay the compile).
     compile_transformer: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_stage_config(cls, stage: Any) -> DiffusionEngineConfig:
-        """Build from team B's typed StageConfig (a diffusion stage), without importing it."""
+        """Build from team B's typed StageConfig of a diffusion stage (duck-typed, no import)."""
         owner = stage.diffusion
-        sampling = getattr(stage, "sampling", None)
         defaults: dict[str, Any] = {}
-        if sampling is not None:
-            dump = (
-                sampling.model_dump() if hasattr(sampling, "model_dump") else dict(vars(sampling))
-            )
-            defaults = {k: v for k, v in dump.items() if v is not None}
+        sampling = getattr(stage, "sampling", None)
+        if sampling is not None and hasattr(sampling, "defaults_dict"):
+            defaults = sampling.defaults_dict()
         return cls(
             model=str(stage.model_path),
-            device=owner.device or "cpu",
+            device=owner.device or "cuda",
             dtype=owner.dtype,
             max_batch_size=owner.max_batch_size,
             max_num_inference_steps=owner.max_num_inference_steps,
@@ -55,4 +54,5 @@ class DiffusionEngineConfig:
             min_width=getattr(owner, "min_width", None),
             max_height=getattr(owner, "max_height", None),
             max_width=getattr(owner, "max_width", None),
+            size_granularity=getattr(owner, "size_granularity", None),
         )

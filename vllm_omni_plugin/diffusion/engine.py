@@ -94,6 +94,8 @@ class DiffusionEngine:
                 "n", f"{n} images exceed max_batch_size={self.config.max_batch_size}"
             )
         g = spec.granularity
+        if self.config.size_granularity:
+            g = math.lcm(g, self.config.size_granularity)
         filled = {}
         for name, default, lo, hi in (
             ("height", spec.default_height, self.config.min_height, self.config.max_height),

@@ -37,7 +37,9 @@ class QwenImageAdapter(DiffusionAdapter):
     def spec(self) -> FamilySpec:
         g = self.vae_scale_factor * 2
         size = self.pipe.default_sample_size * self.vae_scale_factor
-        return FamilySpec(g, size, size, 50, 4.0, g, 2048)
+        # guidance_scale is diffusers' true_cfg_scale here; a stage default may name it so.
+        cfg = float(self.defaults.get("true_cfg_scale", 4.0))
+        return FamilySpec(g, size, size, 50, cfg, g, 2048)
 
     def uses_cfg(self, req: GenerationRequest) -> bool:
         return (req.guidance_scale or 0) > 1 and req.negative_prompt is not None
