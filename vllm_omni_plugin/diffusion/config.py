@@ -31,6 +31,17 @@ class DiffusionEngineConfig:
     size_granularity: int | None = None
     # torch.compile the denoising transformer (GPU serving; first steps pay the compile).
     compile_transformer: bool = False
+    # Compile each repeated block instead of the whole forward: one graph per block type,
+    # so seconds of compile instead of minutes, the same kernels inside the blocks.
+    compile_regional: bool = False
+    # torch.compile mode (None = default; e.g. "max-autotune-no-cudagraphs") and fullgraph.
+    compile_mode: str | None = None
+    compile_fullgraph: bool = False
+    # One Q|K|V GEMM instead of three (FLUX); CUDA only, lossless.
+    fuse_qkv: bool = False
+    # SDPA kernel torch tries first: "cudnn" | "flash" | "efficient" | "math"; None = torch's
+    # order. CUDA only; "cudnn" is the fast one on Hopper (see BENCHMARKS.md).
+    attention_backend: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -55,4 +66,10 @@ class DiffusionEngineConfig:
             max_height=getattr(owner, "max_height", None),
             max_width=getattr(owner, "max_width", None),
             size_granularity=getattr(owner, "size_granularity", None),
+            compile_transformer=bool(getattr(owner, "compile_transformer", False)),
+            compile_regional=bool(getattr(owner, "compile_regional", False)),
+            compile_mode=getattr(owner, "compile_mode", None),
+            compile_fullgraph=bool(getattr(owner, "compile_fullgraph", False)),
+            fuse_qkv=bool(getattr(owner, "fuse_qkv", False)),
+            attention_backend=getattr(owner, "attention_backend", None),
         )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .acceleration import accelerate_transformer
 from .adapters.base import DiffusionAdapter
 from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
@@ -37,8 +38,16 @@ class DiffusionEngine:
         if config.max_batch_size < 1:
             raise DiffusionEngineError("max_batch_size must be >= 1")
         self.adapter = adapter or self._load_adapter()
-        if config.compile_transformer:
-            self.adapter.transformer = torch.compile(self.adapter.pipe.transformer)
+        self.adapter.transformer = accelerate_transformer(
+            self.adapter.pipe.transformer,
+            self.device,
+            compile=config.compile_transformer,
+            regional=config.compile_regional,
+            mode=config.compile_mode,
+            fullgraph=config.compile_fullgraph,
+            fuse_qkv=config.fuse_qkv,
+            attention_backend=config.attention_backend,
+        )
         self.defaults: dict[str, Any] = dict(config.defaults or {})
         self._activation_budget = self._budget()
         self.scheduler = Scheduler(
