@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     runner = make_runner(init, StatsRelay(conn))
     info = runner.info()
     log.info("loaded in %.1f s: %s", time.monotonic() - t0, info)
-    conn.send(Ready(pid=os.getpid(), info=info))
     try:
+        # Sending Ready is inside the try: if the API server went away while we loaded,
+        # this fails and `finally` still stops what the runner started (a vLLM EngineCore).
+        conn.send(Ready(pid=os.getpid(), info=info))
         runner.serve()
     except (EOFError, OSError):
         log.info("control connection closed; exiting")
