@@ -40,7 +40,7 @@ ENV = {
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     """Head and node started together (either order works: the node retries until it can
-    register). Before registration the head answers 503; test_registry.py covers that."""
+    register). Before registration the head answers 503; test_node_registry.py covers that."""
     model = tiny_models("glm-image")
     logs = tmp_path_factory.mktemp("multinode-lo")
     port, master = free_port(), free_port()
