@@ -37,10 +37,11 @@ class DiffusionEngineConfig:
     # torch.compile mode (None = default; e.g. "max-autotune-no-cudagraphs") and fullgraph.
     compile_mode: str | None = None
     compile_fullgraph: bool = False
+    # Benchmark knobs, not in the stage config: neither paid off on the H200 (BENCHMARKS.md).
     # One Q|K|V GEMM instead of three (FLUX); CUDA only, lossless.
     fuse_qkv: bool = False
     # SDPA kernel torch tries first: "cudnn" | "flash" | "efficient" | "math"; None = torch's
-    # order. CUDA only; "cudnn" is the fast one on Hopper (see BENCHMARKS.md).
+    # order (torch 2.11 already picks cuDNN attention on Hopper). CUDA only.
     attention_backend: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -61,15 +62,11 @@ class DiffusionEngineConfig:
             memory_budget_gb=owner.memory_budget_gb,
             defaults=defaults,
             pipeline_class=owner.pipeline_class,
-            min_height=getattr(owner, "min_height", None),
-            min_width=getattr(owner, "min_width", None),
-            max_height=getattr(owner, "max_height", None),
-            max_width=getattr(owner, "max_width", None),
-            size_granularity=getattr(owner, "size_granularity", None),
-            compile_transformer=bool(getattr(owner, "compile_transformer", False)),
-            compile_regional=bool(getattr(owner, "compile_regional", False)),
-            compile_mode=getattr(owner, "compile_mode", None),
-            compile_fullgraph=bool(getattr(owner, "compile_fullgraph", False)),
-            fuse_qkv=bool(getattr(owner, "fuse_qkv", False)),
-            attention_backend=getattr(owner, "attention_backend", None),
+            min_height=owner.min_height,
+            min_width=owner.min_width,
+            max_height=owner.max_height,
+            max_width=owner.max_width,
+            size_granularity=owner.size_granularity,
+            compile_transformer=owner.compile_transformer,
+            compile_regional=owner.compile_regional,
         )
