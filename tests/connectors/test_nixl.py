@@ -121,8 +121,11 @@ def test_lease_expiry_frees_and_late_get_fails(consumer):
     producer = make_connector("nixl", name="nixl-lease", lease_s=0.3)
     try:
         desc = producer.put("lease", 0, 1, pattern(4096, 3))
-        assert wait_for(lambda: producer.pending() == 0, timeout=3)
-        assert producer.stats.snapshot()["expired"] == 1
+        # The lease leaves `pending` before its expiry is counted: wait for both.
+        assert wait_for(
+            lambda: producer.pending() == 0 and producer.stats.snapshot()["expired"] == 1,
+            timeout=3,
+        ), producer.stats.snapshot()
         with pytest.raises(ConnectorError, match="lease expired"):
             consumer.get(desc, timeout=5)
     finally:
