@@ -19,7 +19,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 test: setup lint
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 serve: setup
 	@[ -f $(TINY_GLM)/model_index.json ] || $(VENV)/bin/vllm-omni-plugin make-tiny-model glm-image $(TINY_GLM)
