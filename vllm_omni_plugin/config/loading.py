@@ -35,12 +35,23 @@ def _tolerant_decode(expr: Any, _parent_: Any, _node_: Any) -> Any:
     return expr  # already a value (e.g. an int default of oc.env): nothing to decode
 
 
-if hasattr(OmegaConf, "register_resolver"):  # OmegaConf 2.4 (register_new_resolver deprecated)
-    OmegaConf.register_resolver(
-        "oc.decode", _tolerant_decode, replace=True, annotation_validation="off"
-    )
-else:  # OmegaConf 2.3
-    OmegaConf.register_new_resolver("oc.decode", _tolerant_decode, replace=True)
+_decode_installed = False
+
+
+def _install_tolerant_decode() -> None:
+    """Swap in the tolerant `oc.decode` when the first config is loaded, not at import: the
+    resolver table is process-wide, and for string input the two behave the same."""
+    global _decode_installed
+    if _decode_installed:
+        return
+    if hasattr(OmegaConf, "register_resolver"):  # OmegaConf 2.4 (register_new_resolver deprecated)
+        OmegaConf.register_resolver(
+            "oc.decode", _tolerant_decode, replace=True, annotation_validation="off"
+        )
+    else:  # OmegaConf 2.3
+        OmegaConf.register_new_resolver("oc.decode", _tolerant_decode, replace=True)
+    _decode_installed = True
+
 
 Path_ = tuple[Any, ...]
 
@@ -106,6 +117,7 @@ def read_yaml(path: Path, sink: ProblemSink) -> dict[str, Any] | None:
 def resolve_interpolations(data: dict[str, Any], sink: ProblemSink) -> LoadedFile | None:
     """Resolve `${...}` leaf by leaf; each failure becomes a problem naming its field."""
     try:
+        _install_tolerant_decode()
         cfg = OmegaConf.create(data)
     except Exception as exc:  # e.g. keys OmegaConf cannot hold
         sink.add(None, "", f"cannot build the config: {exc}")
