@@ -89,6 +89,35 @@ class StageConnector(ABC):
     ) -> PayloadDescriptor:
         """Store the payload for one edge of one request and return its descriptor."""
 
+    def _described_put(
+        self,
+        key: str,
+        request_id: str,
+        from_stage: int,
+        to_stage: int,
+        kind: PayloadKind,
+        dtype: str | None,
+        shape: tuple[int, ...],
+        nbytes: int,
+        location: Any = None,
+    ) -> PayloadDescriptor:
+        """Count one finished put and return its descriptor (shared by every connector kind)."""
+        self.stats.record_put(nbytes)
+        return PayloadDescriptor(
+            self.kind,
+            self.name,
+            key,
+            request_id,
+            from_stage,
+            to_stage,
+            kind,
+            dtype,
+            shape,
+            nbytes,
+            self.lease_s,
+            location=location,
+        )
+
     @abstractmethod
     def get(self, desc: PayloadDescriptor, timeout: float) -> Any:
         """Fetch the payload; raises ConnectorTimeout past `timeout` s, ConnectorError on failure."""

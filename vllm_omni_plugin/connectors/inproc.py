@@ -51,19 +51,8 @@ class InProcConnector(StageConnector):
         with self._lock:
             self._expire(now)
             self._items[key] = (payload, now, now + self.lease_s)
-        self.stats.record_put(nbytes)
-        return PayloadDescriptor(
-            self.kind,
-            self.name,
-            key,
-            request_id,
-            from_stage,
-            to_stage,
-            kind,
-            dtype,
-            shape,
-            nbytes,
-            self.lease_s,
+        return self._described_put(
+            key, request_id, from_stage, to_stage, kind, dtype, shape, nbytes
         )
 
     def get(self, desc: PayloadDescriptor, timeout: float) -> Any:

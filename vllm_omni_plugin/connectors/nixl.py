@@ -164,10 +164,7 @@ class NixlConnector(StageConnector):
         if enc.nbytes:
             with self._lock:
                 self._leases[key] = lease
-        self.stats.record_put(enc.nbytes)
-        return PayloadDescriptor(
-            self.kind,
-            self.name,
+        return self._described_put(
             key,
             request_id,
             from_stage,
@@ -176,8 +173,7 @@ class NixlConnector(StageConnector):
             enc.dtype,
             enc.shape,
             enc.nbytes,
-            self.lease_s,
-            location=location,
+            location,
         )
 
     def _stage(self, data: torch.Tensor, lease: _Lease) -> NixlLocation:

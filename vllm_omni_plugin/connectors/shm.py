@@ -87,20 +87,8 @@ class ShmConnector(StageConnector):
         with self._lock:
             self._sweep(now)
             self._owned[key] = (path, enc.nbytes, now, now + self.lease_s)
-        self.stats.record_put(enc.nbytes)
-        return PayloadDescriptor(
-            self.kind,
-            self.name,
-            key,
-            request_id,
-            from_stage,
-            to_stage,
-            enc.kind,
-            enc.dtype,
-            enc.shape,
-            enc.nbytes,
-            self.lease_s,
-            location=path,
+        return self._described_put(
+            key, request_id, from_stage, to_stage, enc.kind, enc.dtype, enc.shape, enc.nbytes, path
         )
 
     @staticmethod
