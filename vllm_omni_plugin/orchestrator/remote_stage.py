@@ -17,6 +17,7 @@ from ..stages.messages import Abort, Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .link import Link
 from .node_protocol import StageStatus, ToStage, Unavailable
+from .stage_client import send_and_await
 
 if TYPE_CHECKING:
     from .remote import StageHead
@@ -91,27 +92,12 @@ class RemoteStageClient:
                 f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
                 f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
             )
-        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self.pending[msg.request_id] = fut
-        try:
-            link.send(ToStage(self.stage_id, msg))
-        except OSError:
-            self.pending.pop(msg.request_id, None)
-            raise StageUnavailableError(
-                f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable"
-            ) from None
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            self.pending.pop(msg.request_id, None)
-            self.abort(msg.request_id)
-            raise
-        self.busy_s += result.stage_s
-        if result.error is None:
-            self.completed += 1
-        else:
-            self.failed += 1
-        return result
+        return await send_and_await(
+            self,
+            msg,
+            lambda m: link.send(ToStage(self.stage_id, m)),
+            f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable",
+        )
 
     def abort(self, request_id: str) -> None:
         if self.link is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..stages.messages import Abort, Result, StageInit, Submit
@@ -21,6 +22,33 @@ logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
 SUPERVISE_INTERVAL_S = 0.5
 MAX_BACKOFF_S = 30.0
+
+
+async def send_and_await(
+    client: Any, msg: Submit, send: Callable[[Any], None], unreachable: str
+) -> Result:
+    """Send `msg` with `send`, wait for its Result and count it on `client` (a local or remote
+    stage client: `pending`, `abort`, `busy_s`, `completed`, `failed`)."""
+    fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    client.pending[msg.request_id] = fut
+    try:
+        send(msg)
+    except OSError:
+        client.pending.pop(msg.request_id, None)
+        raise StageUnavailableError(unreachable) from None
+    try:
+        result = await fut
+    except asyncio.CancelledError:
+        # The client went away: drop the request's work in this stage too.
+        client.pending.pop(msg.request_id, None)
+        client.abort(msg.request_id)
+        raise
+    client.busy_s += result.stage_s
+    if result.error is None:
+        client.completed += 1
+    else:
+        client.failed += 1
+    return result
 
 
 class StageClient:
@@ -107,27 +135,9 @@ class StageClient:
     async def submit(self, msg: Submit) -> Result:
         if self.state != "ready" or self.proc is None:
             raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is {self.state}")
-        assert self._loop is not None
-        fut: asyncio.Future[Result] = self._loop.create_future()
-        self.pending[msg.request_id] = fut
-        try:
-            self.proc.send(msg)
-        except OSError:
-            self.pending.pop(msg.request_id, None)
-            raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is down") from None
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            # The client went away: drop the request's work in this stage too.
-            self.pending.pop(msg.request_id, None)
-            self.abort(msg.request_id)
-            raise
-        self.busy_s += result.stage_s
-        if result.error is None:
-            self.completed += 1
-        else:
-            self.failed += 1
-        return result
+        return await send_and_await(
+            self, msg, self.proc.send, f"stage {self.stage_id} ({self.kind}) is down"
+        )
 
     def abort(self, request_id: str) -> None:
         if self.proc is not None and self.state == "ready":
