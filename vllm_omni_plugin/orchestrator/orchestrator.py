@@ -3,13 +3,16 @@
 A request visits the stages in topological order. Each stage gets the validated request's
 parameters plus its upstream stages' outputs (connector descriptors), and returns its own
 output; the final stage returns encoded images. Cancelling `generate` (client disconnect)
-aborts the request in the stage that holds it.
+aborts the request in the stage that holds it. A request that fails or is cancelled after a
+stage produced its payload also aborts it in that producer, which releases the payload at once
+(shared-memory file, NIXL slot) instead of holding it until its lease expires.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,7 +93,7 @@ class Orchestrator:
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            self.shutdown()
+            await self.aclose()
             raise errors[0]
         logger.info(
             "pipeline %s: %d stage(s) ready in %.1f s",
@@ -100,12 +103,28 @@ class Orchestrator:
         )
 
     def shutdown(self) -> None:
-        """Stop every stage and everything they started. Idempotent, callable from any thread."""
+        """Stop every stage and everything they started, all at once (a stage may take
+        seconds to exit). Blocking, idempotent, callable from any thread but the event loop's;
+        on the loop use `aclose`."""
         if self._closed:
             return
         self._closed = True
-        for stage in self.stages.values():
-            stage.shutdown()
+        threads = [
+            threading.Thread(target=stage.shutdown, name=f"omni-stop-{sid}")
+            for sid, stage in self.stages.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    async def aclose(self) -> None:
+        """`shutdown` for the event loop: stages stop concurrently in threads, the loop
+        keeps serving meanwhile."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(asyncio.to_thread(s.shutdown) for s in self.stages.values()))
 
     def healthy(self) -> bool:
         return not self._closed and all(s.ready for s in self.stages.values())
@@ -120,32 +139,49 @@ class Orchestrator:
     async def generate(self, request_id: str, params: dict[str, Any]) -> PipelineResult:
         t0 = time.perf_counter()
         outputs: dict[int, Any] = {}
+        producers: list[int] = []  # stages that handed a payload on for this request
         stage_s = 0.0
         metrics: dict[str, Any] = {}
-        for spec in self.order:
-            sid = spec.stage_id
-            consumers = [s.stage_id for s in self.order if sid in s.inputs]
-            to_stage = consumers[0] if consumers else None
-            msg = Submit(
-                request_id=request_id,
-                params=params,
-                inputs={i: outputs.pop(i) for i in spec.inputs if i in outputs},
-                out_connector=self._edge_connector.get((sid, to_stage))
-                if to_stage is not None
-                else None,
-                to_stage=to_stage,
-            )
-            result = await self.stages[sid].submit(msg)
-            absorb_connector_stats(result)  # the stage's connector counters -> /metrics
-            if result.error is not None:
-                raise StageRequestError(sid, result.error, result.error_field)
-            stage_s += result.stage_s
-            metrics[f"stage_{sid}"] = dict(result.metrics)  # asdict would deep-copy the output
-            outputs[sid] = result.output
+        try:
+            for spec in self.order:
+                sid = spec.stage_id
+                consumers = [s.stage_id for s in self.order if sid in s.inputs]
+                to_stage = consumers[0] if consumers else None
+                msg = Submit(
+                    request_id=request_id,
+                    params=params,
+                    inputs={i: outputs.pop(i) for i in spec.inputs if i in outputs},
+                    out_connector=self._edge_connector.get((sid, to_stage))
+                    if to_stage is not None
+                    else None,
+                    to_stage=to_stage,
+                )
+                if to_stage is not None:
+                    producers.append(sid)  # before the await: its reply may come after a cancel
+                result = await self.stages[sid].submit(msg)
+                absorb_connector_stats(result)  # the stage's connector counters -> /metrics
+                if result.error is not None:
+                    raise StageRequestError(sid, result.error, result.error_field)
+                stage_s += result.stage_s
+                metrics[f"stage_{sid}"] = dict(result.metrics)  # asdict would deep-copy output
+                outputs[sid] = result.output
+        except BaseException:
+            self._release_payloads(request_id, producers)
+            raise
         images: list[bytes] = []
         for sid in self.final_ids:
             images.extend(outputs.get(sid) or [])
         return PipelineResult(images, stage_s, time.perf_counter() - t0, metrics)
+
+    def _release_payloads(self, request_id: str, producers: list[int]) -> None:
+        """The request failed or was cancelled: every stage that produced a payload for it
+        drops it now (an abort releases what a stage emitted; a payload the consumer already
+        read is released already, so this is a no-op then)."""
+        for sid in producers:
+            try:
+                self.stages[sid].abort(request_id)
+            except Exception:  # a failure path must not hide the request's own error
+                logger.exception("abort of %s in stage %d failed", request_id, sid)
 
     # ---- metrics -----------------------------------------------------------------------
     def stage_stats(self) -> list[dict[str, Any]]:

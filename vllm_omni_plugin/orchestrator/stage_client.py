@@ -4,6 +4,11 @@ A stage that dies (its control socket reads EOF, or the supervisor sees an exit 
 every in-flight request at once with StageUnavailableError (HTTP 503), logs the stage id and
 exit code, and is restarted in the background with backoff. Requests that arrive while it is
 down fail fast instead of queueing behind a restart.
+
+Every start (the first one and each restart) that fails for any reason is logged, the half-started
+process killed, and retried with backoff: the first start gives up after STARTUP_ATTEMPTS (the
+server then exits with the error), a restart never does. No background task ends silently: a done
+callback logs its exception, and the supervisor restarts a stage that was left dead.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..stages.messages import Abort, Result, StageInit, Submit
-from .errors import StageStartupError, StageUnavailableError
+from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
 SUPERVISE_INTERVAL_S = 0.5
+FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
+# A transient failure (a spawn hitting a resource limit, a flaky device) should not stop the
+# server from coming up; a real misconfiguration still fails start-up after a few seconds.
+STARTUP_ATTEMPTS = 3
 
 
 async def send_and_await(
@@ -62,12 +71,14 @@ class StageClient:
         self.proc: StageProcess | None = None
         self.pending: dict[str, asyncio.Future[Result]] = {}
         self.restarts = 0
+        self.start_failures = 0
         self.deaths = 0
         self.completed = 0
         self.failed = 0
         self.busy_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._restarting: asyncio.Task | None = None
 
     @property
     def info(self) -> dict[str, Any]:
@@ -84,8 +95,37 @@ class StageClient:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await self._spawn()
+        await self._start_until_ready(attempts=STARTUP_ATTEMPTS)
         self._spawn_task(self._supervise())
+
+    async def _start_until_ready(self, attempts: int | None) -> None:
+        """Spawn until the stage is ready (or closed): each failure is logged and retried with
+        backoff; after `attempts` failures (None: never) the last one is raised."""
+        backoff = FIRST_BACKOFF_S
+        attempt = 0
+        while self.state != "closed":
+            attempt += 1
+            try:
+                await self._spawn()
+                return
+            except Exception as exc:
+                if self.state == "closed":
+                    return
+                self.state = "dead"
+                self.start_failures += 1
+                give_up = attempts is not None and attempt >= attempts
+                logger.error(
+                    "start of stage %d (%s) failed (attempt %d), %s: %s",
+                    self.stage_id,
+                    self.kind,
+                    attempt,
+                    "giving up" if give_up else f"retrying in {backoff:.0f} s",
+                    exc,
+                )
+                if give_up:
+                    raise
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _spawn(self) -> None:
         assert self._loop is not None
@@ -93,9 +133,10 @@ class StageClient:
         proc = StageProcess(self.init, self._on_message, self._on_exit)
         self.proc = proc
         t0 = time.monotonic()
+        # StageProcess.start kills what it started before raising.
         await self._loop.run_in_executor(None, proc.start, self.startup_timeout_s)
         if self.state == "closed":  # shut down while we were starting
-            proc.kill()
+            await self._loop.run_in_executor(None, proc.kill)
             return
         proc.start_reading(self._loop)  # replies wake this loop directly: no reader thread
         self.state = "ready"
@@ -107,29 +148,54 @@ class StageClient:
             proc.pid,
         )
 
-    def _spawn_task(self, coro) -> None:
+    def _spawn_task(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        # A task's exception is otherwise only seen when someone awaits it, and nobody does.
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "stage %d (%s): background task failed",
+                self.stage_id,
+                self.kind,
+                exc_info=task.exception(),
+            )
 
     async def _supervise(self) -> None:
-        """Backup death detection (exit codes) for when the socket gives no EOF."""
+        """Backup death detection (exit codes) for when the socket gives no EOF, and a restart
+        for a stage left dead (e.g. its restart task failed)."""
         while self.state != "closed":
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
-            proc = self.proc
-            if self.state == "ready" and proc is not None and proc.returncode() is not None:
-                await self._on_death(proc)
+            try:
+                proc = self.proc
+                if self.state == "ready" and proc is not None and proc.returncode() is not None:
+                    await self._on_death(proc)
+                elif self.state == "dead":
+                    self._ensure_restart()
+            except Exception:  # the supervisor must outlive any one bad round
+                logger.exception("stage %d (%s): supervisor error", self.stage_id, self.kind)
 
     def shutdown(self) -> None:
-        """Stop the stage (any thread). In-flight requests fail with StageUnavailableError."""
+        """Stop the stage (blocking, any thread). In-flight requests fail with
+        StageUnavailableError at once, not after the process took its time to exit."""
         self.state = "closed"
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._on_close)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
         if self.proc is not None:
             self.proc.shutdown()
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_all, "the server is shutting down")
+
+    def _on_close(self) -> None:
+        self._fail_all("the server is shutting down")
         for task in list(self._tasks):
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(task.cancel)
+            task.cancel()
 
     # ---- requests ----------------------------------------------------------------------
     async def submit(self, msg: Submit) -> Result:
@@ -175,21 +241,19 @@ class StageClient:
         )
         self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
         await self._loop.run_in_executor(None, proc.kill)
-        if self.restart_enabled:
-            await self._restart()
+        self._ensure_restart()
+
+    def _ensure_restart(self) -> None:
+        """Start the restart task unless one is running (one restart loop per stage)."""
+        if not self.restart_enabled or self.state in ("closed", "ready"):
+            return
+        if self._restarting is None or self._restarting.done():
+            self._restarting = self._spawn_task(self._restart())
 
     async def _restart(self) -> None:
-        backoff = 1.0
-        while self.state not in ("closed", "ready"):
-            try:
-                await self._spawn()
-                self.restarts += 1
-                return
-            except StageStartupError as exc:
-                logger.error("restart of stage %d failed: %s", self.stage_id, exc)
-                self.state = "dead"
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        await self._start_until_ready(attempts=None)
+        if self.state == "ready":
+            self.restarts += 1
 
     def _fail_all(self, why: str) -> None:
         pending, self.pending = self.pending, {}

@@ -69,6 +69,7 @@ class StageProcess:
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._log_thread: threading.Thread | None = None
 
     @property
     def name(self) -> str:
@@ -79,7 +80,21 @@ class StageProcess:
         return self.proc.pid if self.proc else None
 
     def start(self, timeout_s: float) -> None:
-        """Spawn and block until the stage says Ready; StageStartupError otherwise."""
+        """Spawn and block until the stage says Ready. Whatever fails on the way (the spawn
+        itself, the first send, an exit, the deadline) kills what was started and raises
+        StageStartupError, so a caller never holds a half-started stage."""
+        try:
+            self._spawn()
+            self.send(self.init)
+            self._await_ready(timeout_s)
+        except StageStartupError:
+            self.kill()
+            raise
+        except Exception as exc:
+            self.kill()
+            raise self._startup_error(f"failed to start ({type(exc).__name__}: {exc})") from exc
+
+    def _spawn(self) -> None:
         parent_sock, child_sock = socket.socketpair()
         cmd = [
             sys.executable,
@@ -88,34 +103,45 @@ class StageProcess:
             f"--fd={child_sock.fileno()}",
             self.name,
         ]
-        self.proc = subprocess.Popen(
-            cmd,
-            env=stage_env(self.init.stage),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            pass_fds=[child_sock.fileno()],
-            start_new_session=True,
-        )
-        child_sock.close()
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=stage_env(self.init.stage),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=[child_sock.fileno()],
+                start_new_session=True,
+            )
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
         self.conn = Connection(parent_sock.detach())
-        threading.Thread(target=self._pump_logs, name=f"{self.name}-log", daemon=True).start()
-        self.send(self.init)
+        self._log_thread = threading.Thread(
+            target=self._pump_logs, name=f"{self.name}-log", daemon=True
+        )
+        self._log_thread.start()
 
+    def _await_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while not self._wait_ready(0.2):
             code = self.proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                self.kill()
-                what = (
-                    f"exited with code {code}"
-                    if code is not None
-                    else f"did not become ready within {timeout_s:.0f} s"
-                )
-                raise StageStartupError(
-                    f"stage {self.stage_id} ({self.kind}) {what} during start-up. "
-                    f"Last lines of its log:\n" + "\n".join(self.log_tail)
-                )
+            if code is not None:
+                raise self._startup_error(f"exited with code {code} during start-up")
+            if time.monotonic() > deadline:
+                raise self._startup_error(f"did not become ready within {timeout_s:.0f} s")
+
+    def _startup_error(self, what: str) -> StageStartupError:
+        # The log pump may still be copying the stage's last lines: give it a moment.
+        if self._log_thread is not None and self.returncode() is not None:
+            self._log_thread.join(1.0)
+        return StageStartupError(
+            f"stage {self.stage_id} ({self.kind}) {what}. "
+            f"Last lines of its log:\n" + "\n".join(self.log_tail)
+        )
 
     def send(self, msg: Any) -> None:
         conn = self.conn
