@@ -8,21 +8,27 @@ import time
 
 import pytest
 
+from vllm_omni_plugin.diffusion.limits import RequestLimits
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.protocol import ImageLimits
 from vllm_omni_plugin.serving.url_store import UrlStore
 from vllm_omni_plugin.serving.validation import MAX_BODY_BYTES, parse_body, validate_request
 
 LIMITS = ImageLimits(
+    stage=RequestLimits(
+        granularity=16,
+        min_height=64,
+        min_width=64,
+        max_height=256,
+        max_width=512,
+        max_steps=200,
+        max_batch_size=8,
+        default_height=64,
+        default_width=64,
+    ),
     max_n=4,
     max_prompt_chars=100,
-    min_size=64,
-    max_width=512,
-    max_height=256,
-    granularity=16,
-    max_steps=200,
-    default_width=64,
-    default_height=64,
+    max_negative_prompt_chars=100,
 )
 
 

@@ -75,7 +75,7 @@ def _guarded(func):
 @_guarded
 def _validate(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    for warning in cfg.warnings[:5]:
+    for warning in cfg.warnings[:MAX_LINES]:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"ok: {args.file}: pipeline {cfg.pipeline}, model {cfg.model or '(not set: pass MODEL)'}")
     for stage in cfg.stages:
@@ -101,7 +101,7 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, default=str))
     else:
         print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
-    for warning in cfg.warnings[:5]:
+    for warning in cfg.warnings[:MAX_LINES]:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
 

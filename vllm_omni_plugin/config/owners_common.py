@@ -69,7 +69,7 @@ class ParallelOwner(Owner):
     """How one replica of a stage is split across devices."""
 
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (AR stages; a diffusion stage runs on one device)."""
     pipeline_parallel_size: int = Field(1, ge=1)
     """Pipeline-parallel degree (AR stages)."""
     data_parallel_size: int = Field(1, ge=1)
@@ -79,15 +79,15 @@ class ParallelOwner(Owner):
     enable_expert_parallel: bool | None = None
     """Expert parallelism for MoE models (AR stages)."""
     sequence_parallel_size: int | None = Field(None, ge=1)
-    """Diffusion sequence-parallel degree (accepted; not implemented yet, must be 1 to run)."""
+    """Diffusion sequence-parallel degree (not implemented: values above 1 are refused at load)."""
     ulysses_degree: int | None = Field(None, ge=1)
-    """Diffusion Ulysses attention degree (accepted; not implemented yet)."""
+    """Diffusion Ulysses attention degree (not implemented: values above 1 are refused at load)."""
     ring_degree: int | None = Field(None, ge=1)
-    """Diffusion ring attention degree (accepted; not implemented yet)."""
+    """Diffusion ring attention degree (not implemented: values above 1 are refused at load)."""
     cfg_parallel_size: int | None = Field(None, ge=1)
-    """Diffusion CFG-parallel degree (accepted; not implemented yet)."""
+    """Diffusion CFG-parallel degree (not implemented: values above 1 are refused at load)."""
     vae_patch_parallel_size: int | None = Field(None, ge=1)
-    """Diffusion VAE patch-parallel degree (accepted; not implemented yet)."""
+    """Diffusion VAE patch-parallel degree (not implemented: values above 1 are refused at load)."""
 
 
 class ConnectorOwner(Owner):
@@ -98,7 +98,8 @@ class ConnectorOwner(Owner):
     output_connectors: dict[str, str] | None = None
     """vLLM-Omni style `{to_stage_N: connector_name}`."""
     omni_kv_config: dict[str, Any] | None = None
-    """KV / hidden-state transfer settings; an override replaces it whole."""
+    """vLLM-Omni KV / hidden-state transfer settings (no effect here: payloads cross each edge
+    through its connector; warned at load). An override replaces it whole."""
     kv_transfer_config: dict[str, Any] | None = None
     """vLLM KV-transfer config of an AR stage (e.g. our NIXL KV connector)."""
 
@@ -112,7 +113,7 @@ class RuntimeOwner(Owner):
     devices: str | None = None
     """Devices of one replica, CUDA_VISIBLE_DEVICES style ("0", "0,1"); None: the platform's default."""
     num_replicas: int = Field(1, ge=1)
-    """Copies of this stage behind the orchestrator."""
+    """Copies of this stage behind the orchestrator (only 1 until stage replicas exist)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set in the stage's process (and only there)."""
     enforce_eager: bool | None = None
@@ -120,7 +121,8 @@ class RuntimeOwner(Owner):
     compilation_config: dict[str, Any] | None = None
     """vLLM compilation config (AR stages)."""
     async_chunk: bool | None = None
-    """Stream partial outputs to the next stage (accepted; stages run after full inputs here)."""
+    """Stream partial outputs to the next stage (no effect: stages run after full inputs here;
+    warned at load)."""
 
     @field_validator("devices", mode="before")
     @classmethod

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from vllm_omni_plugin.config.owners_common import Owner
 
@@ -25,7 +25,9 @@ class DiffusionOwner(Owner):
     memory_budget_gb: float | None = Field(None, gt=0)
     """Device memory the engine may use, in GiB; requests that can never fit are rejected."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    """Device memory fraction the engine may use, in (0, 1] (an alternative to memory_budget_gb)."""
+    """Fraction of the device's memory the engine may use, in (0, 1] (instead of memory_budget_gb):
+    the budget requests are checked against, and on CUDA the allocator's hard cap; on CPU a
+    fraction of host RAM."""
     min_height: int = Field(256, ge=1)
     """Smallest image height accepted."""
     max_height: int = Field(2048, ge=1)
@@ -36,10 +38,10 @@ class DiffusionOwner(Owner):
     """Largest image width accepted."""
     size_granularity: int | None = Field(None, ge=1)
     """Height and width must be multiples of this (default: the pipeline family's)."""
-    request_batch_max_wait_ms: float | None = Field(None, ge=0)
-    """How long a new request may wait for others to batch with."""
+    request_batch_max_wait_ms: float | None = Field(None, ge=0, le=60_000)
+    """How long an idle engine holds a new request for others to batch with, in ms."""
     enable_cpu_offload: bool | None = None
-    """Keep idle components in host memory (accepted; not implemented yet)."""
+    """Keep idle components in host memory (not implemented: true is refused)."""
     vae_use_slicing: bool | None = None
     """Decode the VAE one image at a time."""
     vae_use_tiling: bool | None = None
@@ -50,9 +52,9 @@ class DiffusionOwner(Owner):
     """Compile each repeated transformer block once instead of the whole model (same speed,
     10-16 s of compile instead of 93 s); only with compile_transformer."""
     cache_backend: str | None = None
-    """Step-cache acceleration backend (accepted; not implemented yet)."""
+    """Step-cache acceleration backend (no effect yet: warned at load)."""
     cache_config: dict[str, Any] | None = None
-    """Settings of the step-cache backend (accepted; not implemented yet)."""
+    """Settings of the step-cache backend (no effect yet: warned at load)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> DiffusionOwner:
@@ -60,6 +62,10 @@ class DiffusionOwner(Owner):
             lo, hi = getattr(self, f"min_{dim}"), getattr(self, f"max_{dim}")
             if lo > hi:
                 raise ValueError(f"min_{dim} ({lo}) is larger than max_{dim} ({hi})")
+        if self.memory_budget_gb is not None and self.gpu_memory_utilization is not None:
+            raise ValueError(
+                "gpu_memory_utilization and memory_budget_gb both set the memory budget; keep one"
+            )
         return self
 
 
@@ -83,10 +89,21 @@ class DiffusionSamplingDefaults(Owner):
     """Seed of the request's torch.Generator("cpu")."""
     negative_prompt: str | None = None
     """Negative prompt used when a request sends none."""
-    output_type: str | None = None
-    """diffusers output_type ("pil")."""
+    output_type: Literal["pil"] | None = None
+    """diffusers output_type; only "pil" (the stage encodes the response images from PIL)."""
     extra_args: dict[str, Any] | None = None
-    """Extra keyword arguments passed to the pipeline call."""
+    """Extra pipeline-call arguments: not supported (the engine runs its own denoising loop), so
+    a non-empty mapping is refused."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_extra_args(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError(
+                f"{sorted(value)}: extra pipeline arguments are not supported (the engine runs "
+                "its own batched denoising loop); remove them"
+            )
+        return value
 
     def defaults_dict(self) -> dict[str, Any]:
         """Set defaults only (the diffusion engine's `defaults`)."""

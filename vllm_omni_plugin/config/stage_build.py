@@ -106,6 +106,7 @@ def build_stage(
         _check_ar(owners, sampling, sid, sink)
     else:
         _check_diffusion(owners["diffusion"], sampling, sid, sink)
+    _check_without_effect(owners, kind, sid, sink, warnings)
     if len(sink.problems) > before:
         return None
 
@@ -246,6 +247,71 @@ def _check_ar(owners: dict[str, Any], sampling: Any, sid: int, sink: ProblemSink
             sid,
             "default_sampling_params.max_tokens",
             f"{sampling.max_tokens} exceeds max_model_len {model.max_model_len}",
+        )
+
+
+# Fields that have no runtime effect yet. A value that would ask for behaviour the plugin does
+# not have is refused (a deploy that silently runs differently from its file is the failure this
+# project exists to prevent); a value that changes nothing when ignored (vLLM-Omni files set them
+# routinely) is warned about, naming the field. config/consumers.py lists every field's fate.
+_REFUSED_ABOVE_ONE = {
+    "runtime": ("num_replicas",),
+    "parallel": (
+        "sequence_parallel_size",
+        "ulysses_degree",
+        "ring_degree",
+        "cfg_parallel_size",
+        "vae_patch_parallel_size",
+    ),
+}
+_REFUSED_ABOVE_ONE_DIFFUSION = {"parallel": ("tensor_parallel_size",)}
+_WARNED_IF_SET = {"runtime": ("async_chunk",), "connector": ("omni_kv_config",)}
+_WARNED_IF_SET_DIFFUSION = {
+    "model": ("trust_remote_code", "revision"),
+    "load": ("load_format", "download_dir"),
+    "parallel": ("distributed_executor_backend",),
+    "runtime": ("enforce_eager",),
+    "diffusion": ("cache_backend", "cache_config"),
+}
+_WHY_ONE = {
+    "num_replicas": "a stage runs as one process until stage replicas exist",
+    "tensor_parallel_size": "a diffusion stage runs on one device",
+}
+
+
+def _check_without_effect(
+    owners: dict[str, Any], kind: str, sid: int, sink: ProblemSink, warnings: list[str]
+) -> None:
+    refused = dict(_REFUSED_ABOVE_ONE)
+    warned = dict(_WARNED_IF_SET)
+    if kind == "diffusion":
+        refused = {k: refused.get(k, ()) + v for k, v in _REFUSED_ABOVE_ONE_DIFFUSION.items()} | {
+            k: v for k, v in refused.items() if k not in _REFUSED_ABOVE_ONE_DIFFUSION
+        }
+        for k, v in _WARNED_IF_SET_DIFFUSION.items():
+            warned[k] = warned.get(k, ()) + v
+    for owner_name, names in refused.items():
+        owner = owners.get(owner_name)
+        for name in names:
+            value = getattr(owner, name, None) if owner is not None else None
+            if value is not None and value > 1:
+                why = _WHY_ONE.get(name, "this parallelism is not implemented yet")
+                sink.add(sid, name, f"{value} is not supported: {why}; set 1 or remove it")
+    for owner_name, names in warned.items():
+        owner = owners.get(owner_name)
+        for name in names:
+            if owner is not None and name in owner.model_fields_set:
+                warnings.append(
+                    f"stage {sid}: {name} has no effect on {'an AR' if kind == 'ar' else 'a diffusion'}"
+                    " stage of this plugin (accepted for vLLM-Omni files); remove it"
+                )
+    diff = owners.get("diffusion")
+    if diff is not None and diff.enable_cpu_offload:
+        sink.add(
+            sid,
+            "enable_cpu_offload",
+            "CPU offload is not implemented: the whole pipeline stays on the device; "
+            "set false or remove it",
         )
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+# DiffusionOwner fields the engine does not take: each is refused or warned about when the
+# config loads (config/stage_build.py), so none of them is silently dropped here.
+OWNER_FIELDS_NOT_IN_ENGINE = frozenset({"enable_cpu_offload", "cache_backend", "cache_config"})
 
 
 @dataclass
@@ -17,6 +22,10 @@ class DiffusionEngineConfig:
     max_num_inference_steps: int = 200
     # Total memory the stage may use (weights + activations), in GiB; None = no budget check.
     memory_budget_gb: float | None = None
+    # Fraction of the device's memory the stage may use (CUDA: also the allocator's hard cap via
+    # torch.cuda.set_per_process_memory_fraction; CPU: a fraction of host RAM). Either this or
+    # memory_budget_gb sets the budget that requests are checked against.
+    gpu_memory_utilization: float | None = None
     # Request defaults from the stage config (num_inference_steps, guidance_scale, height, width,
     # seed, negative_prompt, and family extras such as FLUX's true_cfg_scale).
     defaults: dict[str, Any] | None = None
@@ -29,6 +38,12 @@ class DiffusionEngineConfig:
     max_width: int | None = None
     # Height/width must also be multiples of this (on top of the family's own granularity).
     size_granularity: int | None = None
+    # An idle engine holds a new request up to this long for others to fill the batch with
+    # (None/0: start at once; step-batched families only).
+    request_batch_max_wait_ms: float | None = None
+    # VAE decode one image at a time / in tiles (None: the VAE's own default).
+    vae_use_slicing: bool | None = None
+    vae_use_tiling: bool | None = None
     # torch.compile the denoising transformer (GPU serving; first steps pay the compile).
     compile_transformer: bool = False
     # Compile each repeated block instead of the whole forward: one graph per block type,
@@ -46,27 +61,35 @@ class DiffusionEngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
+    def from_owner(
+        cls,
+        owner: Any,
+        *,
+        model: str,
+        defaults: dict[str, Any] | None = None,
+        pipeline_class: str | None = None,
+    ) -> DiffusionEngineConfig:
+        """Build from a `DiffusionOwner` (duck-typed: this package imports without the config).
+
+        Every owner field lands in the field of the same name; a field the engine has no slot for
+        raises here unless the loader refuses or warns about it (OWNER_FIELDS_NOT_IN_ENGINE), so a
+        new owner field cannot be dropped on the way.
+        """
+        values = owner.model_dump()
+        slots = {f.name for f in dataclasses.fields(cls)}
+        missing = set(values) - slots - OWNER_FIELDS_NOT_IN_ENGINE
+        if missing:
+            raise TypeError(f"DiffusionEngineConfig has no field for {sorted(missing)}")
+        kwargs = {k: v for k, v in values.items() if k in slots}
+        if kwargs.get("device") is None:
+            kwargs["device"] = "cuda"
+        if kwargs.get("pipeline_class") is None:
+            kwargs["pipeline_class"] = pipeline_class
+        return cls(model=str(model), defaults=dict(defaults or {}), **kwargs)
+
+    @classmethod
     def from_stage_config(cls, stage: Any) -> DiffusionEngineConfig:
-        """Build from team B's typed StageConfig of a diffusion stage (duck-typed, no import)."""
-        owner = stage.diffusion
-        defaults: dict[str, Any] = {}
+        """Build from the typed StageConfig of a diffusion stage (duck-typed, no import)."""
         sampling = getattr(stage, "sampling", None)
-        if sampling is not None and hasattr(sampling, "defaults_dict"):
-            defaults = sampling.defaults_dict()
-        return cls(
-            model=str(stage.model_path),
-            device=owner.device or "cuda",
-            dtype=owner.dtype,
-            max_batch_size=owner.max_batch_size,
-            max_num_inference_steps=owner.max_num_inference_steps,
-            memory_budget_gb=owner.memory_budget_gb,
-            defaults=defaults,
-            pipeline_class=owner.pipeline_class,
-            min_height=owner.min_height,
-            min_width=owner.min_width,
-            max_height=owner.max_height,
-            max_width=owner.max_width,
-            size_granularity=owner.size_granularity,
-            compile_transformer=owner.compile_transformer,
-            compile_regional=owner.compile_regional,
-        )
+        defaults = sampling.defaults_dict() if hasattr(sampling, "defaults_dict") else {}
+        return cls.from_owner(stage.diffusion, model=str(stage.model_path), defaults=defaults)

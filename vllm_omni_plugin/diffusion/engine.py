@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import secrets
 import threading
+import time
 from typing import Any
 
 import torch
@@ -22,12 +24,13 @@ from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
+from .limits import MAX_SEED, RequestLimits, size_granularity
 from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
-MAX_SEED = 2**63 - 1
+__all__ = ["MAX_SEED", "DiffusionEngine"]
 
 
 class DiffusionEngine:
@@ -37,7 +40,9 @@ class DiffusionEngine:
         self.dtype = torch_dtype(config.dtype)
         if config.max_batch_size < 1:
             raise DiffusionEngineError("max_batch_size must be >= 1")
+        self._budget_bytes = self._total_budget()
         self.adapter = adapter or self._load_adapter()
+        configure_vae(self.adapter.pipe, config.vae_use_slicing, config.vae_use_tiling)
         self.adapter.transformer = accelerate_transformer(
             self.adapter.pipe.transformer,
             self.device,
@@ -50,12 +55,14 @@ class DiffusionEngine:
         )
         self.defaults: dict[str, Any] = dict(config.defaults or {})
         self._activation_budget = self._budget()
+        self.limits = self._limits()
         self.scheduler = Scheduler(
             config.max_batch_size,
             self.adapter.batch_key,
             cost=self._cost,
             budget=self._activation_budget,
             step_batched=self.adapter.step_batched,
+            max_wait_s=(config.request_batch_max_wait_ms or 0.0) / 1e3,
         )
         self.runner = ModelRunner(self.adapter)
         self._lock = threading.Lock()
@@ -68,17 +75,64 @@ class DiffusionEngine:
         pipe = load_pipeline(cfg.model, self.dtype, self.device, skip=cls.skip_components)
         return cls(pipe, self.device, self.dtype, dict(cfg.defaults or {}))
 
-    def _budget(self) -> int | None:
-        if self.config.memory_budget_gb is None:
+    def _total_budget(self) -> int | None:
+        """Bytes the stage may use: memory_budget_gb, or gpu_memory_utilization of the device.
+
+        On CUDA the fraction is also set as the caching allocator's cap, so the process cannot
+        exceed it even where the activation estimate is off; on CPU it is a fraction of host RAM
+        and acts through the budget check only.
+        """
+        cfg = self.config
+        frac = cfg.gpu_memory_utilization
+        if frac is not None and cfg.memory_budget_gb is not None:
+            raise DiffusionEngineError("set memory_budget_gb or gpu_memory_utilization, not both")
+        if cfg.memory_budget_gb is not None:
+            return int(cfg.memory_budget_gb * 2**30)
+        if frac is None:
             return None
-        total = int(self.config.memory_budget_gb * 2**30)
-        left = total - self.adapter.weight_bytes()
+        if not 0 < frac <= 1:
+            raise DiffusionEngineError(f"gpu_memory_utilization must be in (0, 1], got {frac}")
+        if self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(frac, self.device)
+            index = self.device.index if self.device.index is not None else 0
+            total = torch.cuda.get_device_properties(index).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(frac * total)
+
+    def _budget(self) -> int | None:
+        """Activation bytes left once the weights are loaded (None: no budget)."""
+        if self._budget_bytes is None:
+            return None
+        left = self._budget_bytes - self.adapter.weight_bytes()
         if left <= 0:
+            cfg = self.config
+            what = (
+                f"memory_budget_gb={cfg.memory_budget_gb}"
+                if cfg.memory_budget_gb is not None
+                else f"gpu_memory_utilization={cfg.gpu_memory_utilization} "
+                f"({self._budget_bytes / 2**30:.3f} GiB of {self.device.type} memory)"
+            )
             raise DiffusionEngineError(
-                f"memory_budget_gb={self.config.memory_budget_gb} is smaller than the model "
-                f"weights ({self.adapter.weight_bytes() / 2**30:.2f} GiB)"
+                f"{what} is smaller than the model weights "
+                f"({self.adapter.weight_bytes() / 2**30:.3f} GiB)"
             )
         return left
+
+    def _limits(self) -> RequestLimits:
+        """The bounds `validate` enforces, which the stage announces to the API server."""
+        spec, cfg, d = self.adapter.spec, self.config, self.defaults
+        return RequestLimits(
+            granularity=size_granularity(spec.granularity, cfg.size_granularity),
+            min_height=cfg.min_height or spec.min_size,
+            min_width=cfg.min_width or spec.min_size,
+            max_height=cfg.max_height or spec.max_size,
+            max_width=cfg.max_width or spec.max_size,
+            max_steps=cfg.max_num_inference_steps,
+            max_batch_size=cfg.max_batch_size,
+            default_height=int(d.get("height", spec.default_height)),
+            default_width=int(d.get("width", spec.default_width)),
+        )
 
     def _cost(self, state: RequestState) -> int:
         return state.rows * self.adapter.row_bytes(state.req.height, state.req.width)
@@ -102,23 +156,22 @@ class DiffusionEngine:
             raise CapacityError(
                 "n", f"{n} images exceed max_batch_size={self.config.max_batch_size}"
             )
-        g = spec.granularity
-        if self.config.size_granularity:
-            g = math.lcm(g, self.config.size_granularity)
+        lim = self.limits
+        g = lim.granularity
         filled = {}
         for name, default, lo, hi in (
-            ("height", spec.default_height, self.config.min_height, self.config.max_height),
-            ("width", spec.default_width, self.config.min_width, self.config.max_width),
+            ("height", lim.default_height, lim.min_height, lim.max_height),
+            ("width", lim.default_width, lim.min_width, lim.max_width),
         ):
             value = getattr(req, name)
-            value = d.get(name, default) if value is None else value
-            value = _int_field(name, value, lo or spec.min_size, hi or spec.max_size)
+            value = default if value is None else value
+            value = _int_field(name, value, lo, hi)
             if value % g:
                 raise RequestValidationError(name, f"{value} is not a multiple of {g}")
             filled[name] = value
         steps = req.num_inference_steps
         steps = d.get("num_inference_steps", spec.default_steps) if steps is None else steps
-        steps = _int_field("num_inference_steps", steps, 1, self.config.max_num_inference_steps)
+        steps = _int_field("num_inference_steps", steps, 1, lim.max_steps)
         guidance = req.guidance_scale
         guidance = d.get("guidance_scale", spec.default_guidance) if guidance is None else guidance
         if isinstance(guidance, bool) or not isinstance(guidance, (int, float)):
@@ -127,7 +180,7 @@ class DiffusionEngine:
             raise RequestValidationError("guidance_scale", f"must be >= 0, got {guidance}")
         seed = req.seed if req.seed is not None else d.get("seed")
         if seed is not None:
-            seed = _int_field("seed", seed, 0, MAX_SEED)
+            seed = _int_field("seed", seed, 0, lim.max_seed)
         out = dataclasses.replace(
             req,
             negative_prompt=negative,
@@ -171,6 +224,11 @@ class DiffusionEngine:
         with self._lock:
             return self.scheduler.has_unfinished()
 
+    def hold_s(self) -> float:
+        """Seconds until held requests start (request_batch_max_wait_ms); 0: step now."""
+        with self._lock:
+            return self.scheduler.hold_s()
+
     def progress(self, request_id: str) -> tuple[int, int]:
         """(steps done, total steps) of a request the engine knows; KeyError otherwise."""
         with self._lock:
@@ -213,6 +271,9 @@ class DiffusionEngine:
         while wanted - results.keys():
             if not self.has_unfinished():
                 raise DiffusionEngineError(f"requests lost: {sorted(wanted - results.keys())}")
+            held = self.hold_s()
+            if held > 0:
+                time.sleep(held)
             for o in self.step():
                 results[o.request_id] = o
         return [results[i] for i in ids]
@@ -226,3 +287,23 @@ def _int_field(name: str, value: Any, lo: int | None, hi: int | None) -> int:
     if hi is not None and value > hi:
         raise RequestValidationError(name, f"must be <= {hi}, got {value}")
     return value
+
+
+def configure_vae(pipe: Any, slicing: bool | None, tiling: bool | None) -> None:
+    """vae_use_slicing / vae_use_tiling: switch the VAE's own decode modes (None: its default).
+
+    The adapters call `vae.decode` directly, which honours both modes in diffusers' VAEs.
+    """
+    vae = getattr(pipe, "vae", None)
+    for name, value, on, off in (
+        ("vae_use_slicing", slicing, "enable_slicing", "disable_slicing"),
+        ("vae_use_tiling", tiling, "enable_tiling", "disable_tiling"),
+    ):
+        if value is None:
+            continue
+        method = getattr(vae, on if value else off, None)
+        if method is None:
+            raise DiffusionEngineError(
+                f"{name}={value}: the VAE of this pipeline ({type(vae).__name__}) has no {on}"
+            )
+        method()

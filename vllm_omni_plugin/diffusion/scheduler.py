@@ -5,6 +5,9 @@ then pick one group of running requests with the same batch key (resolution, CFG
 advance by one denoising step together. The group is the oldest running request's key (FCFS),
 filled in arrival order up to `max_batch_size` images and the memory budget. Finished requests
 leave; their slots are free at the next step.
+
+With `max_wait_s`, an idle engine holds newly arrived requests until the batch is full or the
+oldest has waited that long, so requests arriving close together start (and finish) together.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ class Scheduler:
         cost: Callable[[RequestState], int] | None = None,
         budget: int | None = None,
         step_batched: bool = True,
+        max_wait_s: float = 0.0,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.batch_key = batch_key
         self.cost = cost  # activation bytes a request adds to one forward
         self.budget = budget  # activation bytes one forward may use (None = unlimited)
         self.step_batched = step_batched
+        self.max_wait_s = max_wait_s
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self._aborted: list[RequestState] = []
@@ -76,6 +81,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
 
+    def hold_s(self, now: float | None = None) -> float:
+        """Seconds the waiting requests are still held for others to join (0: not held).
+
+        Only an idle step-batched engine holds: once requests run, newcomers join at the next
+        step boundary anyway.
+        """
+        if self.max_wait_s <= 0 or not self.step_batched or self.running or not self.waiting:
+            return 0.0
+        if sum(s.n for s in self.waiting) >= self.max_batch_size:
+            return 0.0
+        now = time.perf_counter() if now is None else now
+        return max(0.0, self.waiting[0].arrival + self.max_wait_s - now)
+
     def _fits(self, group: list[RequestState], state: RequestState) -> bool:
         if sum(s.n for s in group) + state.n > self.max_batch_size:
             return False
@@ -92,6 +110,8 @@ class Scheduler:
                 state.started = time.perf_counter()
                 self.running.append(state)
                 batch.whole = state
+            return batch
+        if self.hold_s() > 0:
             return batch
         # Admit in arrival order while the running set still fits one forward; new requests
         # join the denoising loop at this step boundary.

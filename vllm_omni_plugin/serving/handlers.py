@@ -10,7 +10,9 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from ..diffusion.limits import RequestLimits
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
+from ..stages.messages import GenerationParams
 from .errors import APIError, invalid, unavailable
 from .images import MEDIA_TYPES
 from .protocol import ImageLimits, ValidRequest
@@ -25,20 +27,8 @@ class ClientDisconnected(Exception):
 
 
 def limits_from(orchestrator: Orchestrator, serving: Any) -> ImageLimits:
-    """Bounds from the final stage (as its engine applied the stage config) + `serving:`."""
-    info = orchestrator.final_info()
-    max_batch = int(info.get("max_batch_size", 1))
-    return ImageLimits(
-        max_n=min(int(getattr(serving, "max_n", 4)), max_batch),
-        max_prompt_chars=int(getattr(serving, "max_prompt_chars", 4000)),
-        min_size=int(info["min_size"]),
-        max_width=int(info["max_width"]),
-        max_height=int(info["max_height"]),
-        granularity=int(info["granularity"]),
-        max_steps=int(info["max_steps"]),
-        default_width=int(info["default_width"]),
-        default_height=int(info["default_height"]),
-    )
+    """Bounds the final stage announced in its Ready info (what its engine enforces) + `serving:`."""
+    return ImageLimits.build(RequestLimits.from_dict(orchestrator.final_info()["limits"]), serving)
 
 
 class ImageService:
@@ -99,18 +89,18 @@ class ImageService:
         return response, headers
 
     async def _run(self, request_id: str, valid: ValidRequest, disconnected: Any):
-        params = {
-            "prompt": valid.prompt,
-            "negative_prompt": valid.negative_prompt,
-            "n": valid.n,
-            "height": valid.height,
-            "width": valid.width,
-            "num_inference_steps": valid.num_inference_steps,
-            "guidance_scale": valid.guidance_scale,
-            "seed": valid.seed,
-            "output_format": valid.output_format,
-            "output_compression": valid.output_compression,
-        }
+        params = GenerationParams(
+            prompt=valid.prompt,
+            negative_prompt=valid.negative_prompt,
+            n=valid.n,
+            height=valid.height,
+            width=valid.width,
+            num_inference_steps=valid.num_inference_steps,
+            guidance_scale=valid.guidance_scale,
+            seed=valid.seed,
+            output_format=valid.output_format,
+            output_compression=valid.output_compression,
+        )
         work = asyncio.ensure_future(self.orchestrator.generate(request_id, params))
         watch = asyncio.ensure_future(disconnected())
         try:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+
+from vllm_omni_plugin.diffusion.limits import RequestLimits
 
 ResponseFormat = Literal["b64_json", "url"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -37,17 +39,28 @@ class ImageGenerationRequest(BaseModel):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Bounds one deployment accepts; filled from the stage config (see serving/limits.py)."""
+    """Bounds one deployment accepts: the final stage's own limits (as its engine announced them
+    at start-up) plus the pipeline-wide `serving:` text and `n` bounds."""
 
+    stage: RequestLimits
     max_n: int
     max_prompt_chars: int
-    min_size: int
-    max_width: int
-    max_height: int
-    granularity: int
-    max_steps: int
-    default_width: int
-    default_height: int
+    max_negative_prompt_chars: int
+
+    @classmethod
+    def build(cls, stage: RequestLimits, serving: Any) -> ImageLimits:
+        """`serving` is the config's ServingLimits (None: its defaults)."""
+        if serving is None:
+            from vllm_omni_plugin.config.owners_common import ServingLimits
+
+            serving = ServingLimits()
+        return cls(
+            stage=stage,
+            # One request's images are denoised together, so n is capped by the batch too.
+            max_n=min(serving.max_n, stage.max_batch_size),
+            max_prompt_chars=serving.max_prompt_chars,
+            max_negative_prompt_chars=serving.max_negative_prompt_chars,
+        )
 
 
 @dataclass(frozen=True)

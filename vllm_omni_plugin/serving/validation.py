@@ -1,5 +1,6 @@
 """Turn a raw request body into a ValidRequest, or an OpenAI-shaped 4xx. Nothing here touches a
-stage: every bound is checked in the API server against limits taken from the stage config."""
+stage: every bound is checked in the API server against the limits the final stage announced
+(diffusion/limits.py computes them; nothing here repeats that arithmetic) and `serving:`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
 
 MAX_BODY_BYTES = 1 << 20  # far above any legal request (prompts are bounded in characters)
-MAX_SEED = (1 << 63) - 1
 _SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -45,21 +45,20 @@ def _pydantic_error(exc: ValidationError) -> APIError:
 
 
 def parse_size(size: str | None, limits: ImageLimits) -> tuple[int, int]:
+    lim = limits.stage
     if size is None or size == "auto":
-        return limits.default_width, limits.default_height
+        return lim.default_width, lim.default_height
     match = _SIZE_RE.match(size)
     if match is None:
         raise invalid(f"size must look like 'WIDTHxHEIGHT' (e.g. '64x64'), got {size!r}", "size")
     width, height = int(match.group(1)), int(match.group(2))
-    g = limits.granularity
-    for name, value, top in (
-        ("width", width, limits.max_width),
-        ("height", height, limits.max_height),
+    g = lim.granularity
+    for name, value, low, top in (
+        ("width", width, lim.min_width, lim.max_width),
+        ("height", height, lim.min_height, lim.max_height),
     ):
-        if not limits.min_size <= value <= top:
-            raise invalid(
-                f"size {size}: {name} {value} is outside [{limits.min_size}, {top}]", "size"
-            )
+        if not low <= value <= top:
+            raise invalid(f"size {size}: {name} {value} is outside [{low}, {top}]", "size")
         if value % g:
             raise invalid(f"size {size}: {name} {value} is not a multiple of {g}", "size")
     return width, height
@@ -73,10 +72,13 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
 
     if not req.prompt.strip():
         raise invalid("prompt must not be empty", "prompt")
-    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
-        if text is not None and len(text) > limits.max_prompt_chars:
+    for name, text, most in (
+        ("prompt", req.prompt, limits.max_prompt_chars),
+        ("negative_prompt", req.negative_prompt, limits.max_negative_prompt_chars),
+    ):
+        if text is not None and len(text) > most:
             raise invalid(
-                f"{name} has {len(text)} characters; the limit is {limits.max_prompt_chars}",
+                f"{name} has {len(text)} characters; the limit is {most}",
                 name,
                 "string_above_max_length",
             )
@@ -84,16 +86,16 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
         raise invalid(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
     width, height = parse_size(req.size, limits)
     steps = req.num_inference_steps
-    if steps is not None and not 1 <= steps <= limits.max_steps:
+    if steps is not None and not 1 <= steps <= limits.stage.max_steps:
         raise invalid(
-            f"num_inference_steps must be between 1 and {limits.max_steps}, got {steps}",
+            f"num_inference_steps must be between 1 and {limits.stage.max_steps}, got {steps}",
             "num_inference_steps",
         )
     guidance = req.guidance_scale
     if guidance is not None and (not math.isfinite(guidance) or not 0 <= guidance <= 100):
         raise invalid("guidance_scale must be a finite number in [0, 100]", "guidance_scale")
-    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
-        raise invalid(f"seed must be an integer in [0, {MAX_SEED}]", "seed")
+    if req.seed is not None and not 0 <= req.seed <= limits.stage.max_seed:
+        raise invalid(f"seed must be an integer in [0, {limits.stage.max_seed}]", "seed")
     return ValidRequest(
         prompt=req.prompt,
         n=req.n,

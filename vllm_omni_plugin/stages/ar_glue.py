@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..diffusion.errors import RequestValidationError
+from .messages import GenerationParams
+
 
 class GlmImageGlue:
     """GLM-Image text-to-image (team D's helpers): exact image-token budget, then prior ids."""
@@ -19,24 +22,35 @@ class GlmImageGlue:
         self.processor_dir = str(stage.tokenizer_path or Path(self.model_dir).parent / "processor")
         self.defaults = stage.sampling.sampling_kwargs()
 
-    def prepare(self, params: dict[str, Any]):
+    def prepare(self, params: GenerationParams):
         from vllm import SamplingParams
 
-        h, w = int(params["height"]), int(params["width"])
-        prompt_ids = self.processing.build_t2i_prompt(self.processor_dir, params["prompt"], h, w)
+        h, w = self._size(params)
+        try:
+            self.processing.target_grids(h, w)
+        except ValueError as exc:  # every ValueError of target_grids is about the size
+            raise RequestValidationError("size", str(exc)) from None
+        prompt_ids = self.processing.build_t2i_prompt(self.processor_dir, params.prompt, h, w)
         kwargs = dict(self.defaults)
         overrides = self.processing.t2i_sampling_overrides(self.model_dir, h, w)
         extra = {**kwargs.pop("extra_args", {}), **overrides.pop("extra_args", {})}
         kwargs.update(overrides)
         kwargs["extra_args"] = extra
         kwargs["n"] = 1  # one prior per prompt; the DiT repeats it for n images, as diffusers
-        if params.get("seed") is not None:
-            kwargs["seed"] = int(params["seed"])
+        if params.seed is not None:
+            kwargs["seed"] = int(params.seed)
         return prompt_ids, SamplingParams(**kwargs)
 
-    def to_payload(self, token_ids: list[int], params: dict[str, Any]):
-        h, w = int(params["height"]), int(params["width"])
+    def to_payload(self, token_ids: list[int], params: GenerationParams):
+        h, w = self._size(params)
         return self.processing.tokens_to_prior_token_ids(token_ids, h, w)
+
+    @staticmethod
+    def _size(params: GenerationParams) -> tuple[int, int]:
+        if params.height is None or params.width is None:
+            # Serving always fills the size from the final stage's limits.
+            raise ValueError("GLM-Image needs the request's height and width")
+        return int(params.height), int(params.width)
 
 
 _GLUES = {"glm_image": GlmImageGlue}

@@ -15,6 +15,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..diffusion.errors import RequestValidationError
 from .ar_glue import glue_for
 from .messages import Abort, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
@@ -64,6 +65,47 @@ def lower_worker_priority(nice: int) -> list[int]:
     return done
 
 
+# VllmConfig sections and fields reported by `describe` (the ones a stage config sets).
+_DESCRIBED = {
+    "model_config": ("model", "dtype", "max_model_len", "enforce_eager", "seed", "tokenizer"),
+    "cache_config": (
+        "gpu_memory_utilization",
+        "enable_prefix_caching",
+        "block_size",
+        "cache_dtype",
+        "kv_cache_memory_bytes",
+        "cpu_kvcache_space_bytes",
+    ),
+    "scheduler_config": (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_chunked_prefill",
+        "async_scheduling",
+        "scheduler_cls",
+    ),
+    "parallel_config": (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "distributed_executor_backend",
+    ),
+    "load_config": ("load_format", "download_dir"),
+}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe form of a config value (classes and enums by name)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return str(value)
+
+
 class ARStageRunner:
     def __init__(self, init: StageInit, conn: Connection):
         self.init = init
@@ -96,7 +138,22 @@ class ARStageRunner:
             pass
 
     def info(self) -> dict[str, Any]:
-        return {"kind": "ar", "pipeline": self.init.pipeline, "model": self.init.stage.model_path}
+        return {
+            "kind": "ar",
+            "pipeline": self.init.pipeline,
+            "model": self.init.stage.model_path,
+            "effective": self.describe(),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """The settings in effect, read back from the engine's own VllmConfig (plain values)."""
+        cfg = self.engine.vllm_config
+        out: dict[str, Any] = {}
+        for section, names in _DESCRIBED.items():
+            sub = getattr(cfg, section, None)
+            out[section] = {n: _plain(getattr(sub, n, None)) for n in names}
+        out["default_sampling_params"] = _plain(self.glue.defaults)
+        return out
 
     # ---- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
@@ -123,6 +180,9 @@ class ARStageRunner:
             task = self.tasks.pop(msg.request_id, None)
             if task is not None:
                 task.cancel()
+            # Also sent when the request failed or was cancelled after this stage finished it:
+            # free its payload now rather than when the connector's lease expires.
+            self.payloads.release_request(msg.request_id)
         elif isinstance(msg, Shutdown) and not self._done.done():
             self._done.set_result(None)
 
@@ -143,8 +203,8 @@ class ARStageRunner:
             result = Result(rid, output=output, metrics={"generated_tokens": len(token_ids)})
         except asyncio.CancelledError:
             return  # aborted: AsyncLLM.generate aborts the request in the engine on cancel
-        except ValueError as exc:  # a request the glue refuses (size, image-to-image, ...)
-            result = Result(rid, error=str(exc), error_field="size")
+        except RequestValidationError as exc:  # only our typed refusals are the client's fault
+            result = Result(rid, error=exc.message, error_field=exc.field)
         except Exception as exc:
             logger.exception("request %s failed", rid)
             result = Result(rid, error=f"{type(exc).__name__}: {exc}")

@@ -7,7 +7,9 @@ encoded here (PNG/JPEG/WEBP as each request asked), off the API server's event l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -18,6 +20,10 @@ from .messages import Abort, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
+
+# Exit code of a diffusion stage taken down by a device error (EX_SOFTWARE): the orchestrator
+# fails its in-flight requests (503) and starts a fresh process with a fresh device context.
+DEVICE_ERROR_EXIT_CODE = 70
 
 
 @dataclass
@@ -34,47 +40,73 @@ class DiffusionStageRunner:
         self.init = init
         self.conn = conn
         self.stage_id: int = init.stage.stage_id
-        config = DiffusionEngineConfig.from_stage_config(init.stage)
-        if config.pipeline_class is None and init.spec.pipeline_class:
-            config.pipeline_class = init.spec.pipeline_class
+        stage = init.stage
+        config = DiffusionEngineConfig.from_owner(
+            stage.diffusion,
+            model=str(stage.model_path),
+            defaults=stage.sampling.defaults_dict(),
+            pipeline_class=init.spec.pipeline_class,
+        )
         self.engine = DiffusionEngine(config)
         self.payloads = StagePayloads(init.connectors)
         self.jobs: dict[str, _Job] = {}
         self._stop = False
 
     def info(self) -> dict[str, Any]:
-        """Bounds the API server validates against before anything reaches this stage."""
-        spec = self.engine.adapter.spec
-        cfg = self.engine.config
-        defaults = self.engine.defaults
+        """Ready info: the bounds the API server validates against, and what this stage runs."""
         return {
             "kind": "diffusion",
             "pipeline_class": type(self.engine.adapter).pipeline_class,
-            "granularity": max(spec.granularity, self._config_granularity()),
-            "min_size": max(cfg.min_height or spec.min_size, cfg.min_width or spec.min_size),
-            "max_height": cfg.max_height or spec.max_size,
-            "max_width": cfg.max_width or spec.max_size,
-            "max_steps": cfg.max_num_inference_steps,
-            "max_batch_size": cfg.max_batch_size,
-            "default_height": defaults.get("height", spec.default_height),
-            "default_width": defaults.get("width", spec.default_width),
+            "limits": self.engine.limits.to_dict(),
+            "effective": self.describe(),
         }
 
-    def _config_granularity(self) -> int:
-        owner = getattr(self.init.stage, "diffusion", None)
-        return int(getattr(owner, "size_granularity", None) or 1)
+    def describe(self) -> dict[str, Any]:
+        """The settings in effect, read back from the live engine (not from the config)."""
+        import os
+
+        import torch
+
+        engine = self.engine
+        vae = getattr(engine.adapter.pipe, "vae", None)
+        return {
+            "engine": dataclasses.asdict(engine.config),
+            "device": str(engine.device),
+            "dtype": str(engine.dtype),
+            "memory_budget_bytes": engine._budget_bytes,
+            "scheduler_max_batch_size": engine.scheduler.max_batch_size,
+            "scheduler_max_wait_s": engine.scheduler.max_wait_s,
+            "vae_use_slicing": getattr(vae, "use_slicing", None),
+            "vae_use_tiling": getattr(vae, "use_tiling", None),
+            "torch_threads": torch.get_num_threads(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
     def serve(self) -> None:
         while not self._stop:
             busy = self.engine.has_unfinished()
-            # Idle: block for work. Busy: take whatever arrived, then run one step.
-            if self.conn.poll(0 if busy else None):
+            # Idle: block for work. Busy: take whatever arrived, then run one step. Requests
+            # held for batching (request_batch_max_wait_ms): wait for more until the hold ends.
+            if self.conn.poll((self.engine.hold_s() if busy else None)):
                 self._handle(self.conn.recv())
                 while not self._stop and self.conn.poll(0):
                     self._handle(self.conn.recv())
             if self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self._step():
                     self._finish(out)
+
+    def _step(self) -> list[Any]:
+        from vllm_omni_plugin.diffusion.errors import DeviceError
+
+        try:
+            return self.engine.step()
+        except DeviceError:
+            # After a CUDA error every later step fails too while this stage still looks
+            # ready: exit at once (no teardown that touches the device) and be restarted.
+            logger.critical("device error; stage exits to be restarted", exc_info=True)
+            self.payloads.close()
+            logging.shutdown()
+            os._exit(DEVICE_ERROR_EXIT_CODE)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Submit):
@@ -91,19 +123,19 @@ class DiffusionStageRunner:
         t0 = time.perf_counter()
         p = msg.params
         try:
-            prior = None
-            for value in msg.inputs.values():  # GLM-Image: the AR stage's prior token ids
-                prior = self.payloads.receive(value)
+            # GLM-Image: the AR stage's prior token ids. All inputs are released, read or not.
+            received = self.payloads.receive_all(list(msg.inputs.values()))
+            prior = received[-1] if received else None
             req = GenerationRequest(
                 request_id=msg.request_id,
-                prompt=p["prompt"],
-                negative_prompt=p.get("negative_prompt"),
-                n=p.get("n", 1),
-                height=p.get("height"),
-                width=p.get("width"),
-                num_inference_steps=p.get("num_inference_steps"),
-                guidance_scale=p.get("guidance_scale"),
-                seed=p.get("seed"),
+                prompt=p.prompt,
+                negative_prompt=p.negative_prompt,
+                n=p.n,
+                height=p.height,
+                width=p.width,
+                num_inference_steps=p.num_inference_steps,
+                guidance_scale=p.guidance_scale,
+                seed=p.seed,
                 prior_token_ids=prior,
             )
             self.engine.add_request(req)
@@ -114,9 +146,7 @@ class DiffusionStageRunner:
             logger.exception("request %s rejected", msg.request_id)
             self._reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
             return
-        self.jobs[msg.request_id] = _Job(
-            t0, p.get("output_format", "png"), p.get("output_compression")
-        )
+        self.jobs[msg.request_id] = _Job(t0, p.output_format, p.output_compression)
 
     def _finish(self, out: Any) -> None:
         job = self.jobs.pop(out.request_id, None)

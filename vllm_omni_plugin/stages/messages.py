@@ -22,16 +22,38 @@ class StageInit:
 
 @dataclass
 class Ready:
-    """The stage loaded its model. `info` holds facts the API server validates against."""
+    """The stage loaded its model.
+
+    `info` is plain data (it also travels through the multi-node registry): "kind"; a final
+    diffusion stage's "limits" (`RequestLimits.to_dict()`, read back with `from_dict`: the API
+    server validates requests against them); "effective": the settings the stage actually runs
+    with, read back from its engine (see `describe` in each stage runner).
+    """
 
     pid: int
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GenerationParams:
+    """One validated request's generation parameters, as every stage receives them."""
+
+    prompt: str
+    n: int = 1
+    height: int | None = None
+    width: int | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    output_format: str = "png"
+    output_compression: int | None = None
+
+
 @dataclass
 class Submit:
     request_id: str
-    params: dict[str, Any]  # the validated request's generation parameters
+    params: GenerationParams
     # Outputs of upstream stages: stage_id -> connector descriptor (or the payload itself
     # when no connector is configured for that edge).
     inputs: dict[int, Any] = field(default_factory=dict)
