@@ -1,0 +1,514 @@
+"""GLM-Image on one GPU, side by side on the same weights: vllm-omni-plugin vs vLLM-Omni vs diffusers.
+
+    python benchmarks/bench_gpu_glm.py PHASE --model DIR --out OUT [--size 1024 --steps 50]
+
+PHASE (each appends one JSON line to OUT/results.jsonl, so phases can run in separate calls):
+  ar         the AR stage alone: generated tokens/s at batch 1 and 8, vLLM's offline engine with
+             async scheduling and CUDA graphs, OmniARAsyncScheduler vs vLLM's own scheduler
+  ours       `vllm serve DIR --stage-config glm_image_1gpu.yaml`: concurrency 1 (seconds per image,
+             split AR / handoff / DiT / decode from the x-omni-stage-timings header) and
+             concurrency 8 (images per minute, all 8 must come back)
+  omni       `vllm serve DIR --omni --deploy-config` with vLLM-Omni's own glm_image.yaml, both
+             stages moved to GPU 0 (nothing else changed): the same requests
+  diffusers  GlmImagePipeline (transformers AR + DiT), one request at a time; then our diffusion
+             engine on the same pipeline and prior tokens vs diffusers (image difference)
+  parity     the served pipeline (greedy AR via --stage-overrides) against diffusers with a greedy
+             AR, same prompt and seed: AR tokens compared, mean pixel difference
+  report     the three-way table from OUT/results.jsonl (markdown)
+
+Peak GPU memory is the device's used memory, sampled every 0.2 s by NVML while a phase runs
+(each phase runs alone on the GPU). Requests: 1024x1024, 50 steps, guidance 1.5 (GLM-Image's
+defaults), distinct seeds, b64_json PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "a lighthouse on a cliff at dusk, oil painting",
+    'a shop sign that says "OPEN"',
+    "a red fox in fresh snow",
+    "an isometric city block at night",
+    "a bowl of ramen, studio photo",
+    "a watercolor map of an island",
+    "a robot reading a book in a library",
+    "a sunflower field under a storm",
+]
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+class PeakMemory:
+    """Highest device memory in use (all processes) while the block runs, in GiB."""
+
+    def __init__(self, index: int = 0, every_s: float = 0.2):
+        self.index, self.every_s, self.peak = index, every_s, 0
+        self._stop = threading.Event()
+
+    def _used(self) -> int:
+        import pynvml
+
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(self.index)).used
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._used())
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> PeakMemory:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.baseline = self._used()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak_gib(self) -> float:
+        return round(self.peak / 2**30, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `vllm serve` process in its own session; ready at the first 200 from /health."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.t0 = time.monotonic()
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("VLLM_PLUGINS", None)
+        vllm = str(Path(sys.executable).parent / "vllm")
+        vllm = vllm if Path(vllm).exists() else "vllm"
+        self.proc = subprocess.Popen(
+            [vllm, "serve", *argv, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float) -> float:
+        import httpx
+
+        while time.monotonic() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"not ready within {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def _one(client, args, i: int, extra: dict) -> dict:
+    t0 = time.perf_counter()
+    raw = await client.images.with_raw_response.generate(
+        model=str(args.model),
+        prompt=PROMPTS[i % len(PROMPTS)],
+        size=f"{args.size}x{args.size}",
+        n=1,
+        response_format="b64_json",
+        extra_body={"seed": 1000 + i, "num_inference_steps": args.steps, **extra},
+    )
+    took = time.perf_counter() - t0
+    res = raw.parse()
+    assert res.data and res.data[0].b64_json, "no image in the response"
+    timings = raw.headers.get("x-omni-stage-timings")
+    return {"s": took, "timings": json.loads(timings) if timings else None, "b64": res.data[0].b64_json}
+
+
+async def _serve_load(server: Server, args, extra: dict) -> dict:
+    """One warm-up, `--repeats` single requests, then `--concurrency` at once."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=3600, max_retries=0)
+    await _one(client, args, 99, extra)
+    singles = [await _one(client, args, i, extra) for i in range(args.repeats)]
+    t0 = time.perf_counter()
+    many = await asyncio.gather(*[_one(client, args, i, extra) for i in range(args.concurrency)])
+    wall = time.perf_counter() - t0
+    out = {
+        "c1_s_per_image": round(statistics.median(r["s"] for r in singles), 2),
+        "c1_runs_s": [round(r["s"], 2) for r in singles],
+        f"c{args.concurrency}_images": len(many),
+        f"c{args.concurrency}_wall_s": round(wall, 1),
+        f"c{args.concurrency}_images_per_min": round(len(many) * 60 / wall, 2),
+    }
+    if singles[0]["timings"]:
+        keys = singles[0]["timings"].keys()
+        out["c1_split_s"] = {
+            k: round(statistics.median(r["timings"][k] for r in singles) / 1e3, 2) for k in keys
+        }
+    return out
+
+
+def _record(args, phase: str, data: dict) -> None:
+    import torch
+
+    data = {"phase": phase, "device": torch.cuda.get_device_name(0), **data}
+    data.update(size=args.size, steps=args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "results.jsonl", "a") as f:
+        f.write(json.dumps(data) + "\n")
+    print(json.dumps(data), flush=True)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("vllm", "vllm-omni", "diffusers", "transformers", "torch"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+# ---- phases ----------------------------------------------------------------------------------
+def phase_ours(args) -> None:
+    argv = [str(args.model), "--stage-config", args.stage_config]
+    if args.stage_overrides:
+        argv += ["--stage-overrides", args.stage_overrides]
+    server = Server(argv, args.out / "ours.log")
+    try:
+        with PeakMemory() as mem:
+            ready = server.wait_ready(args.start_timeout)
+            load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
+        _record(args, "ours", {"ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
+    finally:
+        server.stop()
+        _keep_log_lines(server.log, args.out / "ours_log_lines.txt")
+
+
+def _omni_deploy_yaml(path: Path) -> Path:
+    """vLLM-Omni's own glm_image.yaml with both stages moved to GPU 0 (nothing else changed)."""
+    import yaml
+    import vllm_omni
+
+    src = Path(vllm_omni.__file__).parent / "deploy" / "glm_image.yaml"
+    cfg = yaml.safe_load(src.read_text())
+    for stage in cfg["stages"]:
+        stage["devices"] = "0"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def phase_omni(args) -> None:
+    deploy = _omni_deploy_yaml(args.out / "omni_glm_image_1gpu.yaml")
+    server = Server(
+        [str(args.model), "--omni", "--deploy-config", str(deploy)], args.out / "omni.log"
+    )
+    try:
+        with PeakMemory() as mem:
+            ready = server.wait_ready(args.start_timeout)
+            load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
+        _record(args, "omni", {"ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
+    finally:
+        server.stop()
+
+
+def _timed(fn, box: list):
+    import torch
+
+    def wrapper(*a, **kw):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        torch.cuda.synchronize()
+        box.append(time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
+def _load_diffusers(model: Path):
+    import torch
+    from diffusers import GlmImagePipeline
+
+    pipe = GlmImagePipeline.from_pretrained(str(model), torch_dtype=torch.bfloat16)
+    return pipe.to("cuda")
+
+
+def phase_diffusers(args) -> None:
+    import torch
+
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        pipe = _load_diffusers(args.model)
+        load_s = time.perf_counter() - t0
+        ar_s, decode_s = [], []
+        pipe.vision_language_encoder.generate = _timed(pipe.vision_language_encoder.generate, ar_s)
+        pipe.vae.decode = _timed(pipe.vae.decode, decode_s)
+        pipe("warm-up", height=256, width=256, num_inference_steps=2)  # kernels, autotune
+        ar_s.clear(), decode_s.clear()
+        runs = []
+        for i in range(args.repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pipe(
+                PROMPTS[i],
+                height=args.size,
+                width=args.size,
+                num_inference_steps=args.steps,
+                guidance_scale=1.5,
+                generator=torch.Generator("cpu").manual_seed(1000 + i),
+            )
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+    split = {
+        "ar": round(statistics.median(ar_s), 2),
+        "decode": round(statistics.median(decode_s), 2),
+    }
+    split["dit"] = round(statistics.median(runs) - split["ar"] - split["decode"], 2)
+    _record(
+        args,
+        "diffusers",
+        {
+            "load_s": round(load_s, 1),
+            "c1_s_per_image": round(statistics.median(runs), 2),
+            "c1_runs_s": [round(r, 2) for r in runs],
+            "c1_split_s": split,
+            "c8_images_per_min": round(60 / statistics.median(runs), 2),  # one at a time
+            "peak_gib": mem.peak_gib,
+        },
+    )
+    _engine_vs_diffusers(args, pipe)
+
+
+def _engine_vs_diffusers(args, pipe) -> None:
+    """Our diffusion engine on diffusers' own modules and the same prior ids and seed."""
+    import numpy as np
+    import torch
+
+    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+    from vllm_omni_plugin.diffusion.adapters.glm_image import GlmImageAdapter
+
+    d32 = args.size // 32
+    gen = torch.Generator("cpu").manual_seed(7)
+    codes = torch.randint(0, 16384, (1, d32 * d32), generator=gen)
+    prior = pipe._upsample_token_ids(codes, d32, d32)
+    kwargs = dict(height=args.size, width=args.size, num_inference_steps=args.steps)
+    ref = pipe(
+        PROMPTS[1],
+        prior_token_ids=prior.to("cuda"),
+        guidance_scale=1.5,
+        generator=torch.Generator("cpu").manual_seed(5),
+        **kwargs,
+    ).images[0]
+    adapter = GlmImageAdapter(pipe, torch.device("cuda"), torch.bfloat16, {})
+    config = DiffusionEngineConfig(
+        model=str(args.model), device="cuda", dtype="bfloat16", compile_transformer=True,
+        compile_regional=True,
+    )  # fmt: skip
+    engine = DiffusionEngine(config, adapter=adapter)
+    req = GenerationRequest(
+        request_id="parity", prompt=PROMPTS[1], seed=5, guidance_scale=1.5, prior_token_ids=prior,
+        **kwargs,
+    )  # fmt: skip
+    (out,) = engine.generate([req])
+    a = np.asarray(ref, dtype=np.float32)
+    b = np.asarray(out.images[0], dtype=np.float32)
+    _record(
+        args,
+        "engine_vs_diffusers",
+        {"mean_abs_pixel_diff": round(float(np.abs(a - b).mean()), 3), "pixel_range": 255},
+    )
+
+
+def phase_ar(args) -> None:
+    """Both schedulers in turn, each in a fresh subprocess (one engine on the GPU at a time)."""
+    results = {}
+    for name in ("omni_async", "vllm_default"):
+        cmd = [sys.executable, __file__, "ar-one", "--model", str(args.model), "--out", str(args.out)]
+        cmd += ["--size", str(args.size), "--scheduler", name]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        log = args.out / f"ar_{name}.log"
+        log.write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            raise RuntimeError(f"AR run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        _keep_log_lines(log, args.out / f"ar_{name}_log_lines.txt")
+    ratio = {
+        f"b{b}": round(results["omni_async"][f"b{b}"] / results["vllm_default"][f"b{b}"], 3)
+        for b in (1, 8)
+    }
+    _record(args, "ar", {**results, "ours_over_stock": ratio})
+
+
+def phase_ar_one(args) -> None:
+    """tokens/s of one engine at batch 1 and 8 (prints one JSON line last)."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_omni_plugin.models.glm_image.processing import (
+        build_t2i_prompt,
+        t2i_sampling_overrides,
+    )
+
+    root = args.model
+    ar, proc = str(root / "vision_language_encoder"), str(root / "processor")
+    kwargs = dict(model=ar, tokenizer=proc, max_num_seqs=8, gpu_memory_utilization=0.5)
+    kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=32768)
+    if args.scheduler == "omni_async":
+        kwargs["scheduler_cls"] = "vllm_omni_plugin.core.sched.OmniARAsyncScheduler"
+    llm = LLM(**kwargs)
+    cfg = llm.llm_engine.vllm_config
+    print(
+        f"async_scheduling={cfg.scheduler_config.async_scheduling} "
+        f"cudagraph_mode={cfg.compilation_config.cudagraph_mode}",
+        file=sys.stderr,
+        flush=True,
+    )
+    prompt = {"prompt_token_ids": build_t2i_prompt(proc, PROMPTS[0], args.size, args.size)}
+    params = SamplingParams(
+        temperature=0.9, top_p=0.75, seed=0, **t2i_sampling_overrides(ar, args.size, args.size)
+    )
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    out = {}
+    for batch in (1, 8):
+        t0 = time.perf_counter()
+        res = llm.generate([prompt] * batch, params, use_tqdm=False)
+        took = time.perf_counter() - t0
+        out[f"b{batch}"] = round(sum(len(r.outputs[0].token_ids) for r in res) / took, 1)
+        out[f"b{batch}_tokens_per_request"] = len(res[0].outputs[0].token_ids)
+    print(json.dumps(out), flush=True)
+
+
+def phase_parity(args) -> None:
+    """Served (greedy AR) vs diffusers (greedy AR) on one prompt and seed."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    greedy = {"0": {"default_sampling_params": {"top_k": 1}}}
+    overrides = json.loads(args.stage_overrides) if args.stage_overrides else {}
+    for sid, values in greedy.items():
+        stage = overrides.setdefault(sid, {})
+        stage.setdefault("default_sampling_params", {}).update(values["default_sampling_params"])
+    argv = [str(args.model), "--stage-config", args.stage_config]
+    argv += ["--stage-overrides", json.dumps(overrides)]
+    server = Server(argv, args.out / "parity.log")
+    try:
+        server.wait_ready(args.start_timeout)
+        # All 8 concurrent requests must come back; the first one is compared with diffusers.
+        served = asyncio.run(_parity_requests(server, args))
+    finally:
+        server.stop()
+        _keep_log_lines(server.log, args.out / "parity_log_lines.txt")
+    pipe = _load_diffusers(args.model)
+    pipe.vision_language_encoder.generation_config.top_k = 1  # greedy, as the served AR
+    ref = pipe(
+        PROMPTS[0],
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        guidance_scale=1.5,
+        generator=torch.Generator("cpu").manual_seed(1000),
+    ).images[0]
+    img = Image.open(io.BytesIO(base64.b64decode(served[0]["b64"]))).convert("RGB")
+    diff = np.abs(np.asarray(ref, np.float32) - np.asarray(img, np.float32)).mean()
+    _record(
+        args,
+        "parity",
+        {"model": str(args.model), "served_images": len(served), "mean_abs_pixel_diff": round(float(diff), 3)},
+    )
+
+
+async def _parity_requests(server: Server, args) -> list[dict]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=3600, max_retries=0)
+    return await asyncio.gather(
+        *[_one(client, args, i, {"guidance_scale": 1.5}) for i in range(args.concurrency)]
+    )
+
+
+def _keep_log_lines(log: Path, dest: Path) -> None:
+    """The log lines that show how the AR engine ran (async scheduling, CUDA graphs)."""
+    keys = ("async", "cudagraph", "CUDA graph", "Capturing", "scheduler", "Graph capturing")
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if any(k in ln for k in keys)]
+    dest.write_text("\n".join(lines[:80]) + "\n")
+
+
+def phase_report(args) -> None:
+    rows = {}
+    for line in (args.out / "results.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        rows[rec["phase"]] = rec
+    print(json.dumps(rows, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=["ar", "ar-one", "ours", "omni", "diffusers", "parity", "report"])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench-gpu")))
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--stage-config", default="stage_configs/glm_image_1gpu.yaml")
+    parser.add_argument("--stage-overrides", default=None)
+    parser.add_argument("--scheduler", default="omni_async")
+    parser.add_argument("--start-timeout", type=float, default=900)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase != "ar-one":
+        print("versions:", _versions(), flush=True)
+    {
+        "ar": phase_ar,
+        "ar-one": phase_ar_one,
+        "ours": phase_ours,
+        "omni": phase_omni,
+        "diffusers": phase_diffusers,
+        "parity": phase_parity,
+        "report": phase_report,
+    }[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU runs of issue 10 on one H200 (device tool machine: torch 2.11 + CUDA 13, no network).
+# Run from the project root once the kit's parts lie in /tmp/kit (README: "Reproducing the GPU runs").
+#   scripts/gpu_check.sh install            unpack the kit, install it + this checkout into /tmp/site
+#   scripts/gpu_check.sh smoke              tiny GLM-Image served (8 concurrent) + greedy parity
+#   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
+#   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
+# Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
+# Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+TINY=${TINY:-/tmp/glm-tiny}
+FULL=${FULL:-/tmp/glm-full}
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The tiny checkpoint is saved in float32; on the GPU both stages run it in bf16 (vLLM's
+# FlashAttention has no fp32 kernels) and at tiny sizes (the 1-GPU config's floor is 512).
+TINY_OVERRIDES='{"0": {"dtype": "bfloat16"}, "1": {"dtype": "bfloat16", "min_height": 64, "min_width": 64}}'
+mkdir -p "$OUT"
+
+while [ $# -gt 0 ]; do
+  step=$1; shift
+  case $step in
+    install)
+      bash scripts/gpu_kit/install_kit.sh
+      ;;
+    smoke)
+      [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
+      python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny" --size 256 \
+        --steps 20 --stage-overrides "$TINY_OVERRIDES"
+      ;;
+    build-full)
+      [ -f "$FULL/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$FULL" --size full
+      du -sh "$FULL"
+      ;;
+    bench)
+      for phase in "$@"; do
+        python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full"
+      done
+      shift $#
+      ;;
+    *)
+      echo "unknown step: $step" >&2
+      exit 2
+      ;;
+  esac
+done

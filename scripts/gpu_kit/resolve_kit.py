@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Download the wheels that the lent GPU machine lacks for a requirement, for its Python (3.12, x86-64).
+
+    resolve_kit.py OUT_DIR REQUIREMENT... [--skip NAME ...]
+
+Walks each requirement's Requires-Dist (one `pip download --no-deps` per package), leaving out what the
+GPU image already has (device-packages.txt beside this file), the CUDA stack that comes with its torch,
+and kernels that vLLM only imports for models and features we do not use. Prints what it fetched.
+"""
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as cn
+
+HERE = Path(__file__).resolve().parent
+IMAGE = {cn(x) for x in (HERE / "device-packages.txt").read_text().split()}
+NOT_NEEDED = {cn(x) for x in [
+    "torch", "torchvision", "torchaudio", "triton", "cuda-toolkit", "cuda-bindings",
+    "flashinfer-python", "flashinfer-cubin", "tilelang", "nvidia-cutlass-dsl", "quack-kernels",
+    "humming-kernels", "tokenspeed-mla", "PyNvVideoCodec", "torchcodec", "nvidia-cudnn-frontend",
+    "fastsafetensors", "instanttensor", "numba", "llvmlite", "opencv-python-headless", "ray", "openai-whisper",
+    "nixl", "nixl-cu12", "nixl-cu13"]}
+# Versions that work together with the image (xgrammar >= 0.2.8 needs a newer tvm-ffi than vLLM 0.26 pins).
+PINS = {"xgrammar": "xgrammar==0.2.7", "apache-tvm-ffi": "apache-tvm-ffi==0.1.10"}
+ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_system": "Linux",
+       "platform_machine": "x86_64", "sys_platform": "linux", "os_name": "posix",
+       "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + [
+    "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    skip = set()
+    while "--skip" in args:
+        i = args.index("--skip")
+        skip.add(cn(args[i + 1]))
+        del args[i:i + 2]
+    out, roots = Path(args[0]), args[1:]
+    out.mkdir(parents=True, exist_ok=True)
+    plat = [a for p in PLATFORMS for a in ("--platform", p)]
+    queue = [Requirement(r) for r in roots]
+    root_names = {cn(r.name) for r in queue}
+    seen: set[str] = set()
+    while queue:
+        req = queue.pop()
+        name = cn(req.name)
+        if name in seen or (name not in root_names and name in IMAGE | NOT_NEEDED | skip):
+            continue
+        seen.add(name)
+        spec = PINS.get(name, str(req).split(";")[0])
+        before = set(os.listdir(out))
+        p = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                            *plat, "-d", str(out), spec], capture_output=True, text=True)
+        if p.returncode:
+            print("could not fetch", spec, (p.stderr.strip().splitlines() or [""])[-1], file=sys.stderr)
+            continue
+        for f in set(os.listdir(out)) - before:
+            print(f)
+            with zipfile.ZipFile(out / f) as z:
+                meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+                lines = z.read(meta).decode().splitlines()
+            for line in lines:
+                if line.startswith("Requires-Dist:"):
+                    dep = Requirement(line.split(":", 1)[1].strip())
+                    extras = [""] + list(req.extras)
+                    if dep.marker is None or any(dep.marker.evaluate(dict(ENV, extra=e)) for e in extras):
+                        queue.append(dep)
+
+
+if __name__ == "__main__":
+    main()
