@@ -158,7 +158,11 @@ async def _one(client, args, i: int, extra: dict) -> dict:
     res = raw.parse()
     assert res.data and res.data[0].b64_json, "no image in the response"
     timings = raw.headers.get("x-omni-stage-timings")
-    return {"s": took, "timings": json.loads(timings) if timings else None, "b64": res.data[0].b64_json}
+    return {
+        "s": took,
+        "timings": json.loads(timings) if timings else None,
+        "b64": res.data[0].b64_json,
+    }
 
 
 async def _serve_load(server: Server, args, extra: dict) -> dict:
@@ -227,8 +231,8 @@ def phase_ours(args) -> None:
 
 def _omni_deploy_yaml(path: Path) -> Path:
     """vLLM-Omni's own glm_image.yaml with both stages moved to GPU 0 (nothing else changed)."""
-    import yaml
     import vllm_omni
+    import yaml
 
     src = Path(vllm_omni.__file__).parent / "deploy" / "glm_image.yaml"
     cfg = yaml.safe_load(src.read_text())
@@ -364,7 +368,15 @@ def phase_ar(args) -> None:
     """Both schedulers in turn, each in a fresh subprocess (one engine on the GPU at a time)."""
     results = {}
     for name in ("omni_async", "vllm_default"):
-        cmd = [sys.executable, __file__, "ar-one", "--model", str(args.model), "--out", str(args.out)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "ar-one",
+            "--model",
+            str(args.model),
+            "--out",
+            str(args.out),
+        ]
         cmd += ["--size", str(args.size), "--scheduler", name]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         log = args.out / f"ar_{name}.log"
@@ -454,7 +466,11 @@ def phase_parity(args) -> None:
     _record(
         args,
         "parity",
-        {"model": str(args.model), "served_images": len(served), "mean_abs_pixel_diff": round(float(diff), 3)},
+        {
+            "model": str(args.model),
+            "served_images": len(served),
+            "mean_abs_pixel_diff": round(float(diff), 3),
+        },
     )
 
 
@@ -470,7 +486,9 @@ async def _parity_requests(server: Server, args) -> list[dict]:
 def _keep_log_lines(log: Path, dest: Path) -> None:
     """The log lines that show how the AR engine ran (async scheduling, CUDA graphs)."""
     keys = ("async", "cudagraph", "CUDA graph", "Capturing", "scheduler", "Graph capturing")
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if any(k in ln for k in keys)]
+    lines = [
+        ln for ln in log.read_text(errors="replace").splitlines() if any(k in ln for k in keys)
+    ]
     dest.write_text("\n".join(lines[:80]) + "\n")
 
 
@@ -484,7 +502,9 @@ def phase_report(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=["ar", "ar-one", "ours", "omni", "diffusers", "parity", "report"])
+    parser.add_argument(
+        "phase", choices=["ar", "ar-one", "ours", "omni", "diffusers", "parity", "report"]
+    )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench-gpu")))
     parser.add_argument("--size", type=int, default=1024)
