@@ -1,14 +1,13 @@
 """The head's node registry over real TCP connections (no stage processes: seconds, not minutes).
 
-The test plays the node's side of the protocol (node_protocol.py) with the same `connect` the
-real node uses, against a real StageHead + RemoteStageClient on this test's event loop.
+The test plays the node's side of the protocol (node_protocol.py) with the same `connect` and
+`Link` the real node uses, against a real StageHead + RemoteStageClient on this test's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from multiprocessing.connection import AuthenticationError
 
 import pytest
 
@@ -17,23 +16,31 @@ from vllm_omni_plugin.connectors.stats import all_snapshots
 from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote
 from vllm_omni_plugin.orchestrator.connector_stats import KEY as STATS_KEY
 from vllm_omni_plugin.orchestrator.connector_stats import absorb
-from vllm_omni_plugin.orchestrator.link import connect
+from vllm_omni_plugin.connectors.base import PayloadDescriptor
+from vllm_omni_plugin.orchestrator.link import AuthenticationError, Link, connect
 from vllm_omni_plugin.orchestrator.node import stage_init
 from vllm_omni_plugin.orchestrator.node_protocol import (
     Heartbeat,
     Ping,
     Register,
     Rejected,
+    StageAbort,
+    StageResult,
     StageStatus,
+    StageSubmit,
     Superseded,
     ToStage,
     Welcome,
     parse_stage_ids,
+    submit_from_wire,
+    value_from_wire,
 )
 from vllm_omni_plugin.serving.deferred_limits import limits_or_deferred
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.handlers import ImageService
-from vllm_omni_plugin.stages.messages import Abort, Result, Submit
+from vllm_omni_plugin.diffusion.limits import RequestLimits
+from vllm_omni_plugin.stages.messages import GenerationParams, Result, Submit
+from vllm_omni_plugin.stages.payloads import _Via
 
 KEY = b"registry-test-key"
 DIT = {1: StageStatus("diffusion", True, {"max_steps": 9}, pid=4242)}
@@ -50,16 +57,14 @@ async def head():
     h.close()
 
 
-async def recv(conn, timeout: float = 5.0):
-    loop = asyncio.get_running_loop()
-    ok = await loop.run_in_executor(None, conn.poll, timeout)
-    assert ok, "nothing received"
-    return conn.recv()
+async def recv(link: Link, timeout: float = 5.0):
+    return await asyncio.get_running_loop().run_in_executor(None, link.recv, timeout)
 
 
 async def register(port: int, stages=DIT, key: bytes = KEY, node: str = "n1"):
     loop = asyncio.get_running_loop()
-    conn = await loop.run_in_executor(None, connect, "127.0.0.1", port, key, 5.0)
+    sock = await loop.run_in_executor(None, connect, "127.0.0.1", port, key, 5.0)
+    conn = Link(sock, "head")
     conn.send(Register(node, "host", 1, stages))
     return conn, await recv(conn)
 
@@ -72,8 +77,14 @@ async def until(predicate, timeout: float = 5.0) -> float:
     return time.monotonic() - t0
 
 
+DESC = PayloadDescriptor(
+    "shm", "shm", "r:0->1:abc", "r", 0, 1, "tensor", "int64", (1, 16), 128, 30.0, "/dev/shm/p"
+)
+
+
 def submit(rid: str) -> Submit:
-    return Submit(rid, {"prompt": "x"}, inputs={0: "descriptor"}, to_stage=None)
+    params = GenerationParams("x", seed=7)
+    return Submit(rid, params, inputs={0: _Via("shm", DESC)}, to_stage=None)
 
 
 async def test_wrong_key_is_refused(head):
@@ -104,8 +115,12 @@ async def test_submit_abort_result_and_status_round_trip(head):
     task = asyncio.ensure_future(client.submit(submit("r1")))
     routed = await recv(conn)
     assert isinstance(routed, ToStage) and routed.stage_id == 1
-    assert routed.msg.request_id == "r1" and routed.msg.inputs == {0: "descriptor"}
-    conn.send(Result("r1", output=[b"png"], stage_s=0.25))
+    assert isinstance(routed.msg, StageSubmit) and routed.msg.request_id == "r1"
+    assert routed.msg.params["prompt"] == "x" and routed.msg.params["seed"] == 7
+    assert submit_from_wire(routed.msg).params == GenerationParams("x", seed=7)
+    via = value_from_wire(routed.msg.inputs[0])  # the descriptor, rebuilt typed on the node
+    assert isinstance(via, _Via) and via.connector == "shm" and via.desc == DESC
+    conn.send(StageResult("r1", output=[b"png"], stage_s=0.25))
     result = await asyncio.wait_for(task, 5)
     assert result.output == [b"png"] and client.completed == 1 and client.busy_s == 0.25
 
@@ -113,7 +128,7 @@ async def test_submit_abort_result_and_status_round_trip(head):
     assert (await recv(conn)).msg.request_id == "r2"
     task.cancel()
     aborted = await recv(conn)
-    assert isinstance(aborted.msg, Abort) and aborted.msg.request_id == "r2"
+    assert isinstance(aborted.msg, StageAbort) and aborted.msg.request_id == "r2"
 
     conn.send(Heartbeat({1: StageStatus("diffusion", False, {"max_steps": 9})}))
     assert isinstance(await recv(conn), Ping)  # the head answers heartbeats
@@ -190,16 +205,18 @@ async def test_head_answers_503_until_nodes_register_then_validates_with_their_l
     try:
         assert not orchestrator.healthy() and orchestrator.unhealthy_stages() == [0, 1]
         assert await status(b'{"prompt": "a cat"}') == 503  # no limits known yet: stage missing
-        info = {
-            "max_batch_size": 4,
-            "min_size": 64,
-            "max_width": 1024,
-            "max_height": 1024,
-            "granularity": 32,
-            "max_steps": 200,
-            "default_width": 64,
-            "default_height": 64,
-        }
+        limits = RequestLimits(
+            granularity=32,
+            min_height=64,
+            min_width=64,
+            max_height=1024,
+            max_width=1024,
+            max_steps=200,
+            max_batch_size=4,
+            default_height=64,
+            default_width=64,
+        )
+        info = {"kind": "diffusion", "limits": limits.to_dict()}  # plain data over the link
         conn, _ = await register(h.port, stages={1: StageStatus("diffusion", True, info)})
         await until(lambda: orchestrator.stages[1].ready)
         # The final stage's limits now apply on the head; stage 0 still has no node: 503.

@@ -1,51 +1,166 @@
 """One authenticated head <-> node connection, bridged into an asyncio loop.
 
-A reader thread blocks in `recv()` and hands each message to the loop; `send()` may be called
-from the loop (messages are small: descriptors, never payloads). `last_seen` feeds the missed-
-heartbeat check; `close()` is idempotent and the loop hears `on_lost` exactly once.
+Wire: after the handshake below, frames of a 4-byte big-endian length and one msgpack message
+of node_protocol.Message (typed msgspec structs; never pickle: decoding cannot run code).
+
+Handshake (both directions authenticated with the shared key, HMAC-SHA256; the role label in
+each MAC keeps one side's proof from being replayed as the other's, fresh nonces from both
+sides keep an old exchange from being replayed at all):
+    head -> node  MAGIC + head_nonce
+    node -> head  MAGIC + node_nonce + MAC(key, "node", head_nonce, node_nonce)
+    head -> node  MAC(key, "head", head_nonce, node_nonce)      (only if the node's MAC held)
+Every pre-authentication read has a fixed size and a deadline: a stranger can hold a
+connection for REGISTER_TIMEOUT_S at most and never makes us allocate by its say-so.
+
+Threads, not the event loop, touch the socket: a reader thread blocks in recv and hands each
+message to the loop; `send()` only encodes and queues, and a writer thread does the blocking
+write, so a slow or stalled peer can never block the API server's loop. A peer that lets more
+than MAX_QUEUED_BYTES pile up is dropped. `close()` is idempotent and the loop hears `on_lost`
+exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import os
+import queue
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
+
+import msgspec
+
+from .node_protocol import AUTHKEY_ENV, Message
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.link")
 
+MAGIC = b"vllm-omni-link/1"  # protocol name + version: a mismatch fails fast and says so
+NONCE_BYTES = 32
+MAC_BYTES = 32
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 << 20  # a Result with a batch of encoded images fits many times over
+MAX_QUEUED_BYTES = 512 << 20  # unsent bytes before a peer that does not read is dropped
+FLUSH_TIMEOUT_S = 2.0  # close(flush=True): how long a last message may take to leave
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class AuthenticationError(ConnectionError):
+    """The peer does not hold the key (or does not speak this protocol)."""
+
+
+class UnreadableMessage(ValueError):
+    """A frame that is too large or does not decode to a known message type."""
+
+
+def encode(msg: Any) -> bytes:
+    """One frame for `msg` (a node_protocol message). TypeError for anything else."""
+    data = _encoder.encode(msg)
+    if len(data) > MAX_FRAME_BYTES:
+        raise ValueError(
+            f"{type(msg).__name__} is {len(data)} bytes, over the link's {MAX_FRAME_BYTES}-byte "
+            "frame limit (payloads belong in a connector, not on the control link)"
+        )
+    return HEADER.pack(len(data)) + data
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("connection closed by the peer")
+        got += k
+    return bytes(buf)
+
+
+def read_message(sock: socket.socket) -> Any:
+    """Read one frame and decode it (EOFError, OSError, UnreadableMessage)."""
+    (size,) = HEADER.unpack(_read_exact(sock, HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise UnreadableMessage(f"frame of {size} bytes announced (limit {MAX_FRAME_BYTES})")
+    data = _read_exact(sock, size)
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise UnreadableMessage(str(exc)) from None
+
 
 class Link:
-    def __init__(self, conn: Connection, peer: str):
-        self.conn = conn
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
         self.peer = peer
         self.last_seen = time.monotonic()
-        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._closed = False
-        self._lost_lock = threading.Lock()
+        self._queued = 0
+        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._refs = 2  # this handle + the writer; the reader adds one; the last closes the fd
         self._lost_reported = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_lost: Callable[[Link, str], None] | None = None
+        threading.Thread(target=self._write, name=f"omni-link-w-{peer}", daemon=True).start()
 
     @property
     def alive(self) -> bool:
         return not self._closed
 
+    # ---- sending: any thread, never blocks on the socket -------------------------------
     def send(self, msg: Any) -> None:
-        """Send or raise OSError (a closed or broken link)."""
-        if self._closed:
-            raise BrokenPipeError(f"link to {self.peer} is closed")
-        with self._send_lock:
-            self.conn.send(msg)
+        """Queue `msg` for the writer thread. BrokenPipeError when the link is closed (or
+        its peer stopped reading); TypeError/ValueError when `msg` cannot go on the wire."""
+        frame = encode(msg)
+        with self._lock:
+            if self._closed:
+                raise BrokenPipeError(f"link to {self.peer} is closed")
+            backlog = self._queued + len(frame) > MAX_QUEUED_BYTES
+            if not backlog:
+                self._queued += len(frame)
+                self._out.put(frame)
+        if backlog:
+            self.drop(f"peer not reading ({self._queued} bytes unsent)")
+            raise BrokenPipeError(f"link to {self.peer}: peer is not reading")
 
+    def _write(self) -> None:
+        why = None
+        while True:
+            item = self._out.get()
+            if item is None:  # hard close
+                break
+            if item is _FLUSHED:  # close(flush=True): everything before it is out
+                self._shutdown()
+                break
+            try:
+                self.sock.sendall(item)
+            except OSError as exc:
+                why = f"send failed ({exc})"
+                break
+            finally:
+                with self._lock:
+                    self._queued -= len(item)
+        if why is not None:
+            self.drop(why)
+        self._unref()
+
+    # ---- receiving ---------------------------------------------------------------------
     def recv(self, timeout: float) -> Any:
-        """Blocking receive with a deadline (used only during the handshake)."""
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"{self.peer} sent nothing within {timeout:.0f} s")
-        return self.conn.recv()
+        """Blocking receive with a deadline (only during registration, before start_reader)."""
+        self.sock.settimeout(timeout)
+        try:
+            return read_message(self.sock)
+        except socket.timeout:
+            raise TimeoutError(f"{self.peer} sent nothing within {timeout:.0f} s") from None
+        finally:
+            self.sock.settimeout(None)
 
     def start_reader(
         self,
@@ -53,92 +168,145 @@ class Link:
         on_message: Callable[[Link, Any], None],
         on_lost: Callable[[Link, str], None],
     ) -> None:
-        def read() -> None:
-            why = "connection closed"
-            try:
-                while True:
-                    msg = self.conn.recv()
-                    self.last_seen = time.monotonic()
-                    loop.call_soon_threadsafe(on_message, self, msg)
-            except (EOFError, OSError):
-                pass
-            except Exception as exc:  # unpicklable garbage: drop the peer
-                why = f"unreadable message ({type(exc).__name__}: {exc})"
-            self.close()
-            self._report_lost(loop, on_lost, why)
+        self._loop, self._on_lost = loop, on_lost
+        with self._lock:
+            self._refs += 1
+        threading.Thread(
+            target=self._read, args=(on_message,), name=f"omni-link-r-{self.peer}", daemon=True
+        ).start()
 
-        self._on_lost = on_lost
-        self._loop = loop
-        threading.Thread(target=read, name=f"omni-link-{self.peer}", daemon=True).start()
+    def _read(self, on_message: Callable[[Link, Any], None]) -> None:
+        assert self._loop is not None
+        why = "connection closed"
+        try:
+            while True:
+                msg = read_message(self.sock)
+                self.last_seen = time.monotonic()
+                self._loop.call_soon_threadsafe(on_message, self, msg)
+        except (EOFError, OSError):
+            pass
+        except UnreadableMessage as exc:  # not our protocol, or a peer trying something
+            why = f"unreadable message ({exc})"
+            logger.warning("link %s: %s; dropping it", self.peer, why)
+        except RuntimeError:  # the loop closed under us: the process is going down
+            pass
+        self.drop(why)
+        self._unref()
 
-    def drop(self, why: str) -> None:
-        """Close from our side (missed heartbeats, superseded); the loop hears on_lost once."""
-        if hasattr(self, "_loop"):  # report before closing: the reader would say "closed"
-            self._report_lost(self._loop, self._on_lost, why)
-        self.close()
+    # ---- closing -----------------------------------------------------------------------
+    def drop(self, why: str, flush: bool = False) -> None:
+        """Close from our side (missed heartbeats, superseded, a bad message); the loop hears
+        on_lost once. flush=True lets queued messages (a Rejected, a Superseded) go out first."""
+        self._report_lost(why)
+        self.close(flush=flush)
 
-    def _report_lost(self, loop, on_lost, why: str) -> None:
-        with self._lost_lock:
-            if self._lost_reported:
+    def close(self, flush: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if flush:
+            self._out.put(_FLUSHED)
+            # A peer that does not read cannot hold the socket open past the deadline.
+            timer = threading.Timer(FLUSH_TIMEOUT_S, self._shutdown)
+            timer.daemon = True
+            timer.start()
+        else:
+            self._shutdown()  # wakes the reader (recv) and the writer (sendall) at once
+            self._out.put(None)
+        self._unref()
+
+    def _shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _unref(self) -> None:
+        # The fd is closed only when no thread can still be inside a call on it, so a
+        # recycled fd number is never read or written by a stale thread.
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.sock.close()
+
+    def _report_lost(self, why: str) -> None:
+        with self._lock:
+            if self._lost_reported or self._loop is None:
                 return
             self._lost_reported = True
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(on_lost, self, why)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            # shutdown() wakes the reader thread blocked in recv(); close() alone may not.
-            sock = socket.socket(fileno=self.conn.fileno())
+        loop, on_lost = self._loop, self._on_lost
+        if on_lost is not None and not loop.is_closed():
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-            finally:
-                sock.detach()
-        except OSError:
-            pass
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+                loop.call_soon_threadsafe(on_lost, self, why)
+            except RuntimeError:  # closed between the check and the call
+                pass
 
 
-def _handshake_timeout(sock: socket.socket, seconds: float) -> None:
-    """OS-level receive timeout: the handshake helpers do blocking reads on the raw fd."""
-    whole = int(seconds)
-    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+_FLUSHED = object()
 
 
-def _wrap(sock: socket.socket, authkey: bytes, timeout: float, client: bool) -> Connection:
+# ---- handshake -----------------------------------------------------------------------------
+def _mac(key: bytes, role: bytes, head_nonce: bytes, node_nonce: bytes) -> bytes:
+    return hmac.new(key, MAGIC + role + head_nonce + node_nonce, hashlib.sha256).digest()
+
+
+def _prepare(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(None)  # Connection does blocking I/O on the raw fd
-    _handshake_timeout(sock, timeout)
-    conn = Connection(sock.detach())  # the Connection owns the fd from here on
+    sock.settimeout(timeout)
+
+
+def connect(host: str, port: int, authkey: bytes, timeout: float) -> socket.socket:
+    """Connect to the head and authenticate both ways; an authenticated blocking socket."""
+    sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        if client:
-            answer_challenge(conn, authkey)
-            deliver_challenge(conn, authkey)
-        else:
-            deliver_challenge(conn, authkey)
-            answer_challenge(conn, authkey)
-        view = socket.socket(fileno=conn.fileno())
+        _prepare(sock, timeout)
         try:
-            _handshake_timeout(view, 0)  # 0: no timeout once authenticated
-        finally:
-            view.detach()
+            magic = _read_exact(sock, len(MAGIC))
+        except EOFError:
+            raise ConnectionError(
+                f"{host}:{port} closed the connection before its challenge"
+            ) from None
+        if magic != MAGIC:
+            raise AuthenticationError(
+                f"{host}:{port} is not a vllm-omni node registry of this version "
+                f"(greeting {magic!r}, expected {MAGIC!r})"
+            )
+        head_nonce = _read_exact(sock, NONCE_BYTES)
+        node_nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + node_nonce + _mac(authkey, b"node", head_nonce, node_nonce))
+        try:
+            proof = _read_exact(sock, MAC_BYTES)
+        except EOFError:
+            raise AuthenticationError(
+                f"the head at {host}:{port} refused this node's key: set the same "
+                f"{AUTHKEY_ENV} on the head and every node"
+            ) from None
+        if not hmac.compare_digest(proof, _mac(authkey, b"head", head_nonce, node_nonce)):
+            raise AuthenticationError(
+                f"{host}:{port} could not prove it holds the key ({AUTHKEY_ENV} differs?)"
+            )
+        sock.settimeout(None)
+        return sock
     except BaseException:
-        conn.close()
+        sock.close()
         raise
-    return conn
 
 
-def connect(host: str, port: int, authkey: bytes, timeout: float) -> Connection:
-    """Open an authenticated connection to the head (both sides prove they hold the key)."""
-    return _wrap(socket.create_connection((host, port), timeout=timeout), authkey, timeout, True)
-
-
-def accept(sock: socket.socket, authkey: bytes, timeout: float) -> Connection:
-    """Authenticate an accepted socket (raises AuthenticationError, OSError on timeout)."""
-    return _wrap(sock, authkey, timeout, False)
+def accept(sock: socket.socket, authkey: bytes, timeout: float) -> socket.socket:
+    """Authenticate an accepted socket (AuthenticationError, EOFError, OSError on timeout).
+    The caller closes `sock` on failure."""
+    _prepare(sock, timeout)
+    head_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + head_nonce)
+    # The greeting first: anything else (a pickle, HTTP, a port scanner) is refused at once.
+    if _read_exact(sock, len(MAGIC)) != MAGIC:
+        raise AuthenticationError("not a vllm-omni node (bad greeting)")
+    rest = _read_exact(sock, NONCE_BYTES + MAC_BYTES)
+    node_nonce, mac = rest[:NONCE_BYTES], rest[NONCE_BYTES:]
+    if not hmac.compare_digest(mac, _mac(authkey, b"node", head_nonce, node_nonce)):
+        raise AuthenticationError(f"wrong key (the node's {AUTHKEY_ENV} differs)")
+    sock.sendall(_mac(authkey, b"head", head_nonce, node_nonce))
+    sock.settimeout(None)
+    return sock

@@ -7,6 +7,7 @@ when it dies), then registers with the head and relays: Submit/Abort in, Result 
 payloads never pass through here: the descriptor in a Submit is resolved by the stage process
 itself (NIXL READ from the producer). The node heartbeats; if the head goes silent or away it
 aborts its in-flight work and registers again once the head is back. No HTTP server runs here.
+A head address other than loopback needs VLLM_OMNI_AUTHKEY (node_protocol.py).
 """
 
 from __future__ import annotations
@@ -18,26 +19,33 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
-from ..stages.messages import Abort, Result, StageInit, Submit
+from ..stages.messages import Result, StageInit, Submit
 from .errors import StageUnavailableError
-from .link import Link, connect
+from .link import AuthenticationError, Link, connect
 from .node_protocol import (
     DEAD_AFTER_S,
     HEARTBEAT_S,
     REGISTER_TIMEOUT_S,
     Heartbeat,
+    Ping,
     Register,
     Rejected,
+    StageAbort,
+    StageResult,
     StageStatus,
+    StageSubmit,
     Superseded,
     ToStage,
     Unavailable,
     Welcome,
     authkey,
     parse_stage_ids,
+    result_to_wire,
+    submit_from_wire,
 )
 from .stage_client import StageClient
 
@@ -105,8 +113,7 @@ class HeadlessNode:
                     await self._serve(link)
             return 0
         finally:
-            for s in self.stages.values():
-                s.shutdown()
+            shutdown_concurrently(list(self.stages.values()))
 
     async def _connect(self) -> Link | None:
         """Connect and register, retrying with backoff until the head answers or we stop."""
@@ -117,8 +124,8 @@ class HeadlessNode:
             attempt += 1
             link = None
             try:
-                conn = await loop.run_in_executor(None, connect, host, port, self.key, 10.0)
-                link = Link(conn, f"head {host}:{port}")
+                sock = await loop.run_in_executor(None, connect, host, port, self.key, 10.0)
+                link = Link(sock, f"head {host}:{port}")
                 link.send(Register(self.name, socket.gethostname(), os.getpid(), self.statuses()))
                 reply = await loop.run_in_executor(None, link.recv, REGISTER_TIMEOUT_S)
                 if isinstance(reply, Welcome):
@@ -131,7 +138,10 @@ class HeadlessNode:
             except Exception as exc:  # head not up yet, wrong key, network down
                 if link is not None:
                     link.close()
-                if attempt == 1 or attempt % 10 == 0:
+                if isinstance(exc, AuthenticationError):
+                    logger.error("cannot register with head %s:%d: %s", host, port, exc)
+                    delay = RETRY_MAX_S  # a key mismatch does not fix itself in 0.5 s
+                elif attempt == 1 or attempt % 10 == 0:
                     logger.warning("cannot register with head %s:%d: %r; retrying", host, port, exc)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay)
@@ -177,10 +187,10 @@ class HeadlessNode:
 
     # ---- messages from the head --------------------------------------------------------
     def _on_message(self, link: Link, msg: Any) -> None:
-        if isinstance(msg, ToStage) and isinstance(msg.msg, Submit):
+        if isinstance(msg, ToStage) and isinstance(msg.msg, StageSubmit):
             rid = msg.msg.request_id
             self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, msg.msg))
-        elif isinstance(msg, ToStage) and isinstance(msg.msg, Abort):
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, StageAbort):
             task = self.tasks.pop(msg.msg.request_id, None)
             if task is not None:
                 task.cancel()  # StageClient.submit aborts the request in the stage
@@ -188,23 +198,48 @@ class HeadlessNode:
             logger.error("superseded: %s; exiting", msg.reason)
             self.superseded = True
             link.drop("superseded")
+        elif not isinstance(msg, (Ping, Welcome, Rejected)):  # Ping: only feeds last_seen
+            link.drop(f"unexpected {type(msg).__name__} from the head")
 
-    async def _run(self, link: Link, stage_id: int, msg: Submit) -> None:
-        rid = msg.request_id
+    async def _run(self, link: Link, stage_id: int, wire: StageSubmit) -> None:
+        rid = wire.request_id
         stage = self.stages.get(stage_id)
-        reply: Result | Unavailable
+        reply: StageResult | Unavailable
         try:
             if stage is None:
                 raise StageUnavailableError(f"node {self.name} does not run stage {stage_id}")
-            reply = await stage.submit(msg)
+            msg: Submit = submit_from_wire(wire)
+            reply = _result_to_wire(await stage.submit(msg))
         except StageUnavailableError as exc:
             reply = Unavailable(rid, str(exc))
         except asyncio.CancelledError:
             return
+        except ValueError as exc:  # an inline value this node cannot rebuild
+            reply = StageResult(rid, error=f"unreadable request on node {self.name}: {exc}")
         finally:
             self.tasks.pop(rid, None)
         with contextlib.suppress(OSError):
             link.send(reply)
+
+
+def _result_to_wire(result: Result) -> StageResult:
+    try:
+        return result_to_wire(result)
+    except TypeError as exc:  # an output that cannot cross the link: fail the request, say why
+        return StageResult(result.request_id, error=str(exc), metrics=dict(result.metrics))
+
+
+def shutdown_concurrently(stages: list[Any]) -> None:
+    """Stop every stage at once: each StageClient.shutdown may wait seconds for its process,
+    and a node going down (SIGTERM) should take the longest one's time, not the sum."""
+    threads = [
+        threading.Thread(target=s.shutdown, name=f"omni-stop-{getattr(s, 'stage_id', i)}")
+        for i, s in enumerate(stages)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def run_node(args: argparse.Namespace) -> None:
@@ -229,12 +264,14 @@ def run_node(args: argparse.Namespace) -> None:
         from setproctitle import setproctitle
 
         setproctitle(f"omni-node stages={','.join(map(str, ids))} ({cfg.pipeline})")
+    # Before any stage starts: a remote head without VLLM_OMNI_AUTHKEY is refused at once.
+    key = authkey(cfg, args.omni_master_address, "node")
     timeout = float(os.environ.get(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S))
     node = HeadlessNode(
         cfg,
         ids,
         (args.omni_master_address, int(args.omni_master_port)),
-        authkey(cfg),
+        key,
         startup_timeout_s=timeout,
     )
     code = asyncio.run(node.run())

@@ -6,7 +6,10 @@
 registered that stage. Without a live node the stage is not ready: /health is unhealthy and
 requests fail fast with StageUnavailableError (HTTP 503). A node that closes its connection or
 misses heartbeats fails its in-flight requests at once; when a node (re)registers, serving
-resumes. The wire protocol is described in node_protocol.py.
+resumes. The wire protocol is described in node_protocol.py, the connection in link.py.
+
+The registry listens on loopback unless --omni-master-address says otherwise, and refuses to
+listen on any other address without VLLM_OMNI_AUTHKEY (node_protocol.require_explicit_key).
 """
 
 from __future__ import annotations
@@ -20,31 +23,39 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Result, StageInit
+from ..stages.messages import StageInit
 from .link import Link, accept
 from .node_protocol import (
     DEAD_AFTER_S,
+    DEFAULT_BIND,
     HEARTBEAT_S,
     REGISTER_TIMEOUT_S,
     Heartbeat,
     Ping,
     Register,
     Rejected,
+    StageResult,
     Superseded,
     Unavailable,
     Welcome,
     explicit_authkey,
+    is_loopback,
+    require_explicit_key,
 )
 from .remote_stage import RemoteStageClient
 from .stage_client import StageClient
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
 
+# Connections still authenticating, each on a thread for up to REGISTER_TIMEOUT_S: beyond this
+# many, a new one is closed at once (a flood of strangers cannot pile up threads).
+MAX_PENDING_HANDSHAKES = 32
+
 
 class StageHead:
     """Listens for headless nodes, authenticates and registers them, watches their heartbeats."""
 
-    def __init__(self, authkey: bytes, port: int, bind: str = "0.0.0.0"):
+    def __init__(self, authkey: bytes, port: int, bind: str = DEFAULT_BIND):
         self.authkey = authkey
         self.port = port
         self.bind = bind
@@ -55,6 +66,7 @@ class StageHead:
         self._sock: socket.socket | None = None
         self._watchdog: asyncio.Task | None = None
         self._closed = False
+        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
     def client_for(self, init: StageInit) -> RemoteStageClient:
         client = RemoteStageClient(init, self)
@@ -82,14 +94,21 @@ class StageHead:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
+        # Checked here as well as at key resolution: nothing listens beyond loopback unkeyed.
+        require_explicit_key(self.bind, "head")
         self._loop = asyncio.get_running_loop()
         sock = socket.create_server((self.bind, self.port), reuse_port=False)
         self._sock = sock
         self.port = sock.getsockname()[1]
         if not explicit_authkey():
-            logger.warning(
-                "node registry: no VLLM_OMNI_AUTHKEY set; using a key derived from the "
-                "pipeline, which is not a secret. Set VLLM_OMNI_AUTHKEY on the head and nodes."
+            logger.info(
+                "node registry: no VLLM_OMNI_AUTHKEY set; loopback only, with a key derived "
+                "from the pipeline (not a secret: it keeps other pipelines' nodes out)"
+            )
+        if is_loopback(self.bind):
+            logger.info(
+                "node registry on loopback: only nodes on this host can register (give the "
+                "head --omni-master-address and VLLM_OMNI_AUTHKEY for nodes on other hosts)"
             )
         threading.Thread(target=self._accept_loop, name="omni-head-accept", daemon=True).start()
         self._watchdog = asyncio.ensure_future(self._watch())
@@ -120,18 +139,29 @@ class StageHead:
                 sock, addr = self._sock.accept()
             except OSError:
                 return  # closed
+            if not self._handshakes.acquire(blocking=False):
+                logger.warning("node registry: too many connections authenticating; closing one")
+                sock.close()
+                continue
             threading.Thread(
                 target=self._handshake, args=(sock, addr), name="omni-head-handshake", daemon=True
             ).start()
 
     def _handshake(self, sock: socket.socket, addr: Any) -> None:
+        try:
+            self._authenticate(sock, addr)
+        finally:
+            self._handshakes.release()
+
+    def _authenticate(self, sock: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
-            conn = accept(sock, self.authkey, REGISTER_TIMEOUT_S)
+            accept(sock, self.authkey, REGISTER_TIMEOUT_S)
         except Exception as exc:  # wrong key, garbage, timeout: drop it
             logger.warning("node registry: rejected connection from %s: %r", peer, exc)
+            sock.close()
             return
-        link = Link(conn, peer)
+        link = Link(sock, peer)
         try:
             msg = link.recv(REGISTER_TIMEOUT_S)
         except Exception as exc:
@@ -153,7 +183,7 @@ class StageHead:
             logger.error("node registry: rejected node %s: %s", link.peer, problem)
             with contextlib.suppress(OSError):
                 link.send(Rejected(problem))
-            link.close()
+            link.close(flush=True)  # the node reads why before the connection ends
             return
         # Last registration wins: a restarted node takes over at once, even before the old
         # connection's death is noticed; the superseded node is told to exit.
@@ -164,7 +194,7 @@ class StageHead:
                     old.send(Superseded(f"node {link.peer} registered stage {sid}"))
                 why = f"superseded by node {link.peer}"
                 self.clients[sid].detach(old, why)  # now: the new link replaces it below
-                old.drop(why)
+                old.drop(why, flush=True)
         try:
             link.send(Welcome(head=socket.gethostname()))
         except OSError:
@@ -198,14 +228,16 @@ class StageHead:
                     client.update(status)
             with contextlib.suppress(OSError):
                 link.send(Ping())
-        elif isinstance(msg, (Result, Unavailable)):
+        elif isinstance(msg, (StageResult, Unavailable)):
             for client in self.clients.values():
                 if client.link is link and client.owns(msg.request_id):
-                    if isinstance(msg, Result):
-                        client.on_result(msg)
+                    if isinstance(msg, StageResult):
+                        client.on_wire_result(msg)
                     else:
                         client.on_unavailable(msg)
                     break
+        else:  # decodes, but a node has no business sending it (Welcome, ToStage, ...)
+            link.drop(f"unexpected {type(msg).__name__} from a node")
 
     def _on_lost(self, link: Link, why: str) -> None:
         self.links.discard(link)
@@ -233,7 +265,8 @@ def head_from_args(cfg: Any, args: Any) -> StageHead | None:
     """The node registry for `vllm serve ... --stage-ids 0 --omni-master-port P`, or None.
 
     `--stage-ids` lists the stages this head runs itself; every other stage of the pipeline is
-    remote. `--omni-master-address` on the head is the address to listen on (default: all).
+    remote. `--omni-master-address` on the head is the address to listen on (default:
+    loopback); any other address needs VLLM_OMNI_AUTHKEY (SystemExit naming it otherwise).
     """
     from .node_protocol import authkey, parse_stage_ids
 
@@ -249,8 +282,7 @@ def head_from_args(cfg: Any, args: Any) -> StageHead | None:
             "--omni-master-port for them to register on"
         )
     local = parse_stage_ids(ids_arg, cfg)
-    head = StageHead(
-        authkey(cfg), int(port), getattr(args, "omni_master_address", None) or "0.0.0.0"
-    )
+    bind = getattr(args, "omni_master_address", None) or DEFAULT_BIND
+    head = StageHead(authkey(cfg, bind, "head"), int(port), bind)
     head.local_ids = local
     return head

@@ -13,10 +13,18 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..stages.messages import Abort, Result, StageInit, Submit
+from ..stages.messages import Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .link import Link
-from .node_protocol import StageStatus, ToStage, Unavailable
+from .node_protocol import (
+    StageAbort,
+    StageResult,
+    StageStatus,
+    ToStage,
+    Unavailable,
+    result_from_wire,
+    submit_to_wire,
+)
 from .stage_client import send_and_await
 
 if TYPE_CHECKING:
@@ -92,17 +100,20 @@ class RemoteStageClient:
                 f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
                 f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
             )
+        # Converted before send_and_await registers the request: a value that cannot cross
+        # the link (an inline payload of an unsupported type) fails here, leaving nothing behind.
+        wire = ToStage(self.stage_id, submit_to_wire(msg))
         return await send_and_await(
             self,
             msg,
-            lambda m: link.send(ToStage(self.stage_id, m)),
+            lambda _m: link.send(wire),  # queues for the link's writer thread: never blocks
             f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable",
         )
 
     def abort(self, request_id: str) -> None:
         if self.link is not None:
             with contextlib.suppress(OSError):
-                self.link.send(ToStage(self.stage_id, Abort(request_id)))
+                self.link.send(ToStage(self.stage_id, StageAbort(request_id)))
 
     # ---- called by the head on its loop ------------------------------------------------
     def attach(self, link: Link, status: StageStatus) -> None:
@@ -150,6 +161,13 @@ class RemoteStageClient:
         fut = self.pending.pop(msg.request_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    def on_wire_result(self, msg: StageResult) -> None:
+        try:
+            result = result_from_wire(msg)
+        except Exception as exc:  # e.g. an inline tensor of a dtype this torch lacks
+            result = Result(msg.request_id, error=f"unreadable result from the node: {exc}")
+        self.on_result(result)
 
     def on_unavailable(self, msg: Unavailable) -> None:
         fut = self.pending.pop(msg.request_id, None)
