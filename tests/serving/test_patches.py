@@ -61,15 +61,22 @@ def test_serve_patches_only_with_stage_config():
 def test_unknown_vllm_version_is_a_clear_cli_error():
     proc = _probe("bad-version")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "checked on vLLM 0.32 and 0.33, but vLLM 0.99.0 is installed" in proc.stderr
+    assert "checked on vLLM 0.26 to 0.33, but vLLM 0.99.0 is installed" in proc.stderr
 
 
 def test_version_guard(monkeypatch):
-    monkeypatch.setattr(patches, "vllm_version", lambda: "0.33.1+cu130")
-    patches.check_vllm_version()
-    monkeypatch.setattr(patches, "vllm_version", lambda: "0.31.0")
-    with pytest.raises(patches.OmniPatchError, match="0.31.0"):
+    monkeypatch.delenv(patches.ALLOW_UNTESTED_ENV, raising=False)
+    for version in ("0.26.0", "0.26.1+cu130", "0.29.0", "0.32.0+cpu", "0.33.1+cu130"):
+        monkeypatch.setattr(patches, "vllm_version", lambda v=version: v)
         patches.check_vllm_version()
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.26.0")
+    assert patches.serve_seams().api_server == "vllm.entrypoints.openai.api_server"
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.29.0")
+    assert patches.serve_seams().api_server == "vllm.entrypoints.launchers.api_server.entry"
+    for version in ("0.25.2", "0.34.0", "1.0.0"):
+        monkeypatch.setattr(patches, "vllm_version", lambda v=version: v)
+        with pytest.raises(patches.OmniPatchError, match=version.replace(".", r"\.")):
+            patches.check_vllm_version()
     monkeypatch.setenv(patches.ALLOW_UNTESTED_ENV, "1")
     patches.check_vllm_version()
 

@@ -59,8 +59,8 @@ def served_names(client: OmniEngineClient, args: argparse.Namespace) -> list[str
 async def init_omni_app_state(
     client: OmniEngineClient, state: Any, args: argparse.Namespace
 ) -> None:
-    from vllm.plugins.endpoint_plugins.interface import init_endpoint_plugins_state
-
+    """What vLLM's init_app_state sets for the shared routes; the caller (entry_points/patches.py,
+    which knows where this vLLM keeps it) then runs the endpoint plugins' state hook."""
     state.engine_client = client
     state.args = args
     state.vllm_config = client.vllm_config
@@ -70,7 +70,6 @@ async def init_omni_app_state(
     )
     state.enable_server_load_tracking = getattr(args, "enable_server_load_tracking", False)
     state.server_load_metrics = 0
-    await init_endpoint_plugins_state(client, state, args)
 
 
 def init_image_service(client: OmniEngineClient, state: Any, args: argparse.Namespace) -> None:
