@@ -87,7 +87,16 @@ class Proc:
                 pass
 
 
-def head_args(model: Path, http_port: int, master_port: int, host: str = "127.0.0.1") -> list:
+def head_args(
+    model: Path,
+    http_port: int,
+    master_port: int,
+    host: str = "127.0.0.1",
+    master_bind: str | None = None,
+) -> list:
+    """`master_bind`: the registry's listen address; None keeps the default (loopback). Any
+    other address needs VLLM_OMNI_AUTHKEY in the head's environment."""
+    bind = ["--omni-master-address", master_bind] if master_bind else []
     return [
         str(model),
         "--stage-config",
@@ -96,6 +105,7 @@ def head_args(model: Path, http_port: int, master_port: int, host: str = "127.0.
         "0",
         "--omni-master-port",
         str(master_port),
+        *bind,
         "--host",
         host,
         "--port",

@@ -72,7 +72,8 @@ def test_image_across_two_simulated_hosts(two_hosts, tiny_models, tmp_path):
         "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own engine sockets stay on each host's loopback
     }
     head = Proc(
-        head_args(model, http_port, master),
+        # The registry must listen beyond loopback for the other "host": with the key set.
+        head_args(model, http_port, master, master_bind="0.0.0.0"),
         tmp_path / "head.log",
         {**common, "UCX_NET_DEVICES": dev_h},
         netns=ns_h,

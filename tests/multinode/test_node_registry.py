@@ -12,11 +12,12 @@ import time
 import pytest
 
 from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.connectors.stats import all_snapshots
+from vllm_omni_plugin.diffusion.limits import RequestLimits
 from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote
 from vllm_omni_plugin.orchestrator.connector_stats import KEY as STATS_KEY
 from vllm_omni_plugin.orchestrator.connector_stats import absorb
-from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.orchestrator.link import AuthenticationError, Link, connect
 from vllm_omni_plugin.orchestrator.node import stage_init
 from vllm_omni_plugin.orchestrator.node_protocol import (
@@ -38,7 +39,6 @@ from vllm_omni_plugin.orchestrator.node_protocol import (
 from vllm_omni_plugin.serving.deferred_limits import limits_or_deferred
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.handlers import ImageService
-from vllm_omni_plugin.diffusion.limits import RequestLimits
 from vllm_omni_plugin.stages.messages import GenerationParams, Result, Submit
 from vllm_omni_plugin.stages.payloads import _Via
 

@@ -201,7 +201,9 @@ def value_to_wire(value: Any) -> Any:
         d = value.desc
         loc = d.location
         if loc is not None and not isinstance(loc, str):
-            loc = WireNixlLocation(**{f: getattr(loc, f) for f in WireNixlLocation.__struct_fields__})
+            loc = WireNixlLocation(
+                **{f: getattr(loc, f) for f in WireNixlLocation.__struct_fields__}
+            )
         return WireDescriptor(
             value.connector,
             d.connector,
@@ -223,8 +225,10 @@ def value_to_wire(value: Any) -> Any:
 
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        return WireTensor(str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy().tobytes())
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        return WireTensor(
+            str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy().tobytes()
+        )
     raise TypeError(
         f"a {type(value).__name__} cannot cross the node link: configure a connector (nixl) "
         "for this edge, so only its descriptor travels"
