@@ -101,3 +101,23 @@ def test_registry_is_open_and_validates():
     assert "test_two_dit" in available_pipelines() and get_pipeline("test_two_dit") is good
     with pytest.raises(ValueError, match="already registered"):
         register_pipeline(good)
+
+
+def test_fan_out_is_refused_until_the_orchestrator_can_run_it():
+    problems = validate_graph({0: [], 1: [0], 2: [0]}, [1, 2])
+    assert any("stage 0 feeds stages [1, 2]" in p and "fan-out" in p for p in problems)
+    assert validate_graph({0: [], 1: [0], 2: [0, 1]}, [2]) != []  # 0 feeds 1 and 2
+    assert validate_graph({0: [], 1: [], 2: [0, 1]}, [2]) == []  # fan-in is fine
+
+
+def test_fan_out_topology_cannot_be_registered():
+    topo = PipelineTopology(
+        key="fan_out_test",
+        stages=(
+            StageSpec(0, "ar", "ar", emits="token_ids"),
+            StageSpec(1, "a", "diffusion", inputs=[0], final_output=True),
+            StageSpec(2, "b", "diffusion", inputs=[0], final_output=True),
+        ),
+    )
+    with pytest.raises(ValueError, match="fan-out"):
+        register_pipeline(topo)

@@ -50,12 +50,36 @@ def resolve_scheduler(
     is_async = ours == ASYNC_SCHEDULER
     if async_scheduling is None:
         return ours, is_async, "async"
-    if async_scheduling != is_async:
-        matched = ASYNC_SCHEDULER if async_scheduling else SYNC_SCHEDULER
-        kind = "asynchronous" if is_async else "synchronous"
-        raise SchedulerPairError(
-            f"{scheduler_cls} is the {kind} scheduler but async_scheduling is "
-            f"{str(async_scheduling).lower()}; use {matched} with async_scheduling: "
-            f"{str(async_scheduling).lower()}, or remove scheduler_cls"
-        )
+    problem = pairing_error(scheduler_cls, async_scheduling)
+    if problem is not None:
+        raise SchedulerPairError(problem)
     return ours, is_async, ""
+
+
+def is_async_scheduler(scheduler_cls: str) -> bool:
+    """Whether a scheduler name (any alias, or a bare class name) is the asynchronous one."""
+    ours = SCHEDULER_ALIASES.get(scheduler_cls)
+    if ours is None:  # a bare or module-qualified name of one of ours
+        ours = SCHEDULER_ALIASES.get(scheduler_cls.rsplit(".", 1)[-1], SYNC_SCHEDULER)
+    return ours == ASYNC_SCHEDULER
+
+
+def pairing_error(scheduler_cls: str, async_scheduling: bool) -> str | None:
+    """The pairing rule, the one place it is written: the scheduler class and
+    `async_scheduling` must name the same mode. None when they agree, else the message.
+
+    Config loading applies it to what the user wrote. At run time vLLM may turn async
+    scheduling off (its CPU platform does) and the asynchronous class then runs in sync mode, so
+    the schedulers' start-up check needs only the direction that crashes: with async scheduling
+    on, `pairing_error(cls, True)` is not None exactly for a synchronous class.
+    """
+    is_async = is_async_scheduler(scheduler_cls)
+    if async_scheduling == is_async:
+        return None
+    matched = ASYNC_SCHEDULER if async_scheduling else SYNC_SCHEDULER
+    kind = "asynchronous" if is_async else "synchronous"
+    return (
+        f"{scheduler_cls} is the {kind} scheduler but async_scheduling is "
+        f"{str(async_scheduling).lower()}; use {matched} with async_scheduling: "
+        f"{str(async_scheduling).lower()}, or remove scheduler_cls"
+    )

@@ -86,7 +86,8 @@ def _duplicates(ids: list[int]) -> list[int]:
 def validate_graph(
     inputs: dict[int, list[int]], finals: list[int] | None, duplicates: list[int] | None = None
 ) -> list[str]:
-    """Check a stage graph: unique ids, inputs exist, no cycles, an entry and a final stage.
+    """Check a stage graph: unique ids, inputs exist, no cycles, no fan-out, an entry and a
+    final stage: what the orchestrator can execute.
 
     Shared by topologies and by the graphs legacy YAMLs declare (`engine_input_source`).
     """
@@ -99,6 +100,19 @@ def validate_graph(
                 problems.append(f"stage {sid} takes input from stage {src}, which does not exist")
             elif src == sid:
                 problems.append(f"stage {sid} takes its own output as input")
+    consumers: dict[int, list[int]] = {}
+    for sid, srcs in sorted(inputs.items()):
+        for src in dict.fromkeys(srcs):
+            if src in inputs and src != sid:
+                consumers.setdefault(src, []).append(sid)
+    for src, dsts in sorted(consumers.items()):
+        if len(dsts) > 1:
+            # The orchestrator hands each stage's output to exactly one consumer (one connector
+            # put, released by its one reader); a second consumer would never receive it.
+            problems.append(
+                f"stage {src} feeds stages {dsts}: one stage's output can go to only one stage "
+                "(fan-out is not supported yet)"
+            )
     if not any(not srcs for srcs in inputs.values()):
         problems.append("no entry stage (every stage waits for another one)")
     cycle = _find_cycle(inputs)

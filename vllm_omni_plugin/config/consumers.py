@@ -1,0 +1,196 @@
+"""Where every field of every config owner takes effect, or how loading rejects it.
+
+A field accepted and then ignored is the defect this project exists to end, so each field has a
+fate here, per stage kind, and tests/config/test_field_consumers.py checks every entry against
+the code: a consumer file must exist and name the field, an engine argument must be one vLLM's
+engine takes, a refused example must fail loading naming the field, a warned example must load
+with a warning naming it. A field added to an owner without an entry fails that test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Code:
+    """Read by our code: `path` (relative to the package) names the field (or `token`)."""
+
+    path: str
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """Handed to the AR stage's vLLM engine (`StageConfig.engine_kwargs`)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Loading refuses `example` (and values like it) naming the field; other values act or
+    are the only behaviour there is (e.g. num_replicas: 1)."""
+
+    example: Any
+
+
+@dataclass(frozen=True)
+class Warned:
+    """Kept only so vLLM-Omni files load: setting it warns at load that it has no effect."""
+
+    example: Any
+
+
+Fate = Code | EngineArg | Refused | Warned
+
+_STAGE_FILE = "config/stage_build.py"  # model paths are resolved there
+_ENV = "orchestrator/stage_process.py"  # the stage process's environment is built there
+_EDGES = "config/connectors_cfg.py"
+_ENGINE = "diffusion/engine.py"
+_LIMITS = "serving/protocol.py"
+
+
+def _both(fate: Fate) -> dict[str, Fate]:
+    return {"ar": fate, "diffusion": fate}
+
+
+# (owner class name, field) -> {stage kind ("ar" / "diffusion") or "pipeline": fate}. Kinds a
+# field does not apply to (AR-only fields on a diffusion stage, which loading already warns
+# about as "vLLM engine settings a diffusion stage does not use") are left out.
+CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
+    # ModelOwner
+    ("ModelOwner", "model"): _both(Code(_STAGE_FILE)),
+    ("ModelOwner", "model_subdir"): _both(Code(_STAGE_FILE)),
+    ("ModelOwner", "tokenizer"): {"ar": Code(_STAGE_FILE)},
+    ("ModelOwner", "tokenizer_subdir"): {"ar": Code(_STAGE_FILE)},
+    ("ModelOwner", "trust_remote_code"): {"ar": EngineArg(), "diffusion": Warned(True)},
+    ("ModelOwner", "revision"): {"ar": EngineArg(), "diffusion": Warned("main")},
+    ("ModelOwner", "hf_overrides"): {"ar": EngineArg()},
+    ("ModelOwner", "quantization"): {"ar": EngineArg()},
+    ("ModelOwner", "tokenizer_mode"): {"ar": EngineArg()},
+    ("ModelOwner", "skip_tokenizer_init"): {"ar": EngineArg()},
+    ("ModelOwner", "max_model_len"): {"ar": EngineArg()},
+    ("ModelOwner", "dtype"): {"ar": EngineArg()},  # a diffusion stage's dtype is DiffusionOwner's
+    ("ModelOwner", "seed"): {"ar": EngineArg()},
+    # LoadOwner
+    ("LoadOwner", "load_format"): {"ar": EngineArg(), "diffusion": Warned("safetensors")},
+    ("LoadOwner", "download_dir"): {"ar": EngineArg(), "diffusion": Warned("/tmp/hub")},
+    ("LoadOwner", "config_format"): {"ar": EngineArg()},
+    # ParallelOwner
+    ("ParallelOwner", "tensor_parallel_size"): {"ar": EngineArg(), "diffusion": Refused(2)},
+    ("ParallelOwner", "pipeline_parallel_size"): {"ar": EngineArg()},
+    ("ParallelOwner", "data_parallel_size"): {"ar": EngineArg()},
+    ("ParallelOwner", "distributed_executor_backend"): {
+        "ar": EngineArg(),
+        "diffusion": Warned("mp"),
+    },
+    ("ParallelOwner", "enable_expert_parallel"): {"ar": EngineArg()},
+    ("ParallelOwner", "sequence_parallel_size"): _both(Refused(2)),
+    ("ParallelOwner", "ulysses_degree"): _both(Refused(2)),
+    ("ParallelOwner", "ring_degree"): _both(Refused(2)),
+    ("ParallelOwner", "cfg_parallel_size"): _both(Refused(2)),
+    ("ParallelOwner", "vae_patch_parallel_size"): _both(Refused(2)),
+    # ConnectorOwner
+    ("ConnectorOwner", "input_connectors"): _both(Code(_EDGES)),
+    ("ConnectorOwner", "output_connectors"): _both(Code(_EDGES)),
+    ("ConnectorOwner", "omni_kv_config"): _both(Warned({"need_send_cache": True})),
+    ("ConnectorOwner", "kv_transfer_config"): {"ar": EngineArg()},
+    # RuntimeOwner
+    ("RuntimeOwner", "devices"): _both(Code(_ENV)),
+    ("RuntimeOwner", "num_replicas"): _both(Refused(2)),
+    ("RuntimeOwner", "env"): _both(Code(_ENV)),
+    ("RuntimeOwner", "enforce_eager"): {"ar": EngineArg(), "diffusion": Warned(True)},
+    ("RuntimeOwner", "compilation_config"): {"ar": EngineArg()},
+    ("RuntimeOwner", "async_chunk"): _both(Warned(True)),
+    # CacheOwner, SchedulerOwner: vLLM's own engine settings
+    **{
+        ("CacheOwner", f): {"ar": EngineArg()}
+        for f in (
+            "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "enable_prefix_caching",
+            "block_size",
+            "kv_cache_dtype",
+        )
+    },
+    **{
+        ("SchedulerOwner", f): {"ar": EngineArg()}
+        for f in (
+            "scheduler_cls",
+            "async_scheduling",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enable_chunked_prefill",
+        )
+    },
+    # ARSamplingDefaults: every field becomes a vllm.SamplingParams argument in the AR glue
+    **{
+        ("ARSamplingDefaults", f): {"ar": Code("config/owners_ar.py", "sampling_kwargs")}
+        for f in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "max_tokens",
+            "min_tokens",
+            "stop_token_ids",
+            "seed",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "extra",
+        )
+    },
+    # DiffusionOwner: DiffusionEngineConfig.from_owner takes it whole; the engine reads each
+    **{
+        ("DiffusionOwner", f): {"diffusion": Code(_ENGINE)}
+        for f in (
+            "pipeline_class",
+            "dtype",
+            "device",
+            "max_batch_size",
+            "max_num_inference_steps",
+            "memory_budget_gb",
+            "gpu_memory_utilization",
+            "min_height",
+            "max_height",
+            "min_width",
+            "max_width",
+            "size_granularity",
+            "request_batch_max_wait_ms",
+            "vae_use_slicing",
+            "vae_use_tiling",
+            "compile_transformer",
+            "compile_regional",
+        )
+    },
+    ("DiffusionOwner", "enable_cpu_offload"): {"diffusion": Refused(True)},
+    ("DiffusionOwner", "cache_backend"): {"diffusion": Warned("tea_cache")},
+    ("DiffusionOwner", "cache_config"): {"diffusion": Warned({"rel_l1_thresh": 0.2})},
+    # DiffusionSamplingDefaults: the engine's request defaults
+    **{
+        ("DiffusionSamplingDefaults", f): {"diffusion": Code(_ENGINE)}
+        for f in (
+            "num_inference_steps",
+            "guidance_scale",
+            "height",
+            "width",
+            "seed",
+            "negative_prompt",
+        )
+    },
+    ("DiffusionSamplingDefaults", "true_cfg_scale"): {
+        "diffusion": Code("diffusion/adapters/qwen_image.py")
+    },
+    ("DiffusionSamplingDefaults", "output_type"): {"diffusion": Refused("latent")},
+    ("DiffusionSamplingDefaults", "extra_args"): {"diffusion": Refused({"eta": 0.5})},
+    # ServingLimits (top-level `serving:`)
+    ("ServingLimits", "max_n"): {"pipeline": Code(_LIMITS)},
+    ("ServingLimits", "max_prompt_chars"): {"pipeline": Code(_LIMITS)},
+    ("ServingLimits", "max_negative_prompt_chars"): {"pipeline": Code(_LIMITS)},
+    ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
+}
