@@ -70,17 +70,21 @@ class PeakMemory:
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> PeakMemory:
-        import pynvml
+        self._thread = None
+        try:
+            import pynvml
 
-        pynvml.nvmlInit()
-        self.baseline = self._used()
+            pynvml.nvmlInit()
+        except Exception:  # no NVIDIA device (a CPU dry run): no memory figure
+            return self
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     @property
     def peak_gib(self) -> float:
@@ -193,7 +197,8 @@ async def _serve_load(server: Server, args, extra: dict) -> dict:
 def _record(args, phase: str, data: dict) -> None:
     import torch
 
-    data = {"phase": phase, "device": torch.cuda.get_device_name(0), **data}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    data = {"phase": phase, "device": device, **data}
     data.update(size=args.size, steps=args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "results.jsonl", "a") as f:
@@ -256,26 +261,36 @@ def phase_omni(args) -> None:
         server.stop()
 
 
-def _timed(fn, box: list):
+def _sync() -> None:
     import torch
 
-    def wrapper(*a, **kw):
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _timed(fn, box: list):
+    def wrapper(*a, **kw):
+        _sync()
         t0 = time.perf_counter()
         out = fn(*a, **kw)
-        torch.cuda.synchronize()
+        _sync()
         box.append(time.perf_counter() - t0)
         return out
 
     return wrapper
 
 
-def _load_diffusers(model: Path):
+def _device_dtype():
     import torch
+
+    return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+def _load_diffusers(model: Path):
     from diffusers import GlmImagePipeline
 
-    pipe = GlmImagePipeline.from_pretrained(str(model), torch_dtype=torch.bfloat16)
-    return pipe.to("cuda")
+    device, dtype = _device_dtype()
+    return GlmImagePipeline.from_pretrained(str(model), torch_dtype=dtype).to(device)
 
 
 def phase_diffusers(args) -> None:
@@ -292,7 +307,7 @@ def phase_diffusers(args) -> None:
         ar_s.clear(), decode_s.clear()
         runs = []
         for i in range(args.repeats):
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             pipe(
                 PROMPTS[i],
@@ -302,7 +317,7 @@ def phase_diffusers(args) -> None:
                 guidance_scale=1.5,
                 generator=torch.Generator("cpu").manual_seed(1000 + i),
             )
-            torch.cuda.synchronize()
+            _sync()
             runs.append(time.perf_counter() - t0)
     split = {
         "ar": round(statistics.median(ar_s), 2),
@@ -334,20 +349,23 @@ def _engine_vs_diffusers(args, pipe) -> None:
 
     d32 = args.size // 32
     gen = torch.Generator("cpu").manual_seed(7)
-    codes = torch.randint(0, 16384, (1, d32 * d32), generator=gen)
+    vocab = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    codes = torch.randint(0, vocab, (1, d32 * d32), generator=gen)
     prior = pipe._upsample_token_ids(codes, d32, d32)
     kwargs = dict(height=args.size, width=args.size, num_inference_steps=args.steps)
     ref = pipe(
         PROMPTS[1],
-        prior_token_ids=prior.to("cuda"),
+        prior_token_ids=prior.to(pipe.device),
         guidance_scale=1.5,
         generator=torch.Generator("cpu").manual_seed(5),
         **kwargs,
     ).images[0]
-    adapter = GlmImageAdapter(pipe, torch.device("cuda"), torch.bfloat16, {})
+    device, dtype = _device_dtype()
+    adapter = GlmImageAdapter(pipe, torch.device(device), dtype, {})
+    on_gpu = device == "cuda"
     config = DiffusionEngineConfig(
-        model=str(args.model), device="cuda", dtype="bfloat16", compile_transformer=True,
-        compile_regional=True,
+        model=str(args.model), device=device, dtype=str(dtype).removeprefix("torch."),
+        compile_transformer=on_gpu, compile_regional=on_gpu,
     )  # fmt: skip
     engine = DiffusionEngine(config, adapter=adapter)
     req = GenerationRequest(

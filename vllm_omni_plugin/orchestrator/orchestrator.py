@@ -163,7 +163,8 @@ class Orchestrator:
                 if result.error is not None:
                     raise StageRequestError(sid, result.error, result.error_field)
                 stage_s += result.stage_s
-                metrics[f"stage_{sid}"] = dict(result.metrics)  # asdict would deep-copy output
+                # asdict would deep-copy the output; stage_s feeds the x-omni-stage-timings header
+                metrics[f"stage_{sid}"] = {**result.metrics, "stage_s": result.stage_s}
                 outputs[sid] = result.output
         except BaseException:
             self._release_payloads(request_id, producers)

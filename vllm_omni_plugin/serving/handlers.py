@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import time
 import uuid
@@ -85,6 +86,7 @@ class ImageService:
             "x-omni-request-id": request_id,
             "x-omni-server-ms": f"{server_ms:.3f}",
             "x-omni-stage-ms": f"{result.stage_s * 1e3:.3f}",
+            "x-omni-stage-timings": stage_timings(result.metrics, server_ms),
         }
         return response, headers
 
@@ -133,3 +135,17 @@ class ImageService:
             if exc.field is not None:
                 raise invalid(exc.message, exc.field) from None
             raise APIError(500, str(exc), code="stage_error") from None
+
+
+def stage_timings(metrics: dict, server_ms: float) -> str:
+    """Where a request's time went, in ms, as compact JSON: each stage from receipt to reply
+    ("stage_<id>"), the VAE decode inside a diffusion stage where it reports one ("decode"), and
+    the rest ("other": validation, control hops, payload handoffs, encoding)."""
+    out: dict[str, float] = {}
+    for name, m in metrics.items():
+        out[name] = round(m.get("stage_s", 0.0) * 1e3, 1)
+        if "decode_s" in m:
+            out["decode"] = round(m["decode_s"] * 1e3, 1)
+    stages = sum(v for k, v in out.items() if k.startswith("stage_"))
+    out["other"] = round(server_ms - stages, 1)
+    return json.dumps(out, separators=(",", ":"))
