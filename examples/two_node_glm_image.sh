@@ -10,9 +10,11 @@
 # Start them in any order: the node retries until the head listens; the head answers 503
 # (and /health is unhealthy) until the DiT node has registered. Restart either at will: a
 # node that dies fails its in-flight requests with 503 at once, and serving resumes when it
-# registers again. Both nodes need the same checkpoint path (MODEL) and the same
-# VLLM_OMNI_AUTHKEY (the control connection carries pickled messages: keep the key secret and
-# the registry port on a private network).
+# registers again. Both nodes need the same checkpoint path (MODEL) and the same secret
+# VLLM_OMNI_AUTHKEY (e.g. `openssl rand -hex 32`): the head's node registry listens on
+# 0.0.0.0 here, which vllm serve refuses without it. The key authenticates both ends of the
+# control connection (typed messages, never pickle); keep the registry port on a private
+# network all the same.
 set -euo pipefail
 
 ROLE=${ROLE:?set ROLE=head or ROLE=node}
