@@ -11,6 +11,11 @@ class DiffusionEngineError(RuntimeError):
     """An engine-side failure (model load, unsupported checkpoint, internal error)."""
 
 
+class DeviceError(DiffusionEngineError):
+    """The accelerator failed (a CUDA error): the device context is unusable for every later
+    request, so the engine must not go on as if only one batch had failed."""
+
+
 class UnsupportedModelError(DiffusionEngineError):
     """The checkpoint's pipeline class has no adapter and cannot run through the fallback."""
 

@@ -1,21 +1,64 @@
-"""Runs a scheduled batch on the model adapter: prepare, one denoising step, decode."""
+"""Runs a scheduled batch on the model adapter: prepare, one denoising step, decode.
+
+A failure in a phase fails the requests of that phase, never the engine, except a device error
+(a CUDA error): after one the device context is unusable, so it is raised as DeviceError and
+takes the stage down (the stage process exits and is restarted) instead of leaving a broken
+engine that reports ready.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from .adapters.base import DiffusionAdapter
+from .errors import DeviceError
 from .request import RequestState
 from .scheduler import RunnerOutput, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
+# Test-only fault injection, inert unless set: a request whose prompt equals this variable's
+# value makes its denoising step (or whole-pipeline run) raise a real device error
+# (torch.AcceleratorError where torch has it), so a CPU test can show that a device error takes
+# the stage down. Read once per engine; never set it in production.
+FAULT_PROMPT_ENV = "VLLM_OMNI_TEST_DEVICE_ERROR_PROMPT"
+
+# Messages of RuntimeErrors that come from a failed device, not from a bad input. "CUDA out of
+# memory" is not among them: an OOM fails the batch, the device stays usable.
+_DEVICE_ERROR_MARKERS = (
+    "CUDA error",
+    "CUDA driver error",
+    "CUBLAS_STATUS_",
+    "cuDNN error",
+    "device-side assert triggered",
+)
+
+
+def is_device_error(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if isinstance(exc, getattr(torch.cuda, "CudaError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_ERROR_MARKERS)
+
+
+def injected_device_error() -> RuntimeError:
+    cls = getattr(torch, "AcceleratorError", RuntimeError)
+    return cls(
+        f"CUDA error: an illegal memory access was encountered (injected: {FAULT_PROMPT_ENV})"
+    )
+
 
 class ModelRunner:
     def __init__(self, adapter: DiffusionAdapter) -> None:
         self.adapter = adapter
+        self._fault_prompt = os.environ.get(FAULT_PROMPT_ENV) or None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -40,21 +83,33 @@ class ModelRunner:
         return out
 
     def _guard(self, states: list[RequestState], out: RunnerOutput, phase: str, fn):
-        """Run one phase; a failure fails these requests, never the engine."""
+        """Run one phase; a failure fails these requests, a device error the engine."""
         try:
+            self._maybe_inject_fault(states, phase)
             return fn(states)
         except Exception as exc:
-            logger.exception("diffusion %s failed for %s", phase, [s.request_id for s in states])
+            ids = [s.request_id for s in states]
+            if is_device_error(exc):
+                raise DeviceError(
+                    f"diffusion {phase} of {ids}: {type(exc).__name__}: {exc}"
+                ) from exc
+            logger.exception("diffusion %s failed for %s", phase, ids)
             for s in states:
                 out.failed[s.request_id] = f"{phase} failed: {type(exc).__name__}: {exc}"
             return None
+
+    def _maybe_inject_fault(self, states: list[RequestState], phase: str) -> None:
+        if self._fault_prompt is None or phase not in ("denoise", "pipeline"):
+            return
+        if any(s.req.prompt == self._fault_prompt for s in states):
+            raise injected_device_error()
 
     def _run_whole(self, state: RequestState, out: RunnerOutput) -> None:
         def on_step(i: int) -> None:
             state.step = i
 
-        try:
-            out.finished[state.request_id] = self.adapter.generate(state, on_step)
-        except Exception as exc:
-            logger.exception("diffusion pipeline failed for %s", state.request_id)
-            out.failed[state.request_id] = f"pipeline failed: {type(exc).__name__}: {exc}"
+        images = self._guard(
+            [state], out, "pipeline", lambda states: self.adapter.generate(states[0], on_step)
+        )
+        if images is not None:
+            out.finished[state.request_id] = images

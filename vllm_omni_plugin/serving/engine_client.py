@@ -80,6 +80,8 @@ class OmniEngineClient:
                 stage.abort(rid)
 
     def shutdown(self, timeout: float | None = None) -> None:
+        # vLLM calls this from an executor thread (launcher.serve_http), so blocking is fine;
+        # the stages stop concurrently.
         self._stopped = True
         self.orchestrator.shutdown()
 
@@ -148,6 +150,7 @@ async def omni_engine_client(args: argparse.Namespace) -> AsyncIterator[OmniEngi
         await orchestrator.start()
         yield OmniEngineClient(orchestrator, cfg, args)
     finally:
-        orchestrator.shutdown()
+        # Not `shutdown()`: stopping stages takes seconds and must not block the event loop.
+        await orchestrator.aclose()
         if head is not None:
             head.close()
