@@ -41,14 +41,3 @@ def test_sync_scheduler_refuses_async_config(glm_tiny):
     with pytest.raises(ValueError, match="OmniARAsyncScheduler"):
         OmniARScheduler(vllm_config=config, kv_cache_config=None, structured_output_manager=None)
     assert issubclass(OmniARAsyncScheduler, OmniARScheduler.__mro__[1])  # the shared mixin
-
-
-def test_config_time_pairing_check():
-    from vllm_omni_plugin.core.sched import SCHEDULERS, check_scheduler_pairing
-
-    with pytest.raises(ValueError, match="OmniARAsyncScheduler"):
-        check_scheduler_pairing(SCHEDULERS["OmniARScheduler"], True)
-    check_scheduler_pairing(SCHEDULERS["OmniARScheduler"], False)
-    check_scheduler_pairing(SCHEDULERS["OmniARAsyncScheduler"], True)
-    check_scheduler_pairing(SCHEDULERS["OmniARAsyncScheduler"], False)
-    check_scheduler_pairing(None, True)

@@ -1,14 +1,27 @@
-"""Names and coarse types of vLLM's engine arguments (vLLM 0.32 `AsyncEngineArgs`).
+"""vLLM couplings kept as data: engine-argument names and coarse types per vLLM minor, and the
+title vLLM gives its worker processes.
 
 Kept as data so that validating a config never imports vLLM (the CLI must stay fast). An AR
-stage may set any of these flat in its YAML; ones our typed owners do not model are passed
-through to `vllm.AsyncEngineArgs` after a coarse type check. Regenerate from
-`dataclasses.fields(vllm.engine.arg_utils.AsyncEngineArgs)` when supporting a new vLLM.
+stage may set any engine field flat in its YAML; ones our typed owners do not model are passed
+through to `vllm.AsyncEngineArgs` after a coarse type check. `VLLM_ENGINE_FIELDS` is the set of
+the installed vLLM's minor (found from its package metadata, without importing vLLM), so a key
+that minor does not have is refused at load rather than by `AsyncEngineArgs(**kw)` at start-up.
+
+`_FIELDS_032` is `dataclasses.fields(vllm.engine.arg_utils.AsyncEngineArgs)` of vLLM 0.32 (read
+at run time, enums and literals as "str"); `_DELTAS` holds what each other supported minor lacks
+and adds, read off its wheel. `scripts/check_vllm_seams.py` compares `engine_fields(minor)` with
+each wheel's `EngineArgs`/`AsyncEngineArgs` fields, both ways, so a new vLLM that adds, drops or
+retypes a field fails a test until this file is updated.
 """
 
 from __future__ import annotations
 
-VLLM_ENGINE_FIELDS: dict[str, str] = {
+import os
+
+#: The snapshot's own minor, and the fallback when vLLM is absent or outside the window.
+REFERENCE_MINOR = "0.32"
+
+_FIELDS_032: dict[str, str] = {
     "model": "str",
     "enable_return_routed_experts": "bool",
     "return_sampling_mask": "bool",
@@ -265,3 +278,246 @@ VLLM_ENGINE_FIELDS: dict[str, str] = {
     "kda_decode_backend": "str",
     "enable_log_requests": "bool",
 }
+
+
+# minor: (0.32 fields this minor does not have, fields it has that 0.32 does not {name: type}).
+# Read off the x.y.0 wheels' vllm/engine/arg_utils.py.
+_DELTAS: dict[str, tuple[frozenset[str], dict[str, str]]] = {
+    "0.26": (
+        frozenset(
+            {
+                "aux_output_config",
+                "custom_histogram_buckets",
+                "dcp_q_replicate",
+                "dp_sync_interval",
+                "ec_manager_config",
+                "elastic_ep_max_dp_size",
+                "enable_batch_sharded_sampling",
+                "enable_fault_tolerance",
+                "enable_hc_sp",
+                "enable_mamba_shared_prefix_checkpoint",
+                "enable_nccl_comm_suspend",
+                "enable_shm_tensor_arena",
+                "enable_trace_replay",
+                "engram_config",
+                "fault_tolerance_config",
+                "kda_decode_backend",
+                "kda_prefill_backend",
+                "log_config_file",
+                "log_level",
+                "logging_config",
+                "long_prefill_token_threshold_adaptive",
+                "mamba_ssu_algorithm",
+                "max_lora_cls_labels",
+                "max_num_active_seqs",
+                "max_num_queued_reqs",
+                "max_num_queued_tokens",
+                "mm_device_do_normalize",
+                "mm_hasher_algorithm",
+                "mm_processor_device",
+                "per_request_spec_decode_metrics",
+                "prefix_cache_retention_interval",
+                "replayssm_buffer_len",
+                "return_sampling_mask",
+                "sleep_mode_offload_cudagraph",
+                "sleep_preserve_parameter_names",
+                "sparse_indexer_topk_backend",
+                "swa_bounded_replay",
+                "use_replayssm",
+                "video_pruning_method",
+                "watermark_config",
+            }
+        ),
+        {
+            "max_num_partial_prefills": "int",
+            "max_long_partial_prefills": "int",
+            "enable_bf16x3_router_gemm": "bool",
+            "override_attention_dtype": "str",
+            "calculate_kv_scales": "bool",
+        },
+    ),
+    "0.27": (
+        frozenset(
+            {
+                "aux_output_config",
+                "custom_histogram_buckets",
+                "dcp_q_replicate",
+                "dp_sync_interval",
+                "ec_manager_config",
+                "elastic_ep_max_dp_size",
+                "enable_batch_sharded_sampling",
+                "enable_hc_sp",
+                "enable_mamba_shared_prefix_checkpoint",
+                "enable_nccl_comm_suspend",
+                "enable_shm_tensor_arena",
+                "enable_trace_replay",
+                "engram_config",
+                "kda_decode_backend",
+                "log_config_file",
+                "log_level",
+                "logging_config",
+                "long_prefill_token_threshold_adaptive",
+                "max_lora_cls_labels",
+                "max_num_active_seqs",
+                "max_num_queued_reqs",
+                "max_num_queued_tokens",
+                "mm_device_do_normalize",
+                "mm_processor_device",
+                "per_request_spec_decode_metrics",
+                "prefix_cache_retention_interval",
+                "return_sampling_mask",
+                "sleep_mode_offload_cudagraph",
+                "sleep_preserve_parameter_names",
+                "sparse_indexer_topk_backend",
+                "swa_bounded_replay",
+                "watermark_config",
+            }
+        ),
+        {
+            "enable_bf16x3_router_gemm": "bool",
+            "override_attention_dtype": "str",
+            "calculate_kv_scales": "bool",
+        },
+    ),
+    "0.28": (
+        frozenset(
+            {
+                "aux_output_config",
+                "custom_histogram_buckets",
+                "dcp_q_replicate",
+                "dp_sync_interval",
+                "elastic_ep_max_dp_size",
+                "enable_batch_sharded_sampling",
+                "enable_hc_sp",
+                "enable_mamba_shared_prefix_checkpoint",
+                "enable_nccl_comm_suspend",
+                "enable_shm_tensor_arena",
+                "enable_trace_replay",
+                "engram_config",
+                "kda_decode_backend",
+                "log_config_file",
+                "log_level",
+                "logging_config",
+                "long_prefill_token_threshold_adaptive",
+                "max_lora_cls_labels",
+                "max_num_active_seqs",
+                "max_num_queued_reqs",
+                "max_num_queued_tokens",
+                "per_request_spec_decode_metrics",
+                "prefix_cache_retention_interval",
+                "sleep_mode_offload_cudagraph",
+                "sleep_preserve_parameter_names",
+                "sparse_indexer_topk_backend",
+                "swa_bounded_replay",
+                "watermark_config",
+            }
+        ),
+        {"enable_bf16x3_router_gemm": "bool"},
+    ),
+    "0.29": (
+        frozenset(
+            {
+                "aux_output_config",
+                "custom_histogram_buckets",
+                "dp_sync_interval",
+                "elastic_ep_max_dp_size",
+                "enable_hc_sp",
+                "enable_mamba_shared_prefix_checkpoint",
+                "enable_nccl_comm_suspend",
+                "enable_shm_tensor_arena",
+                "engram_config",
+                "kda_decode_backend",
+                "log_config_file",
+                "log_level",
+                "logging_config",
+                "long_prefill_token_threshold_adaptive",
+                "max_lora_cls_labels",
+                "max_num_active_seqs",
+                "sleep_mode_offload_cudagraph",
+                "sleep_preserve_parameter_names",
+                "sparse_indexer_topk_backend",
+                "swa_bounded_replay",
+                "watermark_config",
+            }
+        ),
+        {"enable_bf16x3_router_gemm": "bool"},
+    ),
+    "0.30": (
+        frozenset(
+            {
+                "aux_output_config",
+                "custom_histogram_buckets",
+                "enable_hc_sp",
+                "enable_mamba_shared_prefix_checkpoint",
+                "enable_shm_tensor_arena",
+                "log_config_file",
+                "log_level",
+                "logging_config",
+                "long_prefill_token_threshold_adaptive",
+                "max_lora_cls_labels",
+                "max_num_active_seqs",
+                "sleep_mode_offload_cudagraph",
+                "sleep_preserve_parameter_names",
+                "swa_bounded_replay",
+            }
+        ),
+        {"enable_mamba_fine_grained_prefix_cache": "bool"},
+    ),
+    "0.31": (
+        frozenset(
+            {
+                "custom_histogram_buckets",
+                "enable_hc_sp",
+                "enable_shm_tensor_arena",
+                "sleep_mode_offload_cudagraph",
+            }
+        ),
+        {},
+    ),
+    "0.32": (frozenset(), {}),
+    "0.33": (
+        frozenset(),
+        {"monokernel": "bool", "sleep_mode_backend": "str", "watchdog_config": "any"},
+    ),
+}
+SUPPORTED_MINORS = tuple(_DELTAS)
+
+
+def engine_fields(minor: str) -> dict[str, str]:
+    """Engine field name -> coarse type for one supported vLLM minor (KeyError otherwise)."""
+    removed, added = _DELTAS[minor]
+    fields = {k: v for k, v in _FIELDS_032.items() if k not in removed}
+    fields.update(added)
+    return fields
+
+
+def installed_vllm_minor() -> str | None:
+    """The installed vLLM's minor from its distribution metadata (no vLLM import), or None."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def _fields_minor() -> str:
+    minor = installed_vllm_minor()
+    return minor if minor in _DELTAS else REFERENCE_MINOR
+
+
+VLLM_ENGINE_FIELDS: dict[str, str] = engine_fields(_fields_minor())
+
+# Worker process title. vLLM's multiproc executor names each worker process
+# f"{VLLM_PROCESS_NAME_PREFIX}::Worker" plus rank suffixes ("_TP1", "_DP0_PP1", ...) through
+# `vllm.utils.system_utils.set_process_title` (v1/executor/multiproc_executor.py), the same in
+# 0.26 to 0.33; the prefix is the env var VLLM_PROCESS_NAME_PREFIX, default "VLLM".
+VLLM_PROCESS_NAME_PREFIX_ENV = "VLLM_PROCESS_NAME_PREFIX"
+VLLM_WORKER_PROCESS_NAME = "Worker"
+
+
+def vllm_worker_title_prefix() -> str:
+    """What a vLLM worker process's title starts with in this environment."""
+    prefix = os.environ.get(VLLM_PROCESS_NAME_PREFIX_ENV, "VLLM")
+    return f"{prefix}::{VLLM_WORKER_PROCESS_NAME}"

@@ -15,6 +15,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from ..diffusion.errors import RequestValidationError
 from .ar_glue import glue_for
 from .messages import Abort, Result, Shutdown, StageInit, Submit
@@ -53,9 +54,11 @@ def lower_worker_priority(nice: int) -> list[int]:
     import psutil
 
     done = []
+    # vLLM's worker title, checked per supported vLLM minor (scripts/check_vllm_seams.py).
+    worker_title = vllm_worker_title_prefix()
     for proc in psutil.Process().children(recursive=True):
         try:
-            if not proc.name().startswith("VLLM::Worker"):
+            if not proc.name().startswith(worker_title):
                 continue
             for thread in proc.threads():
                 os.setpriority(os.PRIO_PROCESS, thread.id, nice)
