@@ -9,8 +9,14 @@ import sys
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_omni_plugin.testing.tiny_models import build_tiny_model
 
-    path = build_tiny_model(args.kind, args.out_dir, seed=args.seed)
-    print(f"wrote tiny {args.kind} model to {path}")
+    try:
+        path = build_tiny_model(
+            args.kind, args.out_dir, seed=args.seed, size=args.size, num_layers=args.num_layers
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.size} {args.kind} model to {path}")
     return 0
 
 
@@ -22,6 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("kind", choices=["glm-image", "qwen-image", "flux"])
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--size",
+        choices=["tiny", "full"],
+        default="tiny",
+        help="full: the published model sizes with random bf16 weights (glm-image only; ~34 GB, "
+        "built on the GPU when one is present)",
+    )
+    tiny.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="with --size full: depth of every stack (AR, vision, DiT, T5), widths unchanged; "
+        "for testing the full-size code path on a small machine",
+    )
     tiny.set_defaults(func=_make_tiny_model)
 
     try:

@@ -35,6 +35,7 @@ real model. vLLM ignores these two fields; its AR stage constrains generation it
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,31 +62,82 @@ CHAT_TEMPLATE = (
 )
 
 
-def _dit_token(i: int) -> str:
-    return f"<|dit_token_{i}|>"
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where the AR's ids live: image codes from 0, then image start/end, then text from
+    `vision_vocab_size` on (byte-level stand-ins first), with `specials` at fixed ids."""
+
+    num_image_codes: int
+    vision_vocab_size: int
+    text_vocab_size: int
+    # token -> id; must hold "<|endoftext|>" (pad), "<sop>", "<eop>" and "<|image|>".
+    specials: dict[str, int]
+    image_processor: dict = field(default_factory=dict)
+    # Fill every id below text_vocab_size that has no token yet with an unreachable
+    # placeholder, so len(tokenizer) equals the model's vocab (the real tokenizer has no holes).
+    fill_holes: bool = False
+
+    @property
+    def image_start_id(self) -> int:
+        return self.num_image_codes
+
+    @property
+    def image_end_id(self) -> int:
+        return self.num_image_codes + 1
+
+    @property
+    def text_offset(self) -> int:
+        return self.vision_vocab_size
+
+    def chat_template(self) -> str:
+        start, end = _dit_token(self.image_start_id), _dit_token(self.image_end_id)
+        return CHAT_TEMPLATE.replace("<|dit_token_64|>", start).replace("<|dit_token_65|>", end)
 
 
-def build_processor(out_dir: Path | None = None):
-    """GlmImageProcessor with the tiny id layout above (saved to `out_dir` if given)."""
-    from transformers import GlmImageImageProcessor, GlmImageProcessor, PreTrainedTokenizerFast
-
-    from vllm_omni_plugin.testing.tiny_tokenizers import byte_alphabet, byte_level_bpe
-
-    vocab = {_dit_token(i): i for i in range(VISION_VOCAB_SIZE)}
-    vocab.update({ch: TEXT_OFFSET + b for b, ch in enumerate(byte_alphabet())})
-    specials = {
+TINY_LAYOUT = TokenLayout(
+    num_image_codes=NUM_IMAGE_CODES,
+    vision_vocab_size=VISION_VOCAB_SIZE,
+    text_vocab_size=TEXT_VOCAB_SIZE,
+    specials={
         "<|endoftext|>": PAD_ID,
         "<sop>": GRID_BOS_ID,
         "<eop>": GRID_EOS_ID,
         "<|image|>": IMAGE_TOKEN_ID,
-    }
-    vocab.update(specials)
+    },
+    # Patch 16 with no temporal/spatial merge: one vision patch per 16x16 pixels.
+    image_processor={
+        "patch_size": 16,
+        "temporal_patch_size": 1,
+        "merge_size": 1,
+        "min_pixels": 32 * 32,
+        "max_pixels": 256 * 256,
+    },
+)
+
+
+def _dit_token(i: int) -> str:
+    return f"<|dit_token_{i}|>"
+
+
+def build_processor(out_dir: Path | None = None, layout: TokenLayout = TINY_LAYOUT):
+    """GlmImageProcessor with `layout`'s ids (saved to `out_dir` if given)."""
+    from transformers import GlmImageImageProcessor, GlmImageProcessor, PreTrainedTokenizerFast
+
+    from vllm_omni_plugin.testing.tiny_tokenizers import byte_alphabet, byte_level_bpe
+
+    vocab = {_dit_token(i): i for i in range(layout.vision_vocab_size)}
+    vocab.update({ch: layout.text_offset + b for b, ch in enumerate(byte_alphabet())})
+    vocab.update(layout.specials)
+    if layout.fill_holes:
+        taken = set(vocab.values())
+        # "<|text_N|>" is never produced: no merges lead to it and it is not an added token.
+        vocab.update({f"<|text_{i}|>": i for i in range(layout.text_vocab_size) if i not in taken})
     # Vision ids are special too, so "<|dit_token_64|>" in text is one token, as in the real one.
-    special_list = [_dit_token(i) for i in range(VISION_VOCAB_SIZE)] + list(specials)
+    special_list = [_dit_token(i) for i in range(layout.vision_vocab_size)] + list(layout.specials)
     tok = byte_level_bpe(vocab, merges=[], special_tokens=special_list)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=_dit_token(IMAGE_START_ID),
+        bos_token=_dit_token(layout.image_start_id),
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         extra_special_tokens={
@@ -96,12 +148,9 @@ def build_processor(out_dir: Path | None = None):
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    # Patch 16 with no temporal/spatial merge: one vision patch per 16x16 pixels.
-    image_processor = GlmImageImageProcessor(
-        patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=32 * 32, max_pixels=256 * 256
-    )
+    image_processor = GlmImageImageProcessor(**layout.image_processor)
     processor = GlmImageProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=layout.chat_template()
     )
     if out_dir is not None:
         processor.save_pretrained(out_dir)

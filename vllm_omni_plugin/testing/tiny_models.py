@@ -25,16 +25,44 @@ _BUILDERS = {
 KINDS = tuple(_BUILDERS)
 
 
-def build_tiny_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny `kind` checkpoint (glm-image | qwen-image | flux) to `out_dir`; return its path."""
+# kind -> module with `build(out_dir, seed, num_layers=None)`: the published sizes.
+_FULL_BUILDERS = {"glm-image": "vllm_omni_plugin.testing.full_glm_image"}
+
+SIZES = ("tiny", "full")
+
+
+def build_tiny_model(
+    kind: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    size: str = "tiny",
+    num_layers: int | None = None,
+) -> Path:
+    """Write a `kind` checkpoint (glm-image | qwen-image | flux) to `out_dir`; return its path.
+
+    `size="full"` (glm-image only) writes the published model sizes with random bf16 weights,
+    on the GPU when there is one; `num_layers` then overrides every stack's depth (for tests).
+    """
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
+    if size == "full" and kind not in _FULL_BUILDERS:
+        raise ValueError(
+            f"--size full is available for {', '.join(_FULL_BUILDERS)} only, not {kind!r}"
+        )
+    if num_layers is not None and size != "full":
+        raise ValueError("num_layers applies to --size full only")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    module = importlib.import_module(_BUILDERS[kind])
-    path = Path(module.build(out, seed))
-    _normalize_model_index(path / "model_index.json")
-    logger.info("wrote tiny %s checkpoint (seed %d) to %s", kind, seed, path)
+    if size == "full":
+        module = importlib.import_module(_FULL_BUILDERS[kind])
+        path = Path(module.build(out, seed, num_layers=num_layers))
+    else:
+        module = importlib.import_module(_BUILDERS[kind])
+        path = Path(module.build(out, seed))
+        _normalize_model_index(path / "model_index.json")
+    logger.info("wrote %s %s checkpoint (seed %d) to %s", size, kind, seed, path)
     return path
 
 
