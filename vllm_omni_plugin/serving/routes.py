@@ -5,6 +5,8 @@ All paths are under /v1, so vLLM's --api-key middleware guards them like its own
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -13,6 +15,9 @@ from .handlers import ClientDisconnected, ImageService
 from .validation import MAX_BODY_BYTES
 
 router = APIRouter()
+
+# Off by default: the stage-description route exists for tests and operators who turn it on.
+DESCRIBE_STAGES_ENV = "VLLM_OMNI_DESCRIBE_STAGES"
 
 
 def _service(request: Request) -> ImageService:
@@ -80,6 +85,30 @@ async def get_image_file(token: str, request: Request) -> Response:
         return _error(APIError(404, "image not found or expired", param="token", code="not_found"))
     data, media_type = found
     return Response(content=data, media_type=media_type)
+
+
+@router.get("/v1/omni/stages")
+async def describe_stages(request: Request) -> Response:
+    """Internal: what each live stage runs with (its Ready info: limits and the settings read
+    back from its engine), and its pid. 404 unless VLLM_OMNI_DESCRIBE_STAGES=1 is set for the
+    API server; under /v1, so --api-key guards it too."""
+    if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
+        return _error(APIError(404, "not found", code="not_found"))
+    try:
+        orchestrator = _service(request).orchestrator
+    except APIError as exc:
+        return _error(exc)
+    stages = [
+        {
+            "stage_id": sid,
+            "kind": stage.kind,
+            "ready": stage.ready,
+            "pid": getattr(stage, "pid", None),
+            "info": stage.info,
+        }
+        for sid, stage in orchestrator.stages.items()
+    ]
+    return JSONResponse({"pipeline": orchestrator.cfg.pipeline, "stages": stages})
 
 
 def _no_text_stage(request: Request) -> JSONResponse:

@@ -77,7 +77,6 @@ _DESCRIBED = {
         "block_size",
         "cache_dtype",
         "kv_cache_memory_bytes",
-        "cpu_kvcache_space_bytes",
     ),
     "scheduler_config": (
         "max_num_seqs",
