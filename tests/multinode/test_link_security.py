@@ -31,7 +31,7 @@ from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.orchestrator import link as link_mod
 from vllm_omni_plugin.orchestrator import remote
 from vllm_omni_plugin.orchestrator.link import MAGIC, AuthenticationError, Link, accept, connect
-from vllm_omni_plugin.orchestrator.node import shutdown_concurrently, stage_init
+from vllm_omni_plugin.orchestrator.node import _plain, shutdown_concurrently, stage_init
 from vllm_omni_plugin.orchestrator.node_protocol import (
     AUTHKEY_ENV,
     Heartbeat,
@@ -380,3 +380,11 @@ def test_descriptors_and_inline_tensors_round_trip_typed():
     assert through_the_wire([b"png"]) == [b"png"] and through_the_wire(None) is None
     with pytest.raises(TypeError, match="connector"):
         value_to_wire({"a": object()})
+
+
+def test_stray_values_in_stage_info_do_not_stop_heartbeats():
+    """A non-plain value in a stage's info is sent as its str(); bytes stay bytes."""
+    info = _plain({"limits": {"max_steps": 9}, "path": Path("/m"), "md": b"\x00"})
+    assert info == {"limits": {"max_steps": 9}, "path": "/m", "md": b"\x00"}
+    frame = link_mod.encode(Heartbeat({1: StageStatus("diffusion", True, info)}))
+    assert msgspec.msgpack.decode(frame[4:], type=Heartbeat).stages[1].info == info

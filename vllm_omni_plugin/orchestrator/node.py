@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from ..stages.messages import Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect
@@ -88,7 +90,7 @@ class HeadlessNode:
 
     def statuses(self) -> dict[int, StageStatus]:
         return {
-            sid: StageStatus(s.kind, s.ready, dict(s.info), s.restarts, s.deaths, s.pid)
+            sid: StageStatus(s.kind, s.ready, _plain(s.info), s.restarts, s.deaths, s.pid)
             for sid, s in self.stages.items()
         }
 
@@ -179,6 +181,10 @@ class HeadlessNode:
             except OSError:
                 link.drop("send failed")
                 return
+            except (TypeError, ValueError) as exc:  # never a silent end of the heartbeats
+                logger.exception("cannot encode this node's heartbeat")
+                link.drop(f"heartbeat not encodable ({exc})")
+                return
             await asyncio.sleep(HEARTBEAT_S)
             silent = time.monotonic() - link.last_seen
             if silent > DEAD_AFTER_S:
@@ -220,6 +226,13 @@ class HeadlessNode:
             self.tasks.pop(rid, None)
         with contextlib.suppress(OSError):
             link.send(reply)
+
+
+def _plain(info: dict[str, Any]) -> dict[str, Any]:
+    """A stage's Ready info as plain data for the link. It should be plain already (messages.py
+    says so); a stray value (a Path, a dtype) goes as its str() instead of stopping the
+    heartbeats that carry it."""
+    return msgspec.to_builtins(dict(info), builtin_types=(bytes, bytearray), enc_hook=str)
 
 
 def _result_to_wire(result: Result) -> StageResult:

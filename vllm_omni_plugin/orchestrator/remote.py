@@ -97,7 +97,8 @@ class StageHead:
         # Checked here as well as at key resolution: nothing listens beyond loopback unkeyed.
         require_explicit_key(self.bind, "head")
         self._loop = asyncio.get_running_loop()
-        sock = socket.create_server((self.bind, self.port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in self.bind else socket.AF_INET  # "::", "::1"
+        sock = socket.create_server((self.bind, self.port), family=family, reuse_port=False)
         self._sock = sock
         self.port = sock.getsockname()[1]
         if not explicit_authkey():
