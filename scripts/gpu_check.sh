@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+# scripts/gpu_kit/install_kit.sh puts each system in its own folder; a phase sees only its own.
+OURS_PATH=/tmp/ours:/tmp/site
+export PYTHONPATH=$OURS_PATH PATH=/tmp/ours/bin:/tmp/site/bin:$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The tiny checkpoint is saved in float32; on the GPU both stages run it in bf16 (vLLM's
 # FlashAttention has no fp32 kernels) and at tiny sizes (the 1-GPU config's floor is 512).
@@ -36,7 +38,13 @@ while [ $# -gt 0 ]; do
       ;;
     bench)
       for phase in "$@"; do
-        python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full"
+        if [ "$phase" = omni ]; then
+          # vLLM-Omni alone: its own package and plugins, not ours.
+          PYTHONPATH=/tmp/vomni:/tmp/site python3 benchmarks/bench_gpu_glm.py omni \
+            --model "$FULL" --out "$OUT/full"
+        else
+          python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full"
+        fi
       done
       shift $#
       ;;
