@@ -1,43 +1,132 @@
 """GLM-Image end to end: `vllm serve TINY_GLM --stage-config glm_image_tiny.yaml` runs the AR
 stage (a vLLM engine with our model) and the DiT stage in their own processes, the prior
-token ids crossing through the shared-memory connector."""
+token ids crossing through the shared-memory connector.
+
+The same server (one start-up, ~2 min on 2 CPU cores) then shows the failure paths that always end:
+
+* A stage whose start fails (its process exits during start-up) is killed, logged and retried
+  with backoff, at server start and on restart.
+* A request that fails or is cancelled after the AR stage produced its payload frees the
+  shared-memory file within a second (the connector's lease is 300 s).
+* A device error in a diffusion step (a real torch.AcceleratorError, injected through the
+  test-only VLLM_OMNI_TEST_DEVICE_ERROR_PROMPT) takes the DiT stage down: 503, restart, and the
+  next request succeeds.
+* A ValueError from vLLM (an over-long prompt) is a 500, not a 400 blaming `size`.
+
+The tests run in file order and each leaves the server healthy.
+"""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import socket
+import threading
+import time
 
 import httpx
+import psutil
 import pytest
-from omni_server import API_KEY, Server
+import yaml
+from omni_server import API_KEY, REPO, Server, alive
 from openai import OpenAI
 from PIL import Image
 
+from vllm_omni_plugin.diffusion.runner import FAULT_PROMPT_ENV
+
 pytestmark = pytest.mark.slow
+
+FAULT_PROMPT = "a lighthouse, with an injected device error"
+# Makes the stage process exit during start-up while the marker file exists, once per marker:
+# a real failing start, with no hook in the product's code.
+SITECUSTOMIZE = """
+import os
+marker = os.environ.get("OMNI_TEST_FAIL_START_MARKER")
+if marker and os.path.exists(marker):
+    os.unlink(marker)
+    os._exit(3)
+"""
+RETRY_LINE = "start of stage 1 (diffusion) failed (attempt 1), retrying in 1 s"
 
 
 @pytest.fixture(scope="module")
-def glm_server(tiny_models, tmp_path_factory):
+def glm(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm-server")
+    shm_dir, hooks = root / "shm", root / "hooks"
+    shm_dir.mkdir()
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    marker = root / "fail-next-start"
+    marker.touch()  # the DiT stage's first start fails
+    cfg = yaml.safe_load((REPO / "stage_configs" / "glm_image_tiny.yaml").read_text())
+    ar, dit = cfg["stages"]
+    ar["max_model_len"] = 1024  # 64x64 needs ~300 tokens; a 4000-char prompt does not fit
+    dit["env"] = {
+        **(dit.get("env") or {}),
+        "PYTHONPATH": str(hooks),
+        "OMNI_TEST_FAIL_START_MARKER": str(marker),
+        FAULT_PROMPT_ENV: FAULT_PROMPT,
+    }
+    cfg["connectors"]["shm"]["options"] = {"shm_dir": str(shm_dir)}
+    config = root / "glm_image_tiny_faults.yaml"
+    config.write_text(yaml.safe_dump(cfg))
     model = tiny_models("glm-image")
-    log = tmp_path_factory.mktemp("glm-server") / "server.log"
     server = Server(
-        [str(model), "--stage-config", "stage_configs/glm_image_tiny.yaml", "--api-key", API_KEY],
-        log,
+        [str(model), "--stage-config", str(config), "--api-key", API_KEY], root / "server.log"
     )
     try:
         server.wait_healthy(timeout=420)
-        server.model = str(model)
+        server.model, server.shm_dir, server.marker = str(model), shm_dir, marker
         yield server
     finally:
         server.stop()
 
 
-def test_glm_image_end_to_end(glm_server):
-    titles = [" ".join(p.cmdline()) for p in glm_server.descendants()]
+def post(server, prompt: str = "a lighthouse at dusk", timeout: float = 120) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}/v1/images/generations",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"prompt": prompt, "size": "64x64", "num_inference_steps": 2, "seed": 1},
+        timeout=timeout,
+    )
+
+
+def dit_stage(server) -> psutil.Process:
+    return next(
+        p
+        for p in psutil.Process(server.proc.pid).children()
+        if "omni-stage-1" in " ".join(p.cmdline())
+    )
+
+
+def payloads(server) -> list[str]:
+    return [p.name for p in server.shm_dir.iterdir()]
+
+
+def wait_for(cond, timeout: float, what: str) -> float:
+    """Seconds until `cond()` held; fails after `timeout`."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def wait_healthy(server, timeout: float = 180) -> None:
+    wait_for(
+        lambda: httpx.get(f"{server.url}/health").status_code == 200,
+        timeout,
+        "server not healthy again",
+    )
+
+
+def test_glm_image_end_to_end(glm):
+    titles = [" ".join(p.cmdline()) for p in glm.descendants()]
     assert any("omni-stage-0" in t for t in titles) and any("omni-stage-1" in t for t in titles)
-    client = OpenAI(base_url=f"{glm_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    client = OpenAI(base_url=f"{glm.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     res = client.images.generate(
-        model=glm_server.model,
+        model=glm.model,
         prompt="a lighthouse at dusk",
         size="64x64",
         n=2,
@@ -47,13 +136,103 @@ def test_glm_image_end_to_end(glm_server):
     assert [im.size for im in images] == [(64, 64), (64, 64)]
     # The DiT's size granularity (32) is enforced in the API server.
     r = httpx.post(
-        f"{glm_server.url}/v1/images/generations",
+        f"{glm.url}/v1/images/generations",
         headers={"Authorization": f"Bearer {API_KEY}"},
         json={"prompt": "a", "size": "80x64"},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "size"
-    metrics = httpx.get(f"{glm_server.url}/metrics").text
+    metrics = httpx.get(f"{glm.url}/metrics").text
     assert (
         'omni_stage_requests_completed_total{kind="ar",pipeline="glm_image",stage_id="0"} 1.0'
         in metrics
     )
+
+
+def test_failed_start_is_killed_logged_and_retried(glm):
+    assert RETRY_LINE in glm.log.read_text()
+    assert not glm.marker.exists()
+    assert post(glm).status_code == 200
+    assert not payloads(glm)  # the DiT read and released the AR's payload
+
+
+def test_client_disconnect_between_stages_frees_the_payload(glm):
+    dit = dit_stage(glm)
+    dit.suspend()  # the DiT cannot read the payload: only a release can remove it
+    try:
+        body = json.dumps({"prompt": "a red door", "size": "64x64", "num_inference_steps": 2})
+        head = (
+            f"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", glm.port)) as sock:
+            sock.sendall(head.encode() + body.encode())
+            wait_for(lambda: payloads(glm), 120, "the AR stage produced no payload")
+        took = wait_for(lambda: not payloads(glm), 1.0, f"payload still there: {payloads(glm)}")
+        print(f"payload released {took:.3f} s after the client went away")
+    finally:
+        dit.resume()
+    assert post(glm).status_code == 200
+
+
+def test_dead_consumer_frees_the_payload_and_its_failed_restart_is_retried(glm):
+    glm.marker.touch()  # the DiT's next start fails once
+    dit = dit_stage(glm)
+    dit.suspend()
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(r=post(glm, "a blue boat")))
+    thread.start()
+    try:
+        wait_for(lambda: payloads(glm), 120, "the AR stage produced no payload")
+    finally:
+        dit.kill()
+    thread.join(30)
+    r = result["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "stage_unavailable", r.text
+    wait_for(lambda: not payloads(glm), 1.0, f"payload still there: {payloads(glm)}")
+    wait_healthy(glm)
+    assert glm.log.read_text().count(RETRY_LINE) == 2
+    assert not glm.marker.exists()
+    assert post(glm).status_code == 200
+
+
+def test_device_error_takes_the_stage_down_and_it_comes_back(glm):
+    r = post(glm, FAULT_PROMPT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "stage_unavailable", r.text
+    log = glm.log.read_text()
+    assert "AcceleratorError" in log and "stage 1 (diffusion) died with exit code 70" in log
+    wait_healthy(glm)
+    assert post(glm).status_code == 200
+    metrics = httpx.get(f"{glm.url}/metrics").text
+    assert 'omni_stage_deaths_total{kind="diffusion",pipeline="glm_image",stage_id="1"} 2.0' in (
+        metrics
+    )
+
+
+def test_value_error_from_vllm_is_not_a_bad_size(glm):
+    # ~4000 characters of distinct words: far more tokens than max_model_len (1024), which
+    # vLLM refuses with a ValueError. Not the client's `size`, and not ours to call a 400.
+    prompt = " ".join(f"w{i}x" for i in range(800))[:3990]
+    r = post(glm, prompt)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["param"] is None and err["code"] == "stage_error", err
+    assert post(glm).status_code == 200
+
+
+def test_sigterm_stops_stages_concurrently(glm):
+    # Both stages frozen: each one's stop waits out its polite 5 s and its SIGTERM's 2 s before
+    # SIGKILL. One after the other that is over 14 s; together about 7 s.
+    stages = [
+        p for p in psutil.Process(glm.proc.pid).children() if "omni-stage-" in " ".join(p.cmdline())
+    ]
+    assert len(stages) == 2
+    everything = glm.descendants()
+    for p in stages:
+        p.suspend()
+    t0 = time.monotonic()
+    glm.stop()
+    took = time.monotonic() - t0
+    assert took < 12, f"shutdown took {took:.1f} s"
+    time.sleep(0.5)
+    assert not [p.pid for p in everything if alive(p)]
