@@ -9,7 +9,12 @@ PHASE (each appends one JSON line to OUT/results.jsonl, so phases can run in sep
              split AR / handoff / DiT / decode from the x-omni-stage-timings header) and
              concurrency 8 (images per minute, all 8 must come back)
   omni       `vllm serve DIR --omni --deploy-config` with vLLM-Omni's own glm_image.yaml, both
-             stages moved to GPU 0 (nothing else changed): the same requests
+             stages moved to GPU 0 and the AR's max_tokens set to the grid (random weights never
+             emit EOS; see _omni_deploy_yaml): the same requests. Run it with our package on the
+             path but only vLLM-Omni's general plugin (VLLM_PLUGINS=vllm_omni_register_models):
+             vLLM's logits-processor entry point then applies the checkpoint's
+             generation_config (sequence_bias keeps ids inside the DiT's codebook) there too, as
+             transformers does for diffusers
   diffusers  GlmImagePipeline (transformers AR + DiT), one request at a time; then our diffusion
              engine on the same pipeline and prior tokens vs diffusers (image difference)
   parity     the served pipeline (greedy AR via --stage-overrides) against diffusers with a greedy
@@ -106,7 +111,6 @@ class Server:
         self.log = log
         self.t0 = time.monotonic()
         full_env = {**os.environ, **(env or {})}
-        full_env.pop("VLLM_PLUGINS", None)
         vllm = str(Path(sys.executable).parent / "vllm")
         vllm = vllm if Path(vllm).exists() else "vllm"
         self.proc = subprocess.Popen(
@@ -234,21 +238,27 @@ def phase_ours(args) -> None:
         _keep_log_lines(server.log, args.out / "ours_log_lines.txt")
 
 
-def _omni_deploy_yaml(path: Path) -> Path:
-    """vLLM-Omni's own glm_image.yaml with both stages moved to GPU 0 (nothing else changed)."""
+def _omni_deploy_yaml(path: Path, size: int) -> Path:
+    """vLLM-Omni's own glm_image.yaml with both stages moved to GPU 0, and one more change that
+    random weights need: its AR stops at EOS, which trained weights emit right after the grid
+    (1281 tokens at 1024x1024) and random weights practically never do (it would run to the
+    4353-token ceiling), so the AR's max_tokens is set to the grid's budget for `size`."""
     import vllm_omni
     import yaml
+
+    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
 
     src = Path(vllm_omni.__file__).parent / "deploy" / "glm_image.yaml"
     cfg = yaml.safe_load(src.read_text())
     for stage in cfg["stages"]:
         stage["devices"] = "0"
+    cfg["stages"][0]["default_sampling_params"]["max_tokens"] = num_image_tokens(size, size) + 1
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 def phase_omni(args) -> None:
-    deploy = _omni_deploy_yaml(args.out / "omni_glm_image_1gpu.yaml")
+    deploy = _omni_deploy_yaml(args.out / "omni_glm_image_1gpu.yaml", args.size)
     server = Server(
         [str(args.model), "--omni", "--deploy-config", str(deploy)], args.out / "omni.log"
     )

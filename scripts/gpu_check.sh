@@ -39,8 +39,10 @@ while [ $# -gt 0 ]; do
     bench)
       for phase in "$@"; do
         if [ "$phase" = omni ]; then
-          # vLLM-Omni alone: its own package and plugins, not ours.
-          PYTHONPATH=/tmp/vomni:/tmp/site python3 benchmarks/bench_gpu_glm.py omni \
+          # vLLM-Omni with its own general plugin only; ours is on the path for vLLM's
+          # logits-processor entry point (bench_gpu_glm.py: the omni phase says why).
+          PYTHONPATH=/tmp/vomni:$OURS_PATH VLLM_PLUGINS=vllm_omni_register_models \
+            python3 benchmarks/bench_gpu_glm.py omni \
             --model "$FULL" --out "$OUT/full"
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full"
