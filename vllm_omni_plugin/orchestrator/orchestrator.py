@@ -86,11 +86,19 @@ class Orchestrator:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        """Start all stages concurrently; if one fails, stop the others and re-raise."""
+        """Start the stages; if one fails, stop the others and re-raise.
+
+        Stages on disjoint devices start concurrently. Stages that share a GPU start one after
+        another in topological order: a vLLM engine measures the device's free memory while it
+        profiles, and another stage loading onto the same GPU at that moment skews that
+        measurement or fails it ("Error in memory profiling").
+        """
         t0 = time.monotonic()
-        results = await asyncio.gather(
-            *(stage.start() for stage in self.stages.values()), return_exceptions=True
-        )
+        starts: dict[int, asyncio.Future] = {}
+        for sid, stage in self.stages.items():
+            before = [starts[o] for o in starts if self._share_device(sid, o)]
+            starts[sid] = asyncio.ensure_future(self._start_after(stage, before))
+        results = await asyncio.gather(*starts.values(), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.aclose()
@@ -134,6 +142,16 @@ class Orchestrator:
 
     def final_info(self) -> dict[str, Any]:
         return self.stages[self.final_ids[0]].info
+
+    def _share_device(self, a: int, b: int) -> bool:
+        devices = [set((self.cfg.stage(sid).devices or "").split(",")) - {""} for sid in (a, b)]
+        return bool(devices[0] & devices[1])
+
+    @staticmethod
+    async def _start_after(stage: Any, before: list[asyncio.Future]) -> None:
+        for other in before:
+            await asyncio.shield(other)  # raises if that stage failed: this one does not start
+        await stage.start()
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request_id: str, params: dict[str, Any]) -> PipelineResult:
