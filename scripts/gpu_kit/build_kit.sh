@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the GPU kit on this machine: vLLM for the lent H200's torch (2.11 + CUDA 13 -> vLLM 0.26.0),
 # diffusers and the project's other pure-Python needs, packed and split into parts that fit one call.
+# transformers 5.19.0 replaces the image's 5.17: the same GLM-Image classes as CPU CI (the checkpoint builder and diffusers' AR).
 #   scripts/gpu_kit/build_kit.sh [KIT_DIR] [EXTRA_REQUIREMENT...]      (KIT_DIR default: .gpukit)
 # Then carry one part per call (README.md: "Reproducing the GPU runs"). Re-running reuses the download cache.
 set -euo pipefail
@@ -9,7 +10,7 @@ kit=${1:-.gpukit}; shift || true
 cache=${GPU_KIT_CACHE:-/tmp/gpu-kit-wheels}
 mkdir -p "$cache" "$kit"
 python3 -m pip install -q packaging 2>/dev/null || true
-python3 "$here/resolve_kit.py" "$cache" vllm==0.26.0 diffusers==0.42.1 omegaconf==2.4.0 \
+python3 "$here/resolve_kit.py" "$cache" vllm==0.26.0 diffusers==0.42.1 transformers==5.19.0 omegaconf==2.4.0 \
   antlr4-python3-runtime==4.13.2 importlib_metadata pydantic "$@" >/dev/null
 rm -f "$kit"/part_*
 tar cf - -C "$cache" . | split -b 58M -d - "$kit/part_"
