@@ -1,7 +1,7 @@
 """Configuration effect, end to end: one `vllm serve` of the tiny GLM-Image pipeline with a
 non-default value in every owner, read back from the live stages after start-up: the AR engine's
 own VllmConfig, the diffusion engine's config, each stage process's environment
-(/proc/<pid>/environ), the API server's request limits, and the connector edge's traffic."""
+(os.environ as the stage reports it), the API server's request limits, and the connector edge's traffic."""
 
 from __future__ import annotations
 
@@ -137,12 +137,15 @@ def test_every_owner_reads_back_from_the_live_stages(server):
     assert (limits["min_height"], limits["min_width"], limits["max_height"]) == (32, 64, 512)
     assert (limits["max_steps"], limits["max_batch_size"]) == (77, 3)
 
-    # Placement and env: each stage process's own environment.
+    # Placement and env: each stage process's own os.environ, as the stage reports it
+    # (/proc/<pid>/environ is overwritten once the stage sets its process title).
     for sid, mark in ((0, "ar-stage"), (1, "dit-stage")):
-        environ = psutil.Process(stages[sid]["pid"]).environ()
+        environ = stages[sid]["info"]["effective"]["environ"]
         assert environ["OMNI_EFFECT_MARK"] == mark
         assert environ["CUDA_VISIBLE_DEVICES"] == "0"
-    assert psutil.Process(ar["pid"]).environ()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert psutil.pid_exists(stages[sid]["pid"])
+    assert ar["info"]["effective"]["environ"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert ar["info"]["effective"]["environ"]["OMNI_AR_WORKER_NICE"] == "19"  # from the base file
 
 
 def test_serving_limits_and_the_connector_edge_act(server):

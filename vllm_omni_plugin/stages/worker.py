@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     # StatsRelay: each Result carries this process's connector counters to /metrics.
     runner = make_runner(init, StatsRelay(conn))
     info = runner.info()
+    # The stage's own environment, read back here: /proc/<pid>/environ is not reliable once
+    # setproctitle has reused the environ block for the title.
+    info.setdefault("effective", {})["environ"] = {
+        k: os.environ.get(k) for k in (*init.stage.env, "CUDA_VISIBLE_DEVICES")
+    }
     log.info("loaded in %.1f s: %s", time.monotonic() - t0, info)
     try:
         # Sending Ready is inside the try: if the API server went away while we loaded,
