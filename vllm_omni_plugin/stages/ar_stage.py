@@ -108,6 +108,13 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def _log_task_failure(task: asyncio.Task) -> None:
+    # `_run` turns request errors into Results; what still escapes (the reply's send) would
+    # otherwise surface only as asyncio's "exception was never retrieved" at GC time.
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("AR request task failed", exc_info=task.exception())
+
+
 class ARStageRunner:
     def __init__(self, init: StageInit, conn: Connection):
         self.init = init
@@ -177,7 +184,9 @@ class ARStageRunner:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Submit):
-            self.tasks[msg.request_id] = self.loop.create_task(self._run(msg))
+            task = self.loop.create_task(self._run(msg))
+            task.add_done_callback(_log_task_failure)
+            self.tasks[msg.request_id] = task
         elif isinstance(msg, Abort):
             task = self.tasks.pop(msg.request_id, None)
             if task is not None:

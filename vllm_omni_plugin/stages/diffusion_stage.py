@@ -118,6 +118,7 @@ class DiffusionStageRunner:
             self._stop = True
 
     def _submit(self, msg: Submit) -> None:
+        from vllm_omni_plugin.connectors import ConnectorError
         from vllm_omni_plugin.diffusion import GenerationRequest, RequestValidationError
 
         t0 = time.perf_counter()
@@ -141,6 +142,10 @@ class DiffusionStageRunner:
             self.engine.add_request(req)
         except RequestValidationError as exc:
             self._reply(Result(msg.request_id, error=exc.message, error_field=exc.field))
+            return
+        except ConnectorError as exc:  # expected when the request was aborted meanwhile
+            logger.warning("request %s: its input is gone: %s", msg.request_id, exc)
+            self._reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
             return
         except Exception as exc:  # a bad payload or engine refusal fails this request only
             logger.exception("request %s rejected", msg.request_id)
