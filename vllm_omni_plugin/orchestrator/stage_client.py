@@ -119,7 +119,7 @@ class StageClient:
                     self.stage_id,
                     self.kind,
                     attempt,
-                    "giving up" if give_up else f"retrying in {backoff:.0f} s",
+                    "giving up" if give_up else f"retrying in {backoff:g} s",
                     exc,
                 )
                 if give_up:

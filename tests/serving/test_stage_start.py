@@ -1,0 +1,70 @@
+"""A stage start that fails in the spawn itself (a real OSError: the API server is out of file
+descriptors) is logged and retried with backoff like any other failed start, gives up after
+STARTUP_ATTEMPTS on the first start, and leaves no descriptor or process behind.
+
+A start whose process exits, then succeeds on retry, is in test_glm_serve.py (real stages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+
+import pytest
+
+from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.orchestrator import stage_client
+from vllm_omni_plugin.orchestrator.errors import StageStartupError
+from vllm_omni_plugin.orchestrator.stage_client import StageClient
+from vllm_omni_plugin.stages.messages import StageInit
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def limit_leaving(free: int) -> int:
+    """An RLIMIT_NOFILE under which exactly `free` more descriptors can be opened."""
+    used = open_fds()
+    candidates = (n for n in range(1 << 20) if n not in used)
+    for _ in range(free):
+        next(candidates)
+    return next(candidates)
+
+
+@pytest.fixture
+def init() -> StageInit:
+    cfg = load_deploy_config("glm_image")
+    spec = cfg.topology.stages[-1]
+    return StageInit(stage=cfg.stage(spec.stage_id), spec=spec, pipeline=cfg.pipeline)
+
+
+def test_spawn_oserror_is_retried_then_given_up_leaving_nothing(init, caplog, monkeypatch):
+    monkeypatch.setattr(stage_client, "FIRST_BACKOFF_S", 0.1)
+    client = StageClient(init, startup_timeout_s=5)
+    name = f"stage {client.stage_id} ({client.kind})"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    async def start() -> set[int]:
+        await asyncio.sleep(0)
+        before = open_fds()
+        # Room for the control socket pair, none for the pipes Popen makes: Popen raises EMFILE.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit_leaving(2), hard))
+        try:
+            with pytest.raises(StageStartupError, match="failed to start .OSError"):
+                await client.start()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return before
+
+    with caplog.at_level(logging.ERROR, logger="vllm_omni_plugin.orchestrator"):
+        before = asyncio.run(start())
+    assert open_fds() <= before  # the socket pair of every attempt was closed
+    assert client.state == "dead" and client.start_failures == stage_client.STARTUP_ATTEMPTS
+    assert client.proc is not None and client.proc.proc is None  # no process was ever made
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"start of {name} failed (attempt 1), retrying in 0.1 s" in m for m in lines), lines
+    last = stage_client.STARTUP_ATTEMPTS
+    assert any(f"start of {name} failed (attempt {last}), giving up" in m for m in lines), lines
