@@ -247,3 +247,24 @@ def test_project_import_of_a_missing_name_fails(tmp_path):
         checker.ROOT = old_root
     assert report.problems == ["fake.py:1: vllm.v1.core.sched.scheduler has no NoSuchScheduler"]
     assert set(pf.vllm_names) == {"Scheduler"}
+
+
+def test_engine_fields_follow_the_installed_minor(monkeypatch):
+    from vllm_omni_plugin.config import vllm_engine_fields as ef
+
+    assert ef.installed_vllm_minor() == INSTALLED_MINOR
+    assert ef.VLLM_ENGINE_FIELDS == ef.engine_fields(INSTALLED_MINOR)
+    # 0.26 has no return_sampling_mask (added later) but still has calculate_kv_scales.
+    assert "return_sampling_mask" in ef.engine_fields("0.32")
+    assert "return_sampling_mask" not in ef.engine_fields("0.26")
+    assert ef.engine_fields("0.26")["calculate_kv_scales"] == "bool"
+    assert tuple(ef.SUPPORTED_MINORS) == patches.CHECKED_VLLM_MINORS
+
+
+def test_worker_title_prefix_follows_vllm_env(monkeypatch):
+    from vllm_omni_plugin.config import vllm_engine_fields as ef
+
+    monkeypatch.delenv("VLLM_PROCESS_NAME_PREFIX", raising=False)
+    assert ef.vllm_worker_title_prefix() == "VLLM::Worker"
+    monkeypatch.setenv("VLLM_PROCESS_NAME_PREFIX", "ACME")
+    assert ef.vllm_worker_title_prefix() == "ACME::Worker"

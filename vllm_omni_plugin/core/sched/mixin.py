@@ -44,7 +44,10 @@ class OmniARSchedulerMixin:
         # (a synchronous class with async scheduling on) is an error.
         problem = pairing_error(ASYNC_SCHEDULER if cls.omni_async else SYNC_SCHEDULER, async_on)
         if async_on and problem is not None:
-            raise ValueError(f"{cls.__name__}: {problem} (this pairing fails on the first request)")
+            raise ValueError(
+                f"{cls.__name__} is a synchronous scheduler but async scheduling is on; this "
+                f"pairing fails on the first request. {problem}"
+            )
         if cls.omni_async and not async_on:
             logger.info_once(
                 "%s: async scheduling is off (the CPU platform turns it off); running in sync "
