@@ -282,29 +282,21 @@ _WHY_ONE = {
 def _check_without_effect(
     owners: dict[str, Any], kind: str, sid: int, sink: ProblemSink, warnings: list[str]
 ) -> None:
-    refused = dict(_REFUSED_ABOVE_ONE)
-    warned = dict(_WARNED_IF_SET)
-    if kind == "diffusion":
-        refused = {k: refused.get(k, ()) + v for k, v in _REFUSED_ABOVE_ONE_DIFFUSION.items()} | {
-            k: v for k, v in refused.items() if k not in _REFUSED_ABOVE_ONE_DIFFUSION
-        }
-        for k, v in _WARNED_IF_SET_DIFFUSION.items():
-            warned[k] = warned.get(k, ()) + v
-    for owner_name, names in refused.items():
+    refused = [_REFUSED_ABOVE_ONE] + ([_REFUSED_ABOVE_ONE_DIFFUSION] if kind == "diffusion" else [])
+    warned = [_WARNED_IF_SET] + ([_WARNED_IF_SET_DIFFUSION] if kind == "diffusion" else [])
+    for owner_name, name in ((o, n) for table in refused for o, ns in table.items() for n in ns):
+        value = getattr(owners.get(owner_name), name, None)
+        if value is not None and value > 1:
+            why = _WHY_ONE.get(name, "this parallelism is not implemented yet")
+            sink.add(sid, name, f"{value} is not supported: {why}; set 1 or remove it")
+    for owner_name, name in ((o, n) for table in warned for o, ns in table.items() for n in ns):
         owner = owners.get(owner_name)
-        for name in names:
-            value = getattr(owner, name, None) if owner is not None else None
-            if value is not None and value > 1:
-                why = _WHY_ONE.get(name, "this parallelism is not implemented yet")
-                sink.add(sid, name, f"{value} is not supported: {why}; set 1 or remove it")
-    for owner_name, names in warned.items():
-        owner = owners.get(owner_name)
-        for name in names:
-            if owner is not None and name in owner.model_fields_set:
-                warnings.append(
-                    f"stage {sid}: {name} has no effect on {'an AR' if kind == 'ar' else 'a diffusion'}"
-                    " stage of this plugin (accepted for vLLM-Omni files); remove it"
-                )
+        if owner is not None and name in owner.model_fields_set:
+            what = "an AR" if kind == "ar" else "a diffusion"
+            warnings.append(
+                f"stage {sid}: {name} has no effect on {what} stage of this plugin "
+                "(accepted for vLLM-Omni files); remove it"
+            )
     diff = owners.get("diffusion")
     if diff is not None and diff.enable_cpu_offload:
         sink.add(
