@@ -55,6 +55,7 @@ class RequestState:
     cond: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     batch_sizes: list[int] = field(default_factory=list)
+    decode_s: float = 0.0  # VAE decode of its batch (x-omni-stage-timings)
 
     @property
     def request_id(self) -> str:

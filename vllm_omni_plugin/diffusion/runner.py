@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -74,7 +75,10 @@ class ModelRunner:
         # A request that just took its last step is decoded now, together with its group.
         last = [s for s in group if s.request_id not in out.failed and s.step + 1 >= s.total_steps]
         if last:
+            t0 = time.perf_counter()
             images = self._guard(last, out, "decode", self.adapter.decode)
+            for s in last:  # the images are on the host now: the decode has finished
+                s.decode_s = time.perf_counter() - t0
             if images is not None:
                 for s, imgs in zip(last, images, strict=True):
                     out.finished[s.request_id] = imgs

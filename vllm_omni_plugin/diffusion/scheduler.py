@@ -160,5 +160,6 @@ class Scheduler:
             "total_s": now - s.arrival,
             "max_batch": max(sizes),
             "mean_batch": sum(sizes) / len(sizes),
+            "decode_s": s.decode_s,
         }
         return GenerationOutput(s.request_id, images, error, metrics)
