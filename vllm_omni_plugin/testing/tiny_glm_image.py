@@ -154,6 +154,11 @@ def build_processor(out_dir: Path | None = None, layout: TokenLayout = TINY_LAYO
     )
     if out_dir is not None:
         processor.save_pretrained(out_dir)
+        # The image processor config on its own too (preprocessor_config.json, as hub processor
+        # folders have it): a reader of that file alone must see patch 16 / merge 1, not the
+        # class defaults (patch 14, merge 2), which expand an image to a quarter of the tokens
+        # its grid implies and leave vLLM without an image placeholder.
+        image_processor.save_pretrained(out_dir)
     return processor
 
 
@@ -281,9 +286,10 @@ def build(out_dir: Path, seed: int) -> Path:
         time_shift_type="linear",
     )
 
+    processor = build_processor()
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(),
-        processor=build_processor(),
+        processor=processor,
         text_encoder=text_encoder,
         vision_language_encoder=ar,
         vae=vae,
@@ -291,4 +297,5 @@ def build(out_dir: Path, seed: int) -> Path:
         scheduler=scheduler,
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)
+    processor.image_processor.save_pretrained(out_dir / "processor")  # see build_processor
     return out_dir
