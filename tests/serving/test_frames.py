@@ -1,14 +1,18 @@
 """frames.FrameReader decodes what multiprocessing.connection.Connection sends, whole frames only,
-however the bytes are split across reads, and reports EOF."""
+however the bytes are split across reads, and reports EOF; FrameWriter writes what
+Connection.recv reads without ever blocking its event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import select
 import socket
 import threading
+import time
 from multiprocessing.connection import Connection
 
-from vllm_omni_plugin.orchestrator.frames import FrameReader
+from vllm_omni_plugin.orchestrator.frames import FrameReader, FrameWriter, encode_frame
 from vllm_omni_plugin.stages.messages import Result
 
 
@@ -38,3 +42,25 @@ def test_frames_across_split_reads_and_eof():
     assert [m.request_id for m in got[:2]] == ["r1", "r2"] and got[0].stage_s == 0.5
     assert got[1].output == big.output and got[2] == messages[2]
     ours.close()
+
+
+def test_writer_never_blocks_on_a_peer_that_is_not_reading():
+    ours, theirs = socket.socketpair()
+    receiver = Connection(theirs.detach())
+    os.set_blocking(ours.fileno(), False)
+    big = Result("big", output=[bytes(range(256)) * 32_768])  # 8 MB: far above the socket buffer
+
+    async def send_all() -> list:
+        loop = asyncio.get_running_loop()
+        writer = FrameWriter(loop, ours.fileno())
+        t0 = time.perf_counter()
+        for msg in (Result("a"), big, Result("b")):
+            writer.write(encode_frame(msg))  # a blocking send would wait for the reader forever
+        assert time.perf_counter() - t0 < 1.0
+        assert writer._unsent  # the rest waits for the peer, in order
+        return await loop.run_in_executor(None, lambda: [receiver.recv() for _ in range(3)])
+
+    got = asyncio.run(send_all())
+    assert [m.request_id for m in got] == ["a", "big", "b"] and got[1].output == big.output
+    ours.close()
+    receiver.close()

@@ -1,4 +1,4 @@
-"""Non-blocking decoding of `multiprocessing.connection.Connection` messages.
+"""Non-blocking encoding and decoding of `multiprocessing.connection.Connection` messages.
 
 The API server reads its stages' control sockets on its event loop (`loop.add_reader`) instead of
 one blocking reader thread per stage: a reply then costs one wake-up (the loop's) instead of two
@@ -6,18 +6,76 @@ one blocking reader thread per stage: a reply then costs one wake-up (the loop's
 latency pays per stage hop on a busy machine. The event loop must never block, so it reads what
 the socket has and decodes whole frames; a frame split across reads waits for its rest.
 
+Writes to a stage take the same care (FrameWriter): the stage may be busy or stopped and not
+reading, and a blocking `send` would then stall every request the server handles.
+
 Framing (CPython's `Connection._send_bytes`, unchanged since 3.3): a 4-byte big-endian signed
 length, or -1 followed by an 8-byte length for frames over 2 GiB, then the pickled bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import struct
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 READ_CHUNK = 1 << 20
+# Unsent bytes a stage may fall behind by before sends to it fail (BrokenPipeError -> 503):
+# far above any control traffic; reached only by a stage that stopped reading.
+MAX_UNSENT_BYTES = 256 << 20
+
+
+def encode_frame(msg: Any) -> bytes:
+    """`msg` framed as `Connection.send` frames it (what the stage's `Connection.recv` reads)."""
+    data = bytes(ForkingPickler.dumps(msg))
+    if len(data) > 0x7FFFFFFF:
+        return struct.pack("!iQ", -1, len(data)) + data
+    return struct.pack("!i", len(data)) + data
+
+
+class FrameWriter:
+    """Writes frames to a non-blocking fd from its event loop, never blocking: what the socket
+    does not take now waits here, in order, and goes out when the fd is writable."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int):
+        self.loop = loop
+        self.fd = fd
+        self._unsent = bytearray()
+
+    def write(self, frame: bytes) -> None:
+        """Call on the loop. OSError (BrokenPipeError) when the peer is gone or not reading."""
+        if self._unsent:
+            if len(self._unsent) + len(frame) > MAX_UNSENT_BYTES:
+                raise BrokenPipeError(f"peer not reading ({len(self._unsent)} bytes unsent)")
+            self._unsent += frame
+            return
+        try:
+            n = os.write(self.fd, frame)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        if n < len(frame):
+            self._unsent += memoryview(frame)[n:]
+            self.loop.add_writer(self.fd, self._flush)
+
+    def _flush(self) -> None:
+        try:
+            n = os.write(self.fd, self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the peer is gone: its EOF on the read side reports the death
+            n = len(self._unsent)
+        del self._unsent[:n]
+        if not self._unsent:
+            self.loop.remove_writer(self.fd)
+
+    def close(self) -> None:
+        """Stop writing (on the loop); unsent bytes are dropped."""
+        if self._unsent:
+            self._unsent.clear()
+            self.loop.remove_writer(self.fd)
 
 
 class FrameReader:

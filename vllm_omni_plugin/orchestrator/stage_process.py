@@ -1,8 +1,8 @@
 """One stage's OS process: spawn with its devices and env, wait until ready, talk, kill.
 
 Start-up and shutdown are synchronous (they run in executor threads); once the stage is ready,
-its replies are read on the caller's event loop (`start_reading`, see frames.py for why), and
-the asyncio side lives in stage_client.py.
+its replies are read and its messages written on the caller's event loop without ever blocking
+it (`start_reading`, see frames.py for why), and the asyncio side lives in stage_client.py.
 
 * The child is `python -m vllm_omni_plugin.stages.worker` with `omni-stage-<id>` in its argv
   (and as its process title), in a new session: killing the process group also takes down
@@ -31,7 +31,7 @@ from typing import Any
 
 from ..stages.messages import Ready, Shutdown, StageInit
 from .errors import StageStartupError
-from .frames import FrameReader
+from .frames import FrameReader, FrameWriter, encode_frame
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -68,6 +68,7 @@ class StageProcess:
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer: FrameWriter | None = None
         self._closing = False
         self._log_thread: threading.Thread | None = None
 
@@ -144,11 +145,34 @@ class StageProcess:
         )
 
     def send(self, msg: Any) -> None:
-        conn = self.conn
+        """Send a control message (any thread); OSError when the stage is gone.
+
+        Before `start_reading` (start-up, in its own thread) this is a plain blocking send.
+        After, every write goes through the loop's FrameWriter, which never blocks the loop;
+        other threads hand it their frame."""
+        conn, writer, loop = self.conn, self._writer, self._loop
         if conn is None:
             raise BrokenPipeError(f"{self.name} is not running")
-        with self._send_lock:
-            conn.send(msg)
+        if writer is None or loop is None or loop.is_closed():
+            with self._send_lock:
+                conn.send(msg)
+            return
+        frame = encode_frame(msg)
+        if _on_loop(loop):
+            writer.write(frame)
+            return
+        try:
+            loop.call_soon_threadsafe(self._write_from_thread, writer, frame)
+        except RuntimeError:  # the loop closed meanwhile
+            raise BrokenPipeError(f"{self.name}: its event loop is closed") from None
+
+    def _write_from_thread(self, writer: FrameWriter, frame: bytes) -> None:
+        if writer is not self._writer:  # the connection closed meanwhile
+            return
+        try:
+            writer.write(frame)
+        except OSError as exc:  # no caller left to tell; a dead stage reports its own EOF
+            logger.info("%s: send failed: %s", self.name, exc)
 
     def _wait_ready(self, timeout_s: float) -> bool:
         """True once the stage said Ready (Ready is the first message a stage sends)."""
@@ -172,8 +196,11 @@ class StageProcess:
         """Deliver the stage's messages on `loop` (call from the loop's thread, after start)."""
         assert self.conn is not None
         self._loop = loop
-        reader = FrameReader(self.conn.fileno())
-        loop.add_reader(reader.fd, self._on_readable, reader)
+        fd = self.conn.fileno()
+        os.set_blocking(fd, False)  # the loop reads what is there and writes what fits
+        self._writer = FrameWriter(loop, fd)
+        reader = FrameReader(fd)
+        loop.add_reader(fd, self._on_readable, reader)
 
     def _on_readable(self, reader: FrameReader) -> None:
         try:
@@ -192,6 +219,7 @@ class StageProcess:
     def _close_conn(self) -> None:
         """Close the control socket, first taking it off the event loop (from any thread)."""
         conn, self.conn = self.conn, None
+        writer, self._writer = self._writer, None
         if conn is None:
             return
         loop = self._loop
@@ -201,15 +229,13 @@ class StageProcess:
 
         def detach() -> None:
             try:
+                if writer is not None:
+                    writer.close()
                 loop.remove_reader(conn.fileno())
             finally:
                 conn.close()
 
-        try:
-            in_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            in_loop = False
-        if in_loop:
+        if _on_loop(loop):
             detach()
             return
         try:
@@ -261,3 +287,10 @@ class StageProcess:
                 continue
             break
         self._close_conn()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
