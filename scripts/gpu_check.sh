@@ -4,6 +4,7 @@
 #   scripts/gpu_check.sh install            unpack the kit, install it + this checkout into /tmp/site
 #   scripts/gpu_check.sh smoke              tiny GLM-Image served (8 concurrent) + greedy parity
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
+#   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
 #   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
@@ -31,6 +32,13 @@ while [ $# -gt 0 ]; do
       [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
       python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny" --size 256 \
         --steps 20 --stage-overrides "$TINY_OVERRIDES"
+      ;;
+    placeholders)
+      # vLLM's start-up dummy image through vLLM-Omni's GLM-Image processor, on both checkpoints.
+      for dir in "$TINY" "$FULL"; do
+        [ -f "$dir/model_index.json" ] || continue
+        PYTHONPATH=/tmp/vomni:$OURS_PATH python3 -m vllm_omni_plugin.testing.glm_image_placeholders "$dir" || true
+      done
       ;;
     build-full)
       [ -f "$FULL/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$FULL" --size full
