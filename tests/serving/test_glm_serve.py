@@ -12,6 +12,8 @@ The same server (one start-up, ~2 min on 2 CPU cores) then shows the failure pat
   test-only VLLM_OMNI_TEST_DEVICE_ERROR_PROMPT) takes the DiT stage down: 503, restart, and the
   next request succeeds.
 * A ValueError from vLLM (an over-long prompt) is a 500, not a 400 blaming `size`.
+* A dead vLLM engine core takes the AR stage down (503, restart) instead of failing every request.
+* SIGTERM stops the stages concurrently.
 
 The tests run in file order and each leaves the server healthy.
 """
@@ -218,6 +220,23 @@ def test_value_error_from_vllm_is_not_a_bad_size(glm):
     err = r.json()["error"]
     assert err["param"] is None and err["code"] == "stage_error", err
     assert post(glm).status_code == 200
+
+
+def test_dead_vllm_engine_takes_the_ar_stage_down_and_it_comes_back(glm):
+    # vLLM's engine core dies (as after a CUDA error): the AR stage must not stay "ready" and
+    # fail every request; it exits within seconds, requests get 503, and it is restarted.
+    ar = next(
+        p
+        for p in psutil.Process(glm.proc.pid).children()
+        if "omni-stage-0" in " ".join(p.cmdline())
+    )
+    next(p for p in ar.children(recursive=True) if "EngineCore" in p.name()).kill()
+    wait_for(lambda: httpx.get(f"{glm.url}/health").status_code != 200, 20, "AR stage still ready")
+    r = post(glm)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "stage_unavailable", r.text
+    wait_healthy(glm, 300)
+    assert post(glm).status_code == 200
+    assert "stage 0 (ar) died with exit code 1" in glm.log.read_text()
 
 
 def test_sigterm_stops_stages_concurrently(glm):

@@ -38,6 +38,11 @@ WARMUP_PROMPT = [1, 2, 3, 4]
 WORKER_NICE_ENV = "OMNI_AR_WORKER_NICE"
 CPU_DEFAULT_WORKER_NICE = 19
 
+# How often the stage checks that its vLLM engine core is alive. One that died (a device error,
+# a crashed worker) would fail every request while the stage looks ready: the stage exits
+# instead, and the orchestrator restarts it.
+ENGINE_CHECK_S = 1.0
+
 
 def worker_nice() -> int:
     value = os.environ.get(WORKER_NICE_ENV)
@@ -168,10 +173,20 @@ class ARStageRunner:
     def serve(self) -> None:
         self._done = self.loop.create_future()
         self.loop.add_reader(self.conn.fileno(), self._on_readable)
+        watch = self.loop.create_task(self._watch_engine())
+        watch.add_done_callback(_log_task_failure)
         try:
             self.loop.run_until_complete(self._done)
         finally:
+            watch.cancel()
             self.loop.remove_reader(self.conn.fileno())
+
+    async def _watch_engine(self) -> None:
+        # An engine core that died between requests is noticed here, not by the next request.
+        while not self._done.done():
+            await asyncio.sleep(ENGINE_CHECK_S)
+            if getattr(self.engine, "errored", False):
+                self._engine_died()
 
     def _on_readable(self) -> None:
         try:
@@ -219,10 +234,23 @@ class ARStageRunner:
         except Exception as exc:
             logger.exception("request %s failed", rid)
             result = Result(rid, error=f"{type(exc).__name__}: {exc}")
+            if getattr(self.engine, "errored", False):
+                self._engine_died()
+                return  # not this request's fault: the stage's death fails it with a 503
         finally:
             self.tasks.pop(rid, None)
         result.stage_s = time.perf_counter() - t0
         self.conn.send(result)
+
+    def _engine_died(self) -> None:
+        # vLLM's engine core is gone (a device error, a crashed worker): every later request
+        # would fail while this stage still looks ready. Stop serving: worker.main exits
+        # non-zero, and the orchestrator fails the in-flight requests (503) and restarts us.
+        if not self._done.done():
+            logger.critical(
+                "stage %d: its vLLM engine died; exiting to be restarted", self.stage_id
+            )
+            self._done.set_exception(RuntimeError(f"stage {self.stage_id}: vLLM engine died"))
 
     def close(self) -> None:
         self.payloads.close()
