@@ -67,7 +67,8 @@ class StageClient:
         self.kind: str = init.spec.kind
         self.startup_timeout_s = startup_timeout_s
         self.restart_enabled = restart
-        self.state = "stopped"  # stopped | starting | ready | dead | closed
+        # stopped | starting | ready | dying (death being handled) | dead (to restart) | closed
+        self.state = "stopped"
         self.proc: StageProcess | None = None
         self.pending: dict[str, asyncio.Future[Result]] = {}
         self.restarts = 0
@@ -226,22 +227,25 @@ class StageClient:
         # Only the current process counts: a late EOF from a replaced one is ignored.
         if self.state != "ready" or proc is not self.proc:
             return
-        self.state = "dead"
+        self.state = "dying"  # not "dead" yet: no restart before the old process group is gone
         self.deaths += 1
         assert self._loop is not None
-        code = await self._loop.run_in_executor(None, _wait_code, proc)
-        n = len(self.pending)
-        logger.error(
-            "stage %d (%s) died with exit code %s; failing %d in-flight request(s)%s",
-            self.stage_id,
-            self.kind,
-            code,
-            n,
-            ", restarting" if self.restart_enabled else "",
-        )
-        self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
-        await self._loop.run_in_executor(None, proc.kill)
-        self._ensure_restart()
+        try:
+            code = await self._loop.run_in_executor(None, _wait_code, proc)
+            logger.error(
+                "stage %d (%s) died with exit code %s; failing %d in-flight request(s)%s",
+                self.stage_id,
+                self.kind,
+                code,
+                len(self.pending),
+                ", restarting" if self.restart_enabled else "",
+            )
+            self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
+            await self._loop.run_in_executor(None, proc.kill)
+        finally:  # whatever failed above, the stage must not stay "dying" for good
+            if self.state == "dying":
+                self.state = "dead"
+            self._ensure_restart()
 
     def _ensure_restart(self) -> None:
         """Start the restart task unless one is running (one restart loop per stage)."""
