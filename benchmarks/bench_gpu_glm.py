@@ -39,11 +39,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "a lighthouse on a cliff at dusk, oil painting",
     'a shop sign that says "OPEN"',
@@ -118,7 +118,9 @@ class Server:
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
             env=full_env,
-            cwd=REPO,
+            # Not the checkout: its vllm_omni_plugin/ would shadow the installed package (which
+            # also holds entry_points/) in the stage processes.
+            cwd=tempfile.gettempdir(),
             start_new_session=True,
         )
 
@@ -539,7 +541,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--stage-config", default="stage_configs/glm_image_1gpu.yaml")
+    parser.add_argument("--stage-config", default="glm_image_1gpu")
     parser.add_argument("--stage-overrides", default=None)
     parser.add_argument("--scheduler", default="omni_async")
     parser.add_argument("--start-timeout", type=float, default=900)

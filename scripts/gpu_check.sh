@@ -55,6 +55,9 @@ while [ $# -gt 0 ]; do
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full"
         fi
+        # A phase cut short by a timeout can leave its server behind: never let it share the
+        # GPU with the next phase.
+        pkill -f "vllm serve" || true; sleep 2
       done
       shift $#
       ;;

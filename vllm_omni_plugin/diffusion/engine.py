@@ -93,8 +93,9 @@ class DiffusionEngine:
         if not 0 < frac <= 1:
             raise DiffusionEngineError(f"gpu_memory_utilization must be in (0, 1], got {frac}")
         if self.device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(frac, self.device)
+            # torch wants an index here: a bare "cuda" device raises (seen on the H200).
             index = self.device.index if self.device.index is not None else 0
+            torch.cuda.set_per_process_memory_fraction(frac, index)
             total = torch.cuda.get_device_properties(index).total_memory
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
