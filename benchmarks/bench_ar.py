@@ -38,6 +38,7 @@ def _best(fn, repeats: int) -> tuple[float, int]:
 def bench_vllm(root: Path, repeats: int) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
     from vllm_omni_plugin.models.glm_image.processing import (
         build_t2i_prompt,
         t2i_sampling_overrides,
@@ -53,6 +54,7 @@ def bench_vllm(root: Path, repeats: int) -> dict[str, float]:
         max_model_len=1024,
         max_num_seqs=8,
         scheduler_cls="vllm_omni_plugin.core.sched.OmniARAsyncScheduler",
+        logits_processors=[LOGITS_PROCESSOR],
     )
     startup = time.perf_counter() - t0
     prompt = {"prompt_token_ids": build_t2i_prompt(proc, PROMPT, HEIGHT, WIDTH)}

@@ -10,11 +10,10 @@ PHASE (each appends one JSON line to OUT/results.jsonl, so phases can run in sep
              concurrency 8 (images per minute, all 8 must come back)
   omni       `vllm serve DIR --omni --deploy-config` with vLLM-Omni's own glm_image.yaml, both
              stages moved to GPU 0 and the AR's max_tokens set to the grid (random weights never
-             emit EOS; see _omni_deploy_yaml): the same requests. Run it with our package on the
-             path but only vLLM-Omni's general plugin (VLLM_PLUGINS=vllm_omni_register_models):
-             vLLM's logits-processor entry point then applies the checkpoint's
-             generation_config (sequence_bias keeps ids inside the DiT's codebook) there too, as
-             transformers does for diffusers
+             emit EOS) and our grid logits processor in its AR engine's `logits_processors`
+             (the checkpoint's sequence_bias, as transformers applies it for diffusers; see
+             _omni_deploy_yaml): the same requests. Our package is on its path for that class
+             only; VLLM_PLUGINS=vllm_omni_register_models keeps our general plugin out
   diffusers  GlmImagePipeline (transformers AR + DiT), one request at a time; then our diffusion
              engine on the same pipeline and prior tokens vs diffusers (image difference)
   parity     the served pipeline (greedy AR via --stage-overrides) against diffusers with a greedy
@@ -248,13 +247,18 @@ def _omni_deploy_yaml(path: Path, size: int) -> Path:
     import vllm_omni
     import yaml
 
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
     from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
 
     src = Path(vllm_omni.__file__).parent / "deploy" / "glm_image.yaml"
     cfg = yaml.safe_load(src.read_text())
     for stage in cfg["stages"]:
         stage["devices"] = "0"
-    cfg["stages"][0]["default_sampling_params"]["max_tokens"] = num_image_tokens(size, size) + 1
+    ar = cfg["stages"][0]
+    ar["default_sampling_params"]["max_tokens"] = num_image_tokens(size, size) + 1
+    # The checkpoint's generation_config (sequence_bias keeps ids inside the DiT's codebook)
+    # applied as transformers applies it for diffusers: vLLM ignores those fields.
+    ar["logits_processors"] = [LOGITS_PROCESSOR]
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -426,6 +430,7 @@ def phase_ar_one(args) -> None:
     """tokens/s of one engine at batch 1 and 8 (prints one JSON line last)."""
     from vllm import LLM, SamplingParams
 
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
     from vllm_omni_plugin.models.glm_image.processing import (
         build_t2i_prompt,
         t2i_sampling_overrides,
@@ -434,6 +439,7 @@ def phase_ar_one(args) -> None:
     root = args.model
     ar, proc = str(root / "vision_language_encoder"), str(root / "processor")
     kwargs = dict(model=ar, tokenizer=proc, max_num_seqs=8, gpu_memory_utilization=0.5)
+    kwargs["logits_processors"] = [LOGITS_PROCESSOR]  # both runs: as the AR stage has it
     kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=32768)
     if args.scheduler == "omni_async":
         kwargs["scheduler_cls"] = "vllm_omni_plugin.core.sched.OmniARAsyncScheduler"

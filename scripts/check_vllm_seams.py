@@ -800,10 +800,14 @@ def check_registration(r: Report) -> None:
             group in strings, f"plugins: vllm/plugins/__init__.py no longer names the group {group}"
         )
     _fn(r, "vllm.plugins", "load_general_plugins", "plugins")
+    # The AR stage hands vLLM its logits processor as "module:Class" in the engine argument
+    # (the entry-point group would turn off model runner V2 in every engine on 0.26-0.30).
     lp = src.module("vllm.v1.sample.logits_processor")
     r.check(
-        lp is not None and "vllm.logits_processors" in string_constants(lp),
-        "plugins: vllm/v1/sample/logits_processor no longer loads the vllm.logits_processors group",
+        lp is not None
+        and "_load_logitsprocs_by_fqcns"
+        in {f.name for f in ast.walk(lp) if isinstance(f, ast.FunctionDef)},
+        "plugins: vllm/v1/sample/logits_processor no longer loads logits processors by FQCN",
     )
     reg = resolve(src, "vllm", "ModelRegistry")
     reg_cls = None

@@ -7,6 +7,7 @@ Walks each requirement's Requires-Dist (one `pip download --no-deps` per package
 GPU image already has (device-packages.txt beside this file), the CUDA stack that comes with its torch,
 and kernels that vLLM only imports for models and features we do not use. Prints what it fetched.
 """
+
 import os
 import subprocess
 import sys
@@ -18,19 +19,55 @@ from packaging.utils import canonicalize_name as cn
 
 HERE = Path(__file__).resolve().parent
 IMAGE = {cn(x) for x in (HERE / "device-packages.txt").read_text().split()}
-NOT_NEEDED = {cn(x) for x in [
-    "torch", "torchvision", "torchaudio", "triton", "cuda-toolkit", "cuda-bindings",
-    "flashinfer-python", "flashinfer-cubin", "tilelang", "nvidia-cutlass-dsl", "quack-kernels",
-    "humming-kernels", "tokenspeed-mla", "PyNvVideoCodec", "torchcodec", "nvidia-cudnn-frontend",
-    "fastsafetensors", "instanttensor", "numba", "llvmlite", "opencv-python-headless", "ray", "openai-whisper",
-    "nixl", "nixl-cu12", "nixl-cu13"]}
+NOT_NEEDED = {
+    cn(x)
+    for x in [
+        "torch",
+        "torchvision",
+        "torchaudio",
+        "triton",
+        "cuda-toolkit",
+        "cuda-bindings",
+        "flashinfer-python",
+        "flashinfer-cubin",
+        "tilelang",
+        "nvidia-cutlass-dsl",
+        "quack-kernels",
+        "humming-kernels",
+        "tokenspeed-mla",
+        "PyNvVideoCodec",
+        "torchcodec",
+        "nvidia-cudnn-frontend",
+        "fastsafetensors",
+        "instanttensor",
+        "numba",
+        "llvmlite",
+        "opencv-python-headless",
+        "ray",
+        "openai-whisper",
+        "nixl",
+        "nixl-cu12",
+        "nixl-cu13",
+    ]
+}
 # Versions that work together with the image (xgrammar >= 0.2.8 needs a newer tvm-ffi than vLLM 0.26 pins).
 PINS = {"xgrammar": "xgrammar==0.2.7", "apache-tvm-ffi": "apache-tvm-ffi==0.1.10"}
-ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_system": "Linux",
-       "platform_machine": "x86_64", "sys_platform": "linux", "os_name": "posix",
-       "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+ENV = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "sys_platform": "linux",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + [
-    "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+]
 
 
 def main() -> None:
@@ -39,7 +76,7 @@ def main() -> None:
     while "--skip" in args:
         i = args.index("--skip")
         skip.add(cn(args[i + 1]))
-        del args[i:i + 2]
+        del args[i : i + 2]
     out, roots = Path(args[0]), args[1:]
     out.mkdir(parents=True, exist_ok=True)
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
@@ -54,11 +91,34 @@ def main() -> None:
         seen.add(name)
         spec = PINS.get(name, str(req).split(";")[0])
         before = set(os.listdir(out))
-        p = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                            *plat, "-d", str(out), spec], capture_output=True, text=True)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.12",
+                "--implementation",
+                "cp",
+                *plat,
+                "-d",
+                str(out),
+                spec,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if p.returncode:
-            print("could not fetch", spec, (p.stderr.strip().splitlines() or [""])[-1], file=sys.stderr)
+            print(
+                "could not fetch",
+                spec,
+                (p.stderr.strip().splitlines() or [""])[-1],
+                file=sys.stderr,
+            )
             continue
         for f in set(os.listdir(out)) - before:
             print(f)
@@ -69,7 +129,9 @@ def main() -> None:
                 if line.startswith("Requires-Dist:"):
                     dep = Requirement(line.split(":", 1)[1].strip())
                     extras = [""] + list(req.extras)
-                    if dep.marker is None or any(dep.marker.evaluate(dict(ENV, extra=e)) for e in extras):
+                    if dep.marker is None or any(
+                        dep.marker.evaluate(dict(ENV, extra=e)) for e in extras
+                    ):
                         queue.append(dep)
 
 

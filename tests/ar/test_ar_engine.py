@@ -11,6 +11,7 @@ import gc
 
 import pytest
 
+from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 from vllm_omni_plugin.models.glm_image.processing import (
     build_t2i_prompt,
     num_image_tokens,
@@ -29,8 +30,9 @@ pytestmark = pytest.mark.slow
 
 
 def _engine_kwargs(glm_tiny, **extra):
-    # No logits_processors here: the package's entry point must supply it, as in production.
+    # The logits processor as the AR stage passes it (pipelines/glm_image.py).
     return dict(
+        logits_processors=[LOGITS_PROCESSOR],
         model=glm_tiny.ar,
         tokenizer=glm_tiny.processor,
         enforce_eager=True,

@@ -14,12 +14,19 @@ def test_register_is_idempotent_and_lazy():
     register()
     register()
     assert "GlmImageForConditionalGeneration" in ModelRegistry.get_supported_archs()
-    # The logits processor reaches every engine through its entry point (no engine flag needed).
-    group = importlib.metadata.entry_points(group="vllm.logits_processors")
-    assert any(
-        ep.value == "vllm_omni_plugin.models.glm_image.logits:ImageGridLogitsProcessor"
-        for ep in group
-    )
+    # The grid logits processor goes to the GLM-Image AR engine only, never through vLLM's
+    # entry-point group (whose presence alone turns off vLLM 0.26-0.30's model runner V2 for
+    # every engine, e.g. a plain `vllm serve` of another model).
+    ours = [
+        ep
+        for ep in importlib.metadata.entry_points(group="vllm.logits_processors")
+        if ep.value.startswith("vllm_omni_plugin")
+    ]
+    assert ours == []
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
+    from vllm_omni_plugin.pipelines.glm_image import GLM_IMAGE
+
+    assert GLM_IMAGE.stages[0].logits_processors == (LOGITS_PROCESSOR,)
 
 
 def test_sync_scheduler_refuses_async_config(glm_tiny):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
 
 GLM_IMAGE = PipelineTopology(
@@ -19,6 +20,9 @@ GLM_IMAGE = PipelineTopology(
             model_subdir="vision_language_encoder",
             tokenizer_subdir="processor",
             hf_architecture="GlmImageForConditionalGeneration",
+            # Exact image-grid budget per request (random or unlucky weights cannot hand the
+            # DiT an out-of-range id or a short grid) and generation_config parity.
+            logits_processors=(LOGITS_PROCESSOR,),
         ),
         StageSpec(
             stage_id=1,

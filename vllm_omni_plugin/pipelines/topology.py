@@ -35,6 +35,11 @@ class StageSpec:
     """diffusers pipeline class a diffusion stage runs (None: read from model_index.json)."""
     hf_architecture: str | None = None
     """vLLM model architecture of an AR stage."""
+    logits_processors: tuple[str, ...] = ()
+    """vLLM logits processors ("module:Class") an AR stage's engine is built with. They go in
+    that engine's `logits_processors` argument, never in vLLM's `vllm.logits_processors`
+    entry-point group: the group's mere presence turns off vLLM 0.26-0.30's model runner V2 in
+    every engine on the machine, ours or not."""
 
 
 @dataclass(frozen=True)

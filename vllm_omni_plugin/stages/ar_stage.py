@@ -136,6 +136,9 @@ class ARStageRunner:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.init.stage.engine_kwargs()
+        own = list(self.init.spec.logits_processors)
+        if own:
+            kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), *own]
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         await self._warm_up(engine)
         nice = worker_nice()

@@ -1,7 +1,9 @@
 """A vLLM v1 logits processor that keeps GLM-Image's AR output a valid image grid.
 
-Installed through the `vllm.logits_processors` entry point, so every engine has it; it is inert
-unless a request asks for it or the engine serves a GLM-Image checkpoint:
+The GLM-Image pipeline's AR stage builds its engine with it (`logits_processors=[LOGITS_PROCESSOR]`,
+from the topology's StageSpec); offline users pass the same argument to `vllm.LLM`. It is not an
+entry point: vLLM 0.26-0.30 turn off model runner V2 in every engine once any package registers
+one. In an engine it is inert unless a request asks for it or the engine serves GLM-Image:
 
 * Per request, `SamplingParams.extra_args["omni_image_grid"] = {"num_tokens": N, "num_codes": C,
   "eos_token_id": E}` (what `t2i_sampling_overrides` returns): output tokens 0..N-1 may only be
