@@ -139,6 +139,8 @@ BAD_REQUESTS = [
     (json.dumps({"prompt": "a", "response_format": "gif"}).encode(), "invalid_value"),
     (json.dumps({"prompt": "a", "seed": "abc"}).encode(), "invalid_type"),
     (json.dumps({"prompt": "a", "model": "dall-e-3"}).encode(), "model_not_found"),
+    (json.dumps({"prompt": "a", "stream": True, "partial_images": 4}).encode(), "invalid_value"),
+    (json.dumps({"prompt": "a", "stream": "yes"}).encode(), "invalid_type"),
 ]
 
 
@@ -166,6 +168,51 @@ def test_bad_requests_never_reach_the_stage(qwen_server):
     assert r.status_code == 400 and "no stage that produces text" in r.json()["error"]["message"]
 
 
+def test_stream_partial_images_then_the_same_image(qwen_server):
+    """The official client's streaming call: 2 previews in order (after steps 1 and 2 of 3),
+    then the image, which equals the non-streamed image of the same seed. A raw read shows the
+    progress comments. Few steps: a preview is a VAE decode, several denoising steps of the
+    tiny model on a CPU, and the server's request_timeout_s is short."""
+    stream = client(qwen_server).images.generate(
+        model=qwen_server.model,
+        prompt=PROMPT,
+        size="64x64",
+        stream=True,
+        partial_images=2,
+        extra_body={"seed": 21, "num_inference_steps": 3},
+    )
+    events = list(stream)
+    assert [e.type for e in events] == [
+        "image_generation.partial_image",
+        "image_generation.partial_image",
+        "image_generation.completed",
+    ]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    assert all(e.size == "64x64" and e.output_format == "png" for e in events)
+    plain = generate(qwen_server, seed=21, num_inference_steps=3)[0]
+    assert (decode(events[-1].b64_json) == plain).all()
+    assert decode(events[0].b64_json).shape == (64, 64, 3)
+    assert not (decode(events[0].b64_json) == plain).all()  # a preview, not the image
+    # No previews asked: progress only, one comment per step, then the same image.
+    body = {"prompt": PROMPT, "size": "64x64", "seed": 21, "num_inference_steps": 3}
+    with httpx.stream(
+        "POST",
+        f"{qwen_server.url}/v1/images/generations",
+        headers=auth(),
+        json={**body, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = "".join(r.iter_text())
+    steps = [
+        json.loads(line.split(" ", 2)[2])["step"]
+        for line in text.splitlines()
+        if line.startswith(": omni.progress ")
+    ]
+    assert steps == [1, 2, 3], text[:500]
+    assert "partial_image" not in text and text.count("event: image_generation.completed") == 1
+
+
 def _in_flight(server) -> float:
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():
         if line.startswith("omni_stage_requests_in_flight"):
@@ -187,6 +234,27 @@ def test_client_disconnect_cancels_the_work(qwen_server):
         time.sleep(0.1)
     assert _in_flight(qwen_server) == 0
     # The stage is free again: a small request is not stuck behind 200 steps at 256x256.
+    t0 = time.monotonic()
+    generate(qwen_server, seed=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_stream_disconnect_aborts_the_work(qwen_server):
+    with httpx.stream(
+        "POST",
+        f"{qwen_server.url}/v1/images/generations",
+        headers=auth(),
+        json={**LONG, "stream": True},
+        timeout=30,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith(": omni.progress"):
+                break  # denoising has started: hang up mid-stream
+    deadline = time.monotonic() + 5
+    while _in_flight(qwen_server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(qwen_server) == 0
+    # The stage dropped it too: a small request is not stuck behind ~12 s of steps.
     t0 = time.monotonic()
     generate(qwen_server, seed=1)
     assert time.monotonic() - t0 < 10

@@ -24,9 +24,9 @@ from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
-from .limits import MAX_SEED, RequestLimits, size_granularity
+from .limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from .outputs import GenerationOutput
-from .request import GenerationRequest, RequestState
+from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -67,6 +67,7 @@ class DiffusionEngine:
         self.runner = ModelRunner(self.adapter)
         self._lock = threading.Lock()
         self._progress: dict[str, tuple[int, int]] = {}
+        self._previews: dict[str, tuple[int, list]] = {}
 
     def _load_adapter(self) -> DiffusionAdapter:
         cfg = self.config
@@ -179,6 +180,7 @@ class DiffusionEngine:
             raise RequestValidationError("guidance_scale", "must be a number")
         if not math.isfinite(guidance) or guidance < 0:
             raise RequestValidationError("guidance_scale", f"must be >= 0, got {guidance}")
+        _int_field("partial_images", req.partial_images, 0, MAX_PARTIAL_IMAGES)
         seed = req.seed if req.seed is not None else d.get("seed")
         if seed is not None:
             seed = _int_field("seed", seed, 0, lim.max_seed)
@@ -210,6 +212,8 @@ class DiffusionEngine:
         state = RequestState(req=req, seed=seed, do_cfg=self.adapter.uses_cfg(req))
         # Exactly what diffusers gets from `generator=torch.Generator("cpu").manual_seed(seed)`.
         state.generator = torch.Generator("cpu").manual_seed(seed)
+        if self.adapter.step_batched:  # whole-pipeline adapters have no step to preview after
+            state.preview_at = preview_steps(req.num_inference_steps, req.partial_images)
         with self._lock:
             if self.scheduler.find(req.request_id) is not None:
                 raise RequestValidationError("request_id", f"{req.request_id!r} is already running")
@@ -238,12 +242,20 @@ class DiffusionEngine:
                 self._progress[request_id] = (state.step, state.total_steps)
             return self._progress[request_id]
 
+    def take_previews(self) -> dict[str, tuple[int, list]]:
+        """Streaming previews decoded since the last call: request id -> (partial image index,
+        PIL images); the caller sends them on. A request aborted meanwhile is dropped."""
+        with self._lock:
+            previews, self._previews = self._previews, {}
+        return previews
+
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
         with self._lock:
             batch = self.scheduler.schedule()
         out = self.runner.run(batch)
         with self._lock:
+            self._previews.update(out.previews)
             outputs = self.scheduler.update(batch, out)
             for s in (*batch.prefill, *batch.denoise):
                 self._progress[s.request_id] = (s.step, s.total_steps)

@@ -52,3 +52,7 @@ class RequestLimits:
 def size_granularity(family: int, configured: int | None) -> int:
     """Height and width must be multiples of both the family's and the configured granularity."""
     return math.lcm(family, configured) if configured else family
+
+
+# Streaming previews a request may ask for (OpenAI's `partial_images` bound).
+MAX_PARTIAL_IMAGES = 3

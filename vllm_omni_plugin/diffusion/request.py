@@ -24,6 +24,17 @@ class GenerationRequest:
     # GLM-Image only: [n or 1, L] prior token ids, exactly what
     # GlmImagePipeline.generate_prior_tokens returns (the AR stage's output).
     prior_token_ids: torch.LongTensor | None = None
+    # Streaming: decode this many previews (0..MAX_PARTIAL_IMAGES) of the current x0 prediction
+    # at evenly spaced denoising steps (`preview_steps`).
+    partial_images: int = 0
+
+
+def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:
+    """0-based indices of the steps after which a preview is decoded: `partial_images` of them
+    (fewer when there are not enough steps), evenly spaced, never the last step (the final image
+    follows it). 10 steps, 2 previews: after steps 3 and 6 (indices 2, 5)."""
+    n = max(0, min(partial_images, total_steps - 1))
+    return tuple((i + 1) * total_steps // (n + 1) - 1 for i in range(n))
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +67,11 @@ class RequestState:
     started: float | None = None
     batch_sizes: list[int] = field(default_factory=list)
     decode_s: float = 0.0  # VAE decode of its batch (x-omni-stage-timings)
+    # Streaming previews: step indices to preview after (`preview_steps`); `x0` holds the
+    # x0 prediction of the step just run when that step is one of them, until decoded.
+    preview_at: tuple[int, ...] = ()
+    x0: torch.Tensor | None = None
+    preview_s: float = 0.0  # time spent decoding its previews
 
     @property
     def request_id(self) -> str:

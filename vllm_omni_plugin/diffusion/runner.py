@@ -72,6 +72,10 @@ class ModelRunner:
         group = [s for s in batch.denoise if s.request_id not in out.failed]
         if group:
             self._guard(group, out, "denoise", self.adapter.denoise)
+        # Streaming previews: requests whose step just run is one of their preview steps.
+        want = [s for s in group if s.x0 is not None and s.request_id not in out.failed]
+        if want:
+            self._preview(want, out)
         # A request that just took its last step is decoded now, together with its group.
         last = [s for s in group if s.request_id not in out.failed and s.step + 1 >= s.total_steps]
         if last:
@@ -85,6 +89,24 @@ class ModelRunner:
                     s.latents = None
                     s.cond.clear()
         return out
+
+    def _preview(self, states: list[RequestState], out: RunnerOutput) -> None:
+        """Decode the x0 previews in one VAE call. A failed preview is skipped (logged), never
+        the request's failure; a device error still takes the engine down."""
+        t0 = time.perf_counter()
+        try:
+            images = self.adapter.preview(states)
+        except Exception as exc:
+            if is_device_error(exc):
+                raise DeviceError(f"preview decode: {type(exc).__name__}: {exc}") from exc
+            logger.exception("preview decode failed for %s", [s.request_id for s in states])
+            for s in states:
+                s.x0 = None
+            return
+        spent = time.perf_counter() - t0
+        for s, imgs in zip(states, images, strict=True):
+            s.preview_s += spent
+            out.previews[s.request_id] = (s.preview_at.index(s.step), imgs)
 
     def _guard(self, states: list[RequestState], out: RunnerOutput, phase: str, fn):
         """Run one phase; a failure fails these requests, a device error the engine."""

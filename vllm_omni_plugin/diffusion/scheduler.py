@@ -37,6 +37,8 @@ class ScheduledBatch:
 class RunnerOutput:
     finished: dict[str, list[Image.Image]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # Streaming previews decoded this step: request id -> (partial image index, images).
+    previews: dict[str, tuple[int, list[Image.Image]]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -161,5 +163,6 @@ class Scheduler:
             "max_batch": max(sizes),
             "mean_batch": sum(sizes) / len(sizes),
             "decode_s": s.decode_s,
+            **({"preview_s": s.preview_s} if s.preview_at else {}),
         }
         return GenerationOutput(s.request_id, images, error, metrics)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..stages.messages import StageInit, Submit
+from ..stages.messages import Progress, StageInit, Submit
 from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
 from .stage_client import StageClient
@@ -154,7 +154,15 @@ class Orchestrator:
         await stage.start()
 
     # ---- requests ----------------------------------------------------------------------
-    async def generate(self, request_id: str, params: dict[str, Any]) -> PipelineResult:
+    async def generate(
+        self,
+        request_id: str,
+        params: Any,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> PipelineResult:
+        """Run one request through every stage. `on_progress` (streaming requests, whose
+        params say `stream`) is called on this loop with each stage's Progress messages, in the
+        order the stages send them; multi-node stages do not relay them."""
         t0 = time.perf_counter()
         outputs: dict[int, Any] = {}
         producers: list[int] = []  # stages that handed a payload on for this request
@@ -176,7 +184,11 @@ class Orchestrator:
                 )
                 if to_stage is not None:
                     producers.append(sid)  # before the await: its reply may come after a cancel
-                result = await self.stages[sid].submit(msg)
+                stage = self.stages[sid]
+                if on_progress is None:
+                    result = await stage.submit(msg)
+                else:
+                    result = await stage.submit(msg, on_progress=on_progress)
                 absorb_connector_stats(result)  # the stage's connector counters -> /metrics
                 if result.error is not None:
                     raise StageRequestError(sid, result.error, result.error_field)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Abort, Result, StageInit, Submit
+from ..stages.messages import Abort, Progress, Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
@@ -34,16 +34,27 @@ STARTUP_ATTEMPTS = 3
 
 
 async def send_and_await(
-    client: Any, msg: Submit, send: Callable[[Any], None], unreachable: str
+    client: Any,
+    msg: Submit,
+    send: Callable[[Any], None],
+    unreachable: str,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> Result:
     """Send `msg` with `send`, wait for its Result and count it on `client` (a local or remote
-    stage client: `pending`, `abort`, `busy_s`, `completed`, `failed`)."""
+    stage client: `pending`, `abort`, `busy_s`, `completed`, `failed`). `on_progress` gets the
+    stage's Progress messages for this request until its Result (clients that relay them keep
+    a `listeners` dict; others never call it)."""
     fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
     client.pending[msg.request_id] = fut
+    listeners = getattr(client, "listeners", None)
+    if on_progress is not None and listeners is not None:
+        listeners[msg.request_id] = on_progress
     try:
         send(msg)
     except OSError:
         client.pending.pop(msg.request_id, None)
+        if listeners is not None:
+            listeners.pop(msg.request_id, None)
         raise StageUnavailableError(unreachable) from None
     try:
         result = await fut
@@ -52,6 +63,9 @@ async def send_and_await(
         client.pending.pop(msg.request_id, None)
         client.abort(msg.request_id)
         raise
+    finally:
+        if listeners is not None:
+            listeners.pop(msg.request_id, None)
     client.busy_s += result.stage_s
     if result.error is None:
         client.completed += 1
@@ -71,6 +85,8 @@ class StageClient:
         self.state = "stopped"
         self.proc: StageProcess | None = None
         self.pending: dict[str, asyncio.Future[Result]] = {}
+        # Streaming requests: request id -> callback for the stage's Progress messages.
+        self.listeners: dict[str, Callable[[Progress], None]] = {}
         self.restarts = 0
         self.start_failures = 0
         self.deaths = 0
@@ -199,11 +215,13 @@ class StageClient:
             task.cancel()
 
     # ---- requests ----------------------------------------------------------------------
-    async def submit(self, msg: Submit) -> Result:
+    async def submit(
+        self, msg: Submit, on_progress: Callable[[Progress], None] | None = None
+    ) -> Result:
         if self.state != "ready" or self.proc is None:
             raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is {self.state}")
         return await send_and_await(
-            self, msg, self.proc.send, f"stage {self.stage_id} ({self.kind}) is down"
+            self, msg, self.proc.send, f"stage {self.stage_id} ({self.kind}) is down", on_progress
         )
 
     def abort(self, request_id: str) -> None:
@@ -219,6 +237,13 @@ class StageClient:
             fut = self.pending.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, Progress):
+            listener = self.listeners.get(msg.request_id)
+            if listener is not None:
+                try:
+                    listener(msg)
+                except Exception:  # a consumer's bug must not take the stage's reader down
+                    logger.exception("progress listener of %s failed", msg.request_id)
 
     def _on_exit(self, proc: StageProcess) -> None:
         self._spawn_task(self._on_death(proc))

@@ -9,18 +9,24 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ..diffusion.limits import RequestLimits
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
-from ..stages.messages import GenerationParams
+from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid, unavailable
 from .images import MEDIA_TYPES
 from .protocol import ImageLimits, ValidRequest
+from .streaming import KEEPALIVE, completed_event, error_event, progress_events
 from .url_store import UrlStore
 from .validation import parse_body, validate_request
 
 logger = logging.getLogger("vllm_omni_plugin.serving")
+
+# A streaming response writes at least this often (SSE comments when nothing else happens), so a
+# client that went away is noticed within about this long even in a long stage.
+KEEPALIVE_S = 1.0
 
 
 class ClientDisconnected(Exception):
@@ -52,9 +58,8 @@ class ImageService:
         self.url_store = url_store or UrlStore()
         self.outcomes: Counter[str] = Counter()  # status code -> count, for /metrics
 
-    async def generate(self, body: bytes, base_url: str, disconnected: Any) -> tuple[dict, dict]:
-        """(response body, timing headers). Raises APIError for every failure."""
-        t0 = time.perf_counter()
+    def check(self, body: bytes) -> ValidRequest:
+        """Parse and validate a request body; APIError (4xx/503) before any stage is touched."""
         data = parse_body(body)
         valid = validate_request(data, self.limits)
         model = data.get("model")
@@ -66,6 +71,17 @@ class ImageService:
             raise unavailable(
                 f"stage(s) {self.orchestrator.unhealthy_stages()} are restarting; retry shortly"
             )
+        return valid
+
+    async def generate(self, body: bytes, base_url: str, disconnected: Any) -> tuple[dict, dict]:
+        """(response body, timing headers). Raises APIError for every failure."""
+        t0 = time.perf_counter()
+        return await self.respond(self.check(body), t0, base_url, disconnected)
+
+    async def respond(
+        self, valid: ValidRequest, t0: float, base_url: str, disconnected: Any
+    ) -> tuple[dict, dict]:
+        """The non-streaming response of a checked request."""
         request_id = f"img-{uuid.uuid4().hex}"
         result = await self._run(request_id, valid, disconnected)
         out = []
@@ -90,8 +106,63 @@ class ImageService:
         }
         return response, headers
 
-    async def _run(self, request_id: str, valid: ValidRequest, disconnected: Any):
-        params = GenerationParams(
+    async def stream(self, valid: ValidRequest, request_id: str) -> AsyncIterator[str]:
+        """SSE text of a streaming request (serving/streaming.py has the event shapes).
+
+        Its progress and previews arrive from the stages while it runs. Closing this generator
+        (the client went away: Starlette cancels it, or a write fails, which the keep-alive
+        comments make happen within a second) cancels the orchestrator call, which aborts the
+        request in the stage that holds it. Failures after the 200 are `error` events.
+        """
+        queue: asyncio.Queue[Progress | None] = asyncio.Queue()
+        work = asyncio.ensure_future(
+            self.orchestrator.generate(
+                request_id, self._params(valid), on_progress=queue.put_nowait
+            )
+        )
+        work.add_done_callback(lambda _f: queue.put_nowait(None))
+        loop = asyncio.get_running_loop()
+        timeout = self.request_timeout_s
+        deadline = None if timeout is None else loop.time() + timeout
+        outcome = "499"  # unless the stream ends below
+        try:
+            while True:
+                wait = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, deadline - loop.time())
+                if wait <= 0:
+                    logger.warning(
+                        "request %s aborted: unfinished after %.0f s", request_id, timeout
+                    )
+                    outcome = "504"
+                    yield error_event(_timeout_error(timeout).body())
+                    return
+                try:
+                    item = await asyncio.wait_for(queue.get(), wait)
+                except asyncio.TimeoutError:
+                    yield KEEPALIVE
+                    continue
+                if item is None:
+                    break
+                for event in progress_events(valid, item):
+                    yield event
+            try:
+                result = self._result(work)
+            except APIError as exc:
+                outcome = str(exc.status)
+                yield error_event(exc.body())
+                return
+            outcome = "200"
+            for image in result.images:
+                yield completed_event(valid, image, result.metrics)
+        finally:
+            if not work.done():
+                work.cancel()  # aborts the request in the stage holding it
+                if outcome == "499":
+                    logger.info("request %s cancelled: client disconnected", request_id)
+            self.outcomes[outcome] += 1
+
+    @staticmethod
+    def _params(valid: ValidRequest) -> GenerationParams:
+        return GenerationParams(
             prompt=valid.prompt,
             negative_prompt=valid.negative_prompt,
             n=valid.n,
@@ -102,7 +173,23 @@ class ImageService:
             seed=valid.seed,
             output_format=valid.output_format,
             output_compression=valid.output_compression,
+            stream=valid.stream,
+            partial_images=valid.partial_images if valid.stream else 0,
         )
+
+    @staticmethod
+    def _result(work: asyncio.Future):
+        try:
+            return work.result()
+        except StageUnavailableError as exc:
+            raise unavailable(str(exc)) from None
+        except StageRequestError as exc:
+            if exc.field is not None:
+                raise invalid(exc.message, exc.field) from None
+            raise APIError(500, str(exc), code="stage_error") from None
+
+    async def _run(self, request_id: str, valid: ValidRequest, disconnected: Any):
+        params = self._params(valid)
         work = asyncio.ensure_future(self.orchestrator.generate(request_id, params))
         watch = asyncio.ensure_future(disconnected())
         try:
@@ -120,21 +207,18 @@ class ImageService:
             logger.warning(
                 "request %s aborted: unfinished after %.0f s", request_id, self.request_timeout_s
             )
-            raise APIError(
-                504,
-                f"the request did not finish within the server's limit of "
-                f"{self.request_timeout_s:g} s (serving.request_timeout_s); it was cancelled",
-                code="request_timeout",
-                type="timeout_error",
-            )
-        try:
-            return work.result()
-        except StageUnavailableError as exc:
-            raise unavailable(str(exc)) from None
-        except StageRequestError as exc:
-            if exc.field is not None:
-                raise invalid(exc.message, exc.field) from None
-            raise APIError(500, str(exc), code="stage_error") from None
+            raise _timeout_error(self.request_timeout_s)
+        return self._result(work)
+
+
+def _timeout_error(limit_s: float) -> APIError:
+    return APIError(
+        504,
+        f"the request did not finish within the server's limit of "
+        f"{limit_s:g} s (serving.request_timeout_s); it was cancelled",
+        code="request_timeout",
+        type="timeout_error",
+    )
 
 
 def stage_timings(metrics: dict, server_ms: float) -> str:

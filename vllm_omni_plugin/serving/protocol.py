@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from vllm_omni_plugin.diffusion.limits import RequestLimits
 
@@ -30,11 +30,18 @@ class ImageGenerationRequest(BaseModel):
     output_format: OutputFormat = "png"
     output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
     user: StrictStr | None = None
+    # Streaming (SSE): OpenAI's image_generation.partial_image / .completed events.
+    stream: StrictBool | None = None
+    partial_images: StrictInt | None = None
     # Extras (diffusers' names).
     seed: StrictInt | None = None
     num_inference_steps: StrictInt | None = None
     guidance_scale: StrictFloat | StrictInt | None = None
     negative_prompt: StrictStr | None = None
+    # Vendor extension: stream progress as `event: omni.progress` SSE events (for browser
+    # EventSource UIs) instead of SSE comments (which every SSE client, the openai one too,
+    # skips).
+    progress_events: StrictBool | None = None
 
 
 @dataclass(frozen=True)
@@ -78,3 +85,9 @@ class ValidRequest:
     num_inference_steps: int | None
     guidance_scale: float | None
     negative_prompt: str | None
+    stream: bool = False
+    partial_images: int = 0
+    progress_events: bool = False
+    # Echoed in stream events (OpenAI's fields; they change nothing here).
+    quality: str = "auto"
+    background: str = "auto"

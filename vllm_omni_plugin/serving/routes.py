@@ -6,9 +6,11 @@ All paths are under /v1, so vLLM's --api-key middleware guards them like its own
 from __future__ import annotations
 
 import os
+import time
+import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .errors import APIError
 from .handlers import ClientDisconnected, ImageService
@@ -59,10 +61,23 @@ async def _wait_disconnect(request: Request) -> None:
 async def create_image(request: Request) -> Response:
     service = None
     try:
+        t0 = time.perf_counter()
         service = _service(request)
         body = await _read_body(request)
-        data, headers = await service.generate(
-            body, str(request.base_url), lambda: _wait_disconnect(request)
+        valid = service.check(body)
+        if valid.stream:
+            request_id = f"img-{uuid.uuid4().hex}"
+            return StreamingResponse(
+                service.stream(valid, request_id),
+                media_type="text/event-stream",
+                headers={
+                    "cache-control": "no-cache",
+                    "x-accel-buffering": "no",  # proxies: pass events on as they come
+                    "x-omni-request-id": request_id,
+                },
+            )
+        data, headers = await service.respond(
+            valid, t0, str(request.base_url), lambda: _wait_disconnect(request)
         )
     except APIError as exc:
         if service is not None:

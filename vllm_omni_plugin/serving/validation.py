@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..diffusion.limits import MAX_PARTIAL_IMAGES
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
 
@@ -96,6 +97,12 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
         raise invalid("guidance_scale must be a finite number in [0, 100]", "guidance_scale")
     if req.seed is not None and not 0 <= req.seed <= limits.stage.max_seed:
         raise invalid(f"seed must be an integer in [0, {limits.stage.max_seed}]", "seed")
+    partial = req.partial_images
+    if partial is not None and not 0 <= partial <= MAX_PARTIAL_IMAGES:
+        raise invalid(
+            f"partial_images must be between 0 and {MAX_PARTIAL_IMAGES}, got {partial}",
+            "partial_images",
+        )
     return ValidRequest(
         prompt=req.prompt,
         n=req.n,
@@ -108,4 +115,14 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
         num_inference_steps=steps,
         guidance_scale=None if guidance is None else float(guidance),
         negative_prompt=req.negative_prompt,
+        stream=bool(req.stream),
+        partial_images=partial or 0,
+        progress_events=bool(req.progress_events),
+        quality=_echo(data.get("quality")),
+        background=_echo(data.get("background")),
     )
+
+
+def _echo(value: Any) -> str:
+    """quality/background as stream events echo them: the request's string, else "auto"."""
+    return value if isinstance(value, str) and value else "auto"

@@ -18,7 +18,7 @@ from typing import Any
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from ..diffusion.errors import RequestValidationError
 from .ar_glue import glue_for
-from .messages import Abort, Result, Shutdown, StageInit, Submit
+from .messages import Abort, Progress, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
@@ -221,8 +221,16 @@ class ARStageRunner:
         try:
             prompt_ids, params = self.glue.prepare(msg.params)
             final = None
+            total = int(params.max_tokens or 0)
+            sent = 0
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
                 final = out
+                if msg.params.stream:
+                    # Streaming: tokens generated so far, about every 5 % of max_tokens.
+                    done = len(out.outputs[0].token_ids)
+                    if done - sent >= max(1, total // 20) or (out.finished and done != sent):
+                        sent = done
+                        self.conn.send(Progress(rid, self.stage_id, "ar", done, max(total, done)))
             assert final is not None and final.finished
             token_ids = list(final.outputs[0].token_ids)
             payload = self.glue.to_payload(token_ids, msg.params)

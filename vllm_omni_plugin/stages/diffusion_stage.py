@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..serving.images import encode_image
-from .messages import Abort, Result, Shutdown, StageInit, Submit
+from .messages import Abort, Progress, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
@@ -31,6 +31,8 @@ class _Job:
     received: float
     output_format: str
     compression: int | None
+    stream: bool = False
+    sent_step: int = -1  # the last step reported in a Progress message
 
 
 class DiffusionStageRunner:
@@ -92,7 +94,9 @@ class DiffusionStageRunner:
                 while not self._stop and self.conn.poll(0):
                     self._handle(self.conn.recv())
             if self.engine.has_unfinished():
-                for out in self._step():
+                outs = self._step()
+                self._send_progress()
+                for out in outs:
                     self._finish(out)
 
     def _step(self) -> list[Any]:
@@ -107,6 +111,30 @@ class DiffusionStageRunner:
             self.payloads.close()
             logging.shutdown()
             os._exit(DEVICE_ERROR_EXIT_CODE)
+
+    def _send_progress(self) -> None:
+        """Streaming requests: one Progress per step a request advanced, with its preview
+        images (encoded as the request asked) on the steps that decoded one."""
+        previews = self.engine.take_previews()
+        for rid, job in self.jobs.items():
+            if not job.stream:
+                continue
+            try:
+                step, total = self.engine.progress(rid)
+            except KeyError:
+                continue
+            found = previews.get(rid)
+            if step == job.sent_step and found is None:
+                continue
+            job.sent_step = step
+            msg = Progress(rid, self.stage_id, "diffusion", step, total)
+            if found is not None:
+                index, images = found
+                msg.preview_index = index
+                msg.preview = [
+                    encode_image(im, job.output_format, job.compression) for im in images
+                ]
+            self._reply(msg)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Submit):
@@ -138,6 +166,7 @@ class DiffusionStageRunner:
                 guidance_scale=p.guidance_scale,
                 seed=p.seed,
                 prior_token_ids=prior,
+                partial_images=p.partial_images if p.stream else 0,
             )
             self.engine.add_request(req)
         except RequestValidationError as exc:
@@ -151,7 +180,7 @@ class DiffusionStageRunner:
             logger.exception("request %s rejected", msg.request_id)
             self._reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
             return
-        self.jobs[msg.request_id] = _Job(t0, p.output_format, p.output_compression)
+        self.jobs[msg.request_id] = _Job(t0, p.output_format, p.output_compression, p.stream)
 
     def _finish(self, out: Any) -> None:
         job = self.jobs.pop(out.request_id, None)
@@ -165,7 +194,7 @@ class DiffusionStageRunner:
         result.stage_s = time.perf_counter() - job.received
         self._reply(result)
 
-    def _reply(self, result: Result) -> None:
+    def _reply(self, result: Result | Progress) -> None:
         self.conn.send(result)
 
     def close(self) -> None:

@@ -48,6 +48,10 @@ class GenerationParams:
     seed: int | None = None
     output_format: str = "png"
     output_compression: int | None = None
+    # Streaming (POST /v1/images/generations with stream: true): the stages send Progress
+    # messages for this request; a diffusion stage also decodes `partial_images` previews.
+    stream: bool = False
+    partial_images: int = 0
 
 
 @dataclass
@@ -70,6 +74,23 @@ class Abort:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class Progress:
+    """A streaming request's progress in one stage, sent before its Result (only for requests
+    whose params say `stream`). `step` of `total_steps`: denoising steps in a diffusion stage,
+    generated tokens of at most `total_steps` in an AR stage. `preview`: encoded preview images
+    (one per image of the request) of the x0 prediction after this step, with its 0-based
+    `preview_index` among the request's partial images."""
+
+    request_id: str
+    stage_id: int
+    stage: str  # the stage's kind: "diffusion" | "ar"
+    step: int
+    total_steps: int
+    preview: list[bytes] | None = None
+    preview_index: int | None = None
 
 
 @dataclass

@@ -107,6 +107,19 @@ class DiffusionAdapter(ABC):
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
         """Decode finished states in one VAE call; one list of n images per state."""
 
+    def preview(self, states: list[RequestState]) -> list[list[Image.Image]]:
+        """Decode each state's x0 prediction (left by `euler_update`) with the family's own
+        VAE decode, in one call: a streaming preview costs one decode of that request's images."""
+        saved = [s.latents for s in states]
+        try:
+            for s in states:
+                s.latents = s.x0
+            return self.decode(states)
+        finally:
+            for s, latents in zip(states, saved, strict=True):
+                s.latents = latents
+                s.x0 = None
+
     def generate(self, state: RequestState, on_step: Any) -> list[Image.Image]:
         raise NotImplementedError  # only whole-pipeline adapters implement this
 
@@ -125,8 +138,15 @@ class DiffusionAdapter(ABC):
         dt = dt.view(-1, *([1] * (noise_pred.dim() - 1)))
         sample = torch.cat([s.latents for s in states]).to(torch.float32)
         prev = (sample + dt * noise_pred).to(noise_pred.dtype)
-        for s, chunk in zip(states, prev.split([s.n for s in states]), strict=True):
+        sizes = [s.n for s in states]
+        for i, (s, chunk) in enumerate(zip(states, prev.split(sizes), strict=True)):
             s.latents = chunk
+            if s.step in s.preview_at:
+                # Flow matching: x_t = (1 - sigma) x0 + sigma * noise, v = noise - x0, so the
+                # model's current estimate of the clean latents is x_t - sigma * v.
+                lo = sum(sizes[:i])
+                v = noise_pred[lo : lo + s.n].to(torch.float32)
+                s.x0 = (sample[lo : lo + s.n] - s.sigmas[s.step].to(v.device) * v).to(chunk.dtype)
 
     def set_schedule(self, state: RequestState, timesteps: torch.Tensor) -> None:
         """Copy the scheduler's freshly computed schedule into the request (per-request state)."""
