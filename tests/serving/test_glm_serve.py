@@ -136,6 +136,35 @@ def test_glm_image_end_to_end(glm):
     )
     images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in res.data]
     assert [im.size for im in images] == [(64, 64), (64, 64)]
+    # Streamed, same seed (progress as events): the AR stage's token progress, then the DiT's
+    # steps with one preview of both images after step 1, then the same two images.
+    with httpx.stream(
+        "POST",
+        f"{glm.url}/v1/images/generations",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "prompt": "a lighthouse at dusk",
+            "size": "64x64",
+            "n": 2,
+            "seed": 7,
+            "num_inference_steps": 2,
+            "stream": True,
+            "partial_images": 1,
+            "progress_events": True,
+        },
+        timeout=300,
+    ) as r:
+        data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    kinds = [(d["type"], d.get("stage")) for d in data]
+    ar = [d for d in data if d.get("stage") == "ar"]
+    assert ar and ar[-1]["step"] <= ar[-1]["total_steps"], kinds
+    assert [d["step"] for d in ar] == sorted(d["step"] for d in ar)
+    partial = ("image_generation.partial_image", None)
+    done = ("image_generation.completed", None)
+    dit = ("omni.progress", "diffusion")
+    assert kinds[len(ar) :] == [partial, partial, dit, dit, done, done], kinds
+    streamed = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in data[-2:]]
+    assert [a.tobytes() for a in streamed] == [b.tobytes() for b in images]
     # The DiT's size granularity (32) is enforced in the API server.
     r = httpx.post(
         f"{glm.url}/v1/images/generations",
@@ -145,7 +174,7 @@ def test_glm_image_end_to_end(glm):
     assert r.status_code == 400 and r.json()["error"]["param"] == "size"
     metrics = httpx.get(f"{glm.url}/metrics").text
     assert (
-        'omni_stage_requests_completed_total{kind="ar",pipeline="glm_image",stage_id="0"} 1.0'
+        'omni_stage_requests_completed_total{kind="ar",pipeline="glm_image",stage_id="0"} 2.0'
         in metrics
     )
 
