@@ -224,19 +224,24 @@ def _versions() -> dict:
 
 
 # ---- phases ----------------------------------------------------------------------------------
-def phase_ours(args) -> None:
-    argv = [str(args.model), "--stage-config", args.stage_config]
-    if args.stage_overrides:
-        argv += ["--stage-overrides", args.stage_overrides]
-    server = Server(argv, args.out / "ours.log")
+def _serve_phase(args, phase: str, argv: list[str]) -> None:
+    """Start `vllm serve argv`, load it (warm-up, concurrency 1, then 8), record, stop."""
+    server = Server(argv, args.out / f"{phase}.log")
     try:
         with PeakMemory() as mem:
             ready = server.wait_ready(args.start_timeout)
             load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
-        _record(args, "ours", {"ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
+        _record(args, phase, {"ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
     finally:
         server.stop()
-        _keep_log_lines(server.log, args.out / "ours_log_lines.txt")
+        _keep_log_lines(server.log, args.out / f"{phase}_log_lines.txt")
+
+
+def phase_ours(args) -> None:
+    argv = [str(args.model), "--stage-config", args.stage_config]
+    if args.stage_overrides:
+        argv += ["--stage-overrides", args.stage_overrides]
+    _serve_phase(args, "ours", argv)
 
 
 def _omni_deploy_yaml(path: Path, size: int) -> Path:
@@ -265,16 +270,7 @@ def _omni_deploy_yaml(path: Path, size: int) -> Path:
 
 def phase_omni(args) -> None:
     deploy = _omni_deploy_yaml(args.out / "omni_glm_image_1gpu.yaml", args.size)
-    server = Server(
-        [str(args.model), "--omni", "--deploy-config", str(deploy)], args.out / "omni.log"
-    )
-    try:
-        with PeakMemory() as mem:
-            ready = server.wait_ready(args.start_timeout)
-            load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
-        _record(args, "omni", {"ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
-    finally:
-        server.stop()
+    _serve_phase(args, "omni", [str(args.model), "--omni", "--deploy-config", str(deploy)])
 
 
 def _sync() -> None:
