@@ -203,7 +203,8 @@ def add_omni_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--omni-master-address",
         default=None,
-        help="Address of the head node that headless stage nodes register with.",
+        help="On the head: the address its node registry listens on (default 127.0.0.1; any "
+        "other needs VLLM_OMNI_AUTHKEY). On a headless node: the head's address.",
     )
     group.add_argument(
         "--omni-master-port",
