@@ -179,6 +179,21 @@ def test_glm_image_end_to_end(glm):
     )
 
 
+def test_official_client_streams_glm_image(glm):
+    """The issue's acceptance call on GLM-Image: two previews from the DiT, then the image the
+    same request gives without streaming."""
+    client = OpenAI(base_url=f"{glm.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    kwargs = dict(model=glm.model, prompt="a red door", size="64x64")
+    extra = {"seed": 3, "num_inference_steps": 3}
+    events = list(client.images.generate(**kwargs, stream=True, partial_images=2, extra_body=extra))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + [
+        "image_generation.completed"
+    ]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    plain = client.images.generate(**kwargs, extra_body=extra).data[0].b64_json
+    assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain)
+
+
 def test_failed_start_is_killed_logged_and_retried(glm):
     assert RETRY_LINE in glm.log.read_text()
     assert not glm.marker.exists()
