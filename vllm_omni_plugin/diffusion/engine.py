@@ -229,11 +229,6 @@ class DiffusionEngine:
         with self._lock:
             return self.scheduler.has_unfinished()
 
-    def num_unfinished(self) -> int:
-        """Requests waiting or running (aborted ones are not counted)."""
-        with self._lock:
-            return len(self.scheduler.waiting) + len(self.scheduler.running)
-
     def hold_s(self) -> float:
         """Seconds until held requests start (request_batch_max_wait_ms); 0: step now."""
         with self._lock:

@@ -226,7 +226,6 @@ class Orchestrator:
                 "completed": s.completed,
                 "failed": s.failed,
                 "in_flight": len(s.pending),
-                "engine_unfinished": getattr(s, "engine_unfinished", None),
                 "busy_seconds": s.busy_s,
             }
             for sid, s in self.stages.items()

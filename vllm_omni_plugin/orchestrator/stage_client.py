@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Abort, EngineLoad, Progress, Result, StageInit, Submit
+from ..stages.messages import Abort, Progress, Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
@@ -93,9 +93,6 @@ class StageClient:
         self.completed = 0
         self.failed = 0
         self.busy_s = 0.0
-        # A diffusion stage's own count of the requests its engine holds (EngineLoad); None
-        # for stages that do not report it, and while no live process has reported.
-        self.engine_unfinished: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: asyncio.Task | None = None
@@ -247,12 +244,8 @@ class StageClient:
                     listener(msg)
                 except Exception:  # a consumer's bug must not take the stage's reader down
                     logger.exception("progress listener of %s failed", msg.request_id)
-        elif isinstance(msg, EngineLoad):
-            self.engine_unfinished = msg.unfinished
 
     def _on_exit(self, proc: StageProcess) -> None:
-        if proc is self.proc:  # a late EOF from a replaced process says nothing of this one
-            self.engine_unfinished = None
         self._spawn_task(self._on_death(proc))
 
     async def _on_death(self, proc: StageProcess) -> None:

@@ -19,12 +19,6 @@ _STAGE_METRICS = (
     ("omni_stage_requests_failed", "failed", "Requests that failed in the stage", True),
     ("omni_stage_requests_in_flight", "in_flight", "Requests inside the stage now", False),
     ("omni_stage_busy_seconds", "busy_seconds", "Stage-side time spent on requests", True),
-    (
-        "omni_stage_engine_unfinished",
-        "engine_unfinished",
-        "Requests the stage's engine holds, as the stage reports it (diffusion stages only)",
-        False,
-    ),
 )
 
 
@@ -40,8 +34,6 @@ class OmniCollector:
             family_cls = CounterMetricFamily if counter else GaugeMetricFamily
             family = family_cls(name, doc, labels=["pipeline", "stage_id", "kind"])
             for s in stats:
-                if s.get(key) is None:  # not reported by this stage (kind)
-                    continue
                 family.add_metric([self.pipeline, str(s["stage_id"]), s["kind"]], float(s[key]))
             yield family
         requests = CounterMetricFamily(

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..serving.images import encode_image
-from .messages import Abort, EngineLoad, Progress, Result, Shutdown, StageInit, Submit
+from .messages import Abort, Progress, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
@@ -53,7 +53,6 @@ class DiffusionStageRunner:
         self.payloads = StagePayloads(init.connectors)
         self.jobs: dict[str, _Job] = {}
         self._stop = False
-        self._load = 0  # the engine's unfinished requests, as last reported (EngineLoad)
 
     def info(self) -> dict[str, Any]:
         """Ready info: the bounds the API server validates against, and what this stage runs."""
@@ -94,19 +93,11 @@ class DiffusionStageRunner:
                 self._handle(self.conn.recv())
                 while not self._stop and self.conn.poll(0):
                     self._handle(self.conn.recv())
-                self._report_load()
             if self.engine.has_unfinished():
                 outs = self._step()
                 self._send_progress()
                 for out in outs:
                     self._finish(out)
-                self._report_load()
-
-    def _report_load(self) -> None:
-        load = self.engine.num_unfinished()
-        if load != self._load and not self._stop:
-            self._load = load
-            self._reply(EngineLoad(self.stage_id, load))
 
     def _step(self) -> list[Any]:
         from vllm_omni_plugin.diffusion.errors import DeviceError
@@ -203,7 +194,7 @@ class DiffusionStageRunner:
         result.stage_s = time.perf_counter() - job.received
         self._reply(result)
 
-    def _reply(self, result: Result | Progress | EngineLoad) -> None:
+    def _reply(self, result: Result | Progress) -> None:
         self.conn.send(result)
 
     def close(self) -> None:

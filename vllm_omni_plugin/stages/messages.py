@@ -94,17 +94,6 @@ class Progress:
 
 
 @dataclass
-class EngineLoad:
-    """A diffusion stage's engine load, sent whenever it changes (checked once per loop turn:
-    after the messages that arrived are handled and after each step): `unfinished` requests
-    the engine holds (waiting or running). An aborted request leaves this count at the step
-    boundary where the stage reads the Abort."""
-
-    stage_id: int
-    unfinished: int
-
-
-@dataclass
 class Result:
     request_id: str
     # Final stages: list of encoded images (bytes). Intermediate stages: a connector
