@@ -2,7 +2,7 @@
 
 A connector counts its transfers in the process that uses it: the stage processes, possibly on
 another node. Each stage process attaches a snapshot of its counters to every Result it sends
-(`StatsRelay` wraps its control connection), and the orchestrator hands them to the connector
+(`stages/stats_relay.py` wraps its control connection), and the orchestrator hands them to the connector
 package's exporter, keyed by the sending process so counters stay monotonic across restarts.
 The snapshot rides the Result itself, so /metrics is current as soon as the request returns.
 """
@@ -10,36 +10,13 @@ The snapshot rides the Result itself, so /metrics is current as soon as the requ
 from __future__ import annotations
 
 import logging
-import os
-import socket
-from typing import Any
 
 from ..stages.messages import Result
+from ..stages.stats_relay import KEY
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
-KEY = "connector_stats"
 _exported = False
-
-
-class StatsRelay:
-    """A stage's control connection that adds connector counters to each Result it sends."""
-
-    def __init__(self, conn: Any):
-        self._conn = conn
-        self._source = f"{socket.gethostname()}:{os.getpid()}"
-
-    def send(self, msg: Any) -> None:
-        if isinstance(msg, Result):
-            from vllm_omni_plugin.connectors import ConnectorStats
-
-            snaps = [s.snapshot() for s in ConnectorStats.all()]
-            if snaps:
-                msg.metrics[KEY] = {"source": self._source, "snapshots": snaps}
-        self._conn.send(msg)
-
-    def __getattr__(self, name: str) -> Any:  # recv, poll, fileno, close: unchanged
-        return getattr(self._conn, name)
 
 
 def absorb(result: Result) -> None:

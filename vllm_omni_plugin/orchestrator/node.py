@@ -257,8 +257,8 @@ def shutdown_concurrently(stages: list[Any]) -> None:
 
 def run_node(args: argparse.Namespace) -> None:
     """`vllm serve ... --stage-config FILE --headless`: run this node until SIGTERM."""
-    from ..serving.engine_client import STARTUP_TIMEOUT_ENV, load_config
-    from .orchestrator import DEFAULT_STARTUP_TIMEOUT_S
+    from ..config.serve_args import load_config
+    from .orchestrator import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_ENV
 
     if not logging.getLogger().handlers:
         logging.basicConfig(

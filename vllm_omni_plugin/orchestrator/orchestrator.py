@@ -26,6 +26,8 @@ from .stage_client import StageClient
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+# Overrides DEFAULT_STARTUP_TIMEOUT_S for the API server and for headless nodes alike.
+STARTUP_TIMEOUT_ENV = "VLLM_OMNI_STAGE_STARTUP_TIMEOUT_S"
 
 
 @dataclass

@@ -16,12 +16,11 @@ from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
+from ..config.serve_args import load_config
 from ..orchestrator import Orchestrator
-from ..orchestrator.orchestrator import DEFAULT_STARTUP_TIMEOUT_S
+from ..orchestrator.orchestrator import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_ENV
 
 logger = logging.getLogger("vllm_omni_plugin.serving")
-
-STARTUP_TIMEOUT_ENV = "VLLM_OMNI_STAGE_STARTUP_TIMEOUT_S"
 
 
 class OmniEngineClient:
@@ -84,36 +83,6 @@ class OmniEngineClient:
         # the stages stop concurrently.
         self._stopped = True
         self.orchestrator.shutdown()
-
-
-def requested_model(args: argparse.Namespace) -> str | None:
-    """MODEL as the user gave it (positional or --model), or None if they gave none."""
-    tag = getattr(args, "model_tag", None)
-    if tag:
-        return tag
-    from vllm.engine.arg_utils import EngineArgs
-
-    model = getattr(args, "model", None)
-    return None if model in (None, EngineArgs.model) else model
-
-
-def load_config(args: argparse.Namespace) -> Any:
-    """The typed deploy config for `vllm serve [MODEL] --stage-config FILE`, or SystemExit."""
-    from vllm_omni_plugin.config import ConfigError, load_deploy_config
-
-    model = requested_model(args)
-    try:
-        cfg = load_deploy_config(
-            args.stage_config, model=model, stage_overrides=args.stage_overrides
-        )
-    except ConfigError as exc:
-        raise SystemExit(f"vllm serve --stage-config {args.stage_config}: {exc}") from None
-    if not cfg.model:
-        raise SystemExit(
-            f"vllm serve --stage-config {args.stage_config}: no model. Pass MODEL "
-            "(`vllm serve MODEL --stage-config FILE`) or set `model:` in the YAML."
-        )
-    return cfg
 
 
 def _setup_logging() -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 from ..diffusion.limits import RequestLimits
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
+from ..stages.images import MEDIA_TYPES
 from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid, unavailable
-from .images import MEDIA_TYPES
 from .protocol import ImageLimits, ValidRequest
 from .streaming import KEEPALIVE, completed_event, error_event, progress_events
 from .url_store import UrlStore

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..serving.images import encode_image
+from .images import encode_image
 from .messages import Abort, Progress, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 

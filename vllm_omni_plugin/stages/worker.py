@@ -15,8 +15,8 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from ..orchestrator.connector_stats import StatsRelay
 from .messages import Ready, StageInit
+from .stats_relay import StatsRelay
 
 
 def _set_title(init: StageInit) -> None:

@@ -1,4 +1,5 @@
-"""Image encoding for responses. Imports without vLLM: the diffusion stage process encodes."""
+"""Image encoding for responses. Imports without vLLM: the diffusion stage process encodes,
+the API server only reads MEDIA_TYPES (for `response_format=url`)."""
 
 from __future__ import annotations
 

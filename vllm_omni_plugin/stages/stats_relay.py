@@ -1,0 +1,36 @@
+"""A stage process's control connection that carries its connector counters to /metrics.
+
+The stage side of orchestrator/connector_stats.py: each Result a stage sends gets a snapshot of
+this process's connector counters under KEY, keyed by the sending process so counters stay
+monotonic across restarts; the orchestrator takes them off (`absorb`) and exports them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from .messages import Result
+
+KEY = "connector_stats"
+
+
+class StatsRelay:
+    """A stage's control connection that adds connector counters to each Result it sends."""
+
+    def __init__(self, conn: Any):
+        self._conn = conn
+        self._source = f"{socket.gethostname()}:{os.getpid()}"
+
+    def send(self, msg: Any) -> None:
+        if isinstance(msg, Result):
+            from vllm_omni_plugin.connectors import ConnectorStats
+
+            snaps = [s.snapshot() for s in ConnectorStats.all()]
+            if snaps:
+                msg.metrics[KEY] = {"source": self._source, "snapshots": snaps}
+        self._conn.send(msg)
+
+    def __getattr__(self, name: str) -> Any:  # recv, poll, fileno, close: unchanged
+        return getattr(self._conn, name)
