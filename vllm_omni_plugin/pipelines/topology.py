@@ -58,6 +58,13 @@ class PipelineTopology:
     """Model class names (legacy `model_arch`, config.json `architectures`) that select it."""
     size_granularity: int = 8
     """Image height and width must be multiples of this."""
+    max_input_images: int = 0
+    """Source images one request may carry (POST /v1/images/edits); 0: text-to-image only, so
+    the edits route answers 400 before any stage is touched."""
+    requires_input_image: bool = False
+    """Every request must carry a source image (edit-only pipelines, e.g. Qwen-Image-Edit)."""
+    accepts_mask: bool = False
+    """Whether an edit may carry a `mask` (inpainting); otherwise a mask is a 400."""
     description: str = ""
 
     def stage(self, stage_id: int) -> StageSpec:

@@ -52,6 +52,18 @@ class GenerationParams:
     # messages for this request; a diffusion stage also decodes `partial_images` previews.
     stream: bool = False
     partial_images: int = 0
+    # Edits (POST /v1/images/edits). The contract between the API server and every stage:
+    # `input_images` are the request's source images in upload order, each one already checked
+    # (bytes, pixels, format) and decoded by the API server, then re-encoded as a lossless 8-bit
+    # RGB PNG (mode "RGB", no alpha, EXIF rotation applied): decode with
+    # `PIL.Image.open(io.BytesIO(b))` and get exactly the uploaded pixels. Bytes rather than
+    # arrays, so the params stay plain data on every link (the multi-node msgpack one too).
+    # Empty for text-to-image. At most the pipeline topology's `max_input_images`.
+    input_images: list[bytes] = field(default_factory=list)
+    # The edit's mask as a lossless 8-bit grayscale PNG (mode "L") of the first input image's
+    # size: 255 where the image is to be repainted (OpenAI's fully transparent mask pixels),
+    # 0 where it is kept. None: no mask. Only for topologies with `accepts_mask`.
+    mask: bytes | None = None
 
 
 @dataclass
