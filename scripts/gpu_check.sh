@@ -6,6 +6,8 @@
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
 #   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
 #   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
+#   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy, then the tiny
+#                                           GLM-Image served with glm_image_1gpu_nixl (issue 19)
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
 set -euo pipefail
@@ -13,6 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
+REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
 # scripts/gpu_kit/install_kit.sh puts each system in its own folder; a phase sees only its own.
 OURS_PATH=/tmp/ours:/tmp/site
 export PYTHONPATH=$OURS_PATH PATH=/tmp/ours/bin:/tmp/site/bin:$PATH
@@ -33,6 +36,13 @@ while [ $# -gt 0 ]; do
       python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny" --size 256 \
         --steps 20 --stage-overrides "$TINY_OVERRIDES"
       ;;
+    nixl-vram)
+      python3 benchmarks/bench_nixl_vram.py | tee "$OUT/nixl_vram.txt"
+      [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
+      python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny-nixl" --size 256 \
+        --steps 20 --stage-config glm_image_1gpu_nixl --stage-overrides "$TINY_OVERRIDES"
+      pkill -f "vllm serve" || true; sleep 2
+      ;;
     placeholders)
       # vLLM's start-up dummy image through vLLM-Omni's GLM-Image processor, on both checkpoints.
       for dir in "$TINY" "$FULL"; do
@@ -51,9 +61,10 @@ while [ $# -gt 0 ]; do
           # logits-processor entry point (bench_gpu_glm.py: the omni phase says why).
           PYTHONPATH=/tmp/vomni:$OURS_PATH VLLM_PLUGINS=vllm_omni_register_models \
             python3 benchmarks/bench_gpu_glm.py omni \
-            --model "$FULL" --out "$OUT/full"
+            --model "$FULL" --out "$OUT/full" --repeats "$REPEATS"
         else
-          python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full"
+          python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full" \
+            --repeats "$REPEATS"
         fi
         # A phase cut short by a timeout can leave its server behind: never let it share the
         # GPU with the next phase.

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections import deque
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -80,11 +81,13 @@ def main() -> None:
     out, roots = Path(args[0]), args[1:]
     out.mkdir(parents=True, exist_ok=True)
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
-    queue = [Requirement(r) for r in roots]
+    # Breadth first: every root (and its pin) is fetched before any dependency can name the
+    # same project with a looser range (vllm-omni's transformers range once won over the 5.19 root).
+    queue = deque(Requirement(r) for r in roots)
     root_names = {cn(r.name) for r in queue}
     seen: set[str] = set()
     while queue:
-        req = queue.pop()
+        req = queue.popleft()
         name = cn(req.name)
         if name in seen or (name not in root_names and name in IMAGE | NOT_NEEDED | skip):
             continue

@@ -85,3 +85,11 @@ def test_show_yaml_provenance_and_migrate(capsys):
     assert main(["config", "migrate", "tests/config/fixtures/vo16_glm_image.yaml"]) == 0
     out = capsys.readouterr().out
     assert "stages:" in out and "stage_args:" not in out
+
+
+def test_every_shipped_stage_config_validates():
+    # In process (one interpreter for all): a shipped file that drifts from the schema fails here.
+    shipped = sorted((REPO / "stage_configs").glob("*.yaml"))
+    assert len(shipped) >= 6, shipped
+    for path in shipped:
+        assert main(["config", "validate", str(path)]) == 0, path.name
