@@ -27,6 +27,8 @@ class GenerationRequest:
     # Streaming: decode this many previews (0..MAX_PARTIAL_IMAGES) of the current x0 prediction
     # at evenly spaced denoising steps (`preview_steps`).
     partial_images: int = 0
+    # Video families (Wan): frames of the one video (None: the family's or stage's default).
+    num_frames: int | None = None
 
 
 def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:

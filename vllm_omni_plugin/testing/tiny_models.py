@@ -20,6 +20,7 @@ _BUILDERS = {
     "glm-image": "vllm_omni_plugin.testing.tiny_glm_image",
     "qwen-image": "vllm_omni_plugin.testing.tiny_qwen_image",
     "flux": "vllm_omni_plugin.testing.tiny_flux",
+    "wan": "vllm_omni_plugin.testing.tiny_wan",  # Wan2.2 text-to-video (WanPipeline)
 }
 
 KINDS = tuple(_BUILDERS)

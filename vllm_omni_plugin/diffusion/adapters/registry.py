@@ -26,6 +26,7 @@ _ADAPTERS: dict[str, str | type[DiffusionAdapter]] = {
     "GlmImagePipeline": "vllm_omni_plugin.diffusion.adapters.glm_image:GlmImageAdapter",
     "QwenImagePipeline": "vllm_omni_plugin.diffusion.adapters.qwen_image:QwenImageAdapter",
     "FluxPipeline": "vllm_omni_plugin.diffusion.adapters.flux:FluxAdapter",
+    "WanPipeline": "vllm_omni_plugin.diffusion.adapters.wan:WanAdapter",
     FALLBACK: "vllm_omni_plugin.diffusion.adapters.generic:GenericAdapter",
 }
 # Names older configs use for the same families (legacy `model_arch`).
@@ -34,6 +35,7 @@ _ALIASES = {
     "GlmImageTransformer2DModel": "GlmImagePipeline",
     "QwenImageTransformer2DModel": "QwenImagePipeline",
     "FluxTransformer2DModel": "FluxPipeline",
+    "WanTransformer3DModel": "WanPipeline",
 }
 _entry_points_loaded = False
 

@@ -1,0 +1,200 @@
+"""Wan2.1 / Wan2.2 text-to-video (diffusers WanPipeline) as batched phases.
+
+Math follows diffusers 0.42 `pipeline_wan.py`: UMT5 prompt embeddings zero-padded to 512
+tokens (the transformer attends to the padding, as in diffusers, so rows of different prompts
+stack without a mask), float32 latents drawn with the request's generator, the checkpoint's
+scheduler (Wan2.2: multistep UniPC), CFG when guidance_scale > 1 with "" as the default
+negative prompt, and Wan2.2's two experts: `transformer` above `boundary_ratio * 1000`,
+`transformer_2` below.
+
+Step batching: the multistep scheduler keeps a history per sample, so every request owns a
+copy of the checkpoint's scheduler; one transformer forward serves every request of a group
+(cond rows, then uncond rows), then each request's scheduler steps on its own slice. The batch
+key holds the expert a request's next step needs, so requests on different experts never share
+a forward. A video is one request with n = 1; its decode yields its frames.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable
+from functools import lru_cache
+
+import torch
+from PIL import Image
+
+from ..errors import RequestValidationError
+from ..request import GenerationRequest, RequestState
+from .base import DiffusionAdapter, FamilySpec
+
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
+# diffusers' WanPipeline defaults; a stage config overrides them.
+DEFAULT_NUM_FRAMES = 81
+
+
+class WanAdapter(DiffusionAdapter):
+    pipeline_class = "WanPipeline"
+
+    def __init__(self, pipe, device, dtype, defaults) -> None:
+        super().__init__(pipe, device, dtype, defaults)
+        if pipe.transformer is None:
+            raise TypeError("WanPipeline without `transformer` (low-noise only) is not supported")
+        self.temporal = int(pipe.vae_scale_factor_temporal)
+        self.spatial = int(pipe.vae_scale_factor_spatial)
+        self.patch = tuple(pipe.transformer.config.patch_size)
+        ratio = pipe.config.get("boundary_ratio")
+        self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
+        self.transformer_2 = getattr(pipe, "transformer_2", None)
+        self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
+
+    # ---- facts -------------------------------------------------------------------------
+    @property
+    def spec(self) -> FamilySpec:
+        g = self.spatial * self.patch[1]
+        return FamilySpec(g, 480, 832, 50, 5.0, g, 1280)
+
+    def uses_cfg(self, req: GenerationRequest) -> bool:
+        return (req.guidance_scale or 0) > 1.0
+
+    def video_facts(self) -> dict[str, int]:
+        """What the API server needs to check a video request: frames are 1 + k * step."""
+        return {
+            "frame_step": self.temporal,
+            "default_num_frames": int(self.defaults.get("num_frames", DEFAULT_NUM_FRAMES)),
+        }
+
+    def num_frames(self, req: GenerationRequest) -> int:
+        frames = getattr(req, "num_frames", None)
+        return int(frames if frames is not None else self.video_facts()["default_num_frames"])
+
+    def check_request(self, req: GenerationRequest) -> None:
+        if req.n != 1:
+            raise RequestValidationError("n", "a video request makes one video (n = 1)")
+        frames = getattr(req, "num_frames", None)
+        if frames is not None and (
+            isinstance(frames, bool) or not isinstance(frames, int) or frames < 1
+        ):
+            raise RequestValidationError(
+                "num_frames", f"must be a positive integer, got {frames!r}"
+            )
+        frames = self.num_frames(req)
+        if (frames - 1) % self.temporal:
+            raise RequestValidationError(
+                "num_frames", f"must be 1 + a multiple of {self.temporal}, got {frames}"
+            )
+
+    def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
+        # Per latent frame; the budget estimate does not see the frame count.
+        cfg = self.pipe.transformer.config
+        heads = int(cfg.num_attention_heads)
+        g = self.spatial * self.patch[1]
+        tokens = (height // g) * (width // g) + MAX_SEQUENCE_LENGTH
+        return tokens, heads * int(cfg.attention_head_dim), heads
+
+    # ---- schedule ----------------------------------------------------------------------
+    @lru_cache(maxsize=64)  # noqa: B019 - one adapter per engine, a handful of step counts
+    def _timesteps(self, steps: int) -> torch.Tensor:
+        sched = copy.deepcopy(self.pipe.scheduler)
+        sched.set_timesteps(steps, device=self.device)
+        return sched.timesteps
+
+    def _expert(self, t: torch.Tensor) -> int:
+        """0: `transformer` (Wan2.1, or Wan2.2's high-noise expert); 1: `transformer_2`."""
+        return 0 if self.boundary is None or t >= self.boundary else 1
+
+    def batch_key(self, state: RequestState) -> Hashable:
+        req = state.req
+        timesteps = state.timesteps
+        if timesteps is None:  # admitted this step: its schedule is a function of its steps
+            timesteps = self._timesteps(state.total_steps)
+        expert = self._expert(timesteps[min(state.step, len(timesteps) - 1)])
+        return (req.height, req.width, self.num_frames(req), state.do_cfg, expert)
+
+    # ---- prepare -----------------------------------------------------------------------
+    def _encode(self, prompts: list[str]) -> list[torch.Tensor]:
+        embeds = self.pipe._get_t5_prompt_embeds(
+            prompts, max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device
+        )
+        dtype = self.pipe.transformer.dtype
+        return [embeds[i : i + 1].to(dtype) for i in range(len(prompts))]
+
+    def prepare(self, states: list[RequestState]) -> None:
+        embeds = self._encode([s.req.prompt for s in states])
+        cfg_states = [s for s in states if s.do_cfg]
+        if cfg_states:
+            negs = self._encode([s.req.negative_prompt or "" for s in cfg_states])
+            for s, neg in zip(cfg_states, negs, strict=True):
+                s.cond["neg"] = neg
+        channels = self.pipe.transformer.config.in_channels
+        for s, emb in zip(states, embeds, strict=True):
+            s.cond["embeds"] = emb
+            s.latents = self.pipe.prepare_latents(
+                s.n,
+                channels,
+                s.req.height,
+                s.req.width,
+                self.num_frames(s.req),
+                torch.float32,
+                self.device,
+                s.generator,
+            )
+            sched = copy.deepcopy(self.pipe.scheduler)
+            sched.set_timesteps(s.total_steps, device=self.device)
+            sched.set_begin_index(0)
+            s.cond["scheduler"] = sched
+            s.timesteps = sched.timesteps
+            s.sigmas = sched.sigmas
+
+    # ---- denoise -----------------------------------------------------------------------
+    def denoise(self, states: list[RequestState]) -> None:
+        cfg_states = [s for s in states if s.do_cfg]
+        rows = states + cfg_states  # cond rows, then the uncond rows of the CFG requests
+        texts = [s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states]
+        expert = self._expert(states[0].timesteps[states[0].step])
+        model = self.transformer if expert == 0 else self.transformer_2
+        dtype = model.dtype
+        latents = torch.cat([s.latents for s in rows]).to(dtype)
+        embeds = torch.cat([t.expand(s.n, -1, -1) for s, t in zip(rows, texts, strict=True)])
+        ts = [s.timesteps[s.step] for s in rows]
+        if self.expand_timesteps:
+            # Wan2.2 TI2V: one timestep per latent token (all equal for text-to-video).
+            f, h, w = latents.shape[2:]
+            seq = f * (h // self.patch[1]) * (w // self.patch[2])
+            timestep = torch.cat([t.expand(s.n, seq) for s, t in zip(rows, ts, strict=True)])
+        else:
+            timestep = torch.cat([t.expand(s.n) for s, t in zip(rows, ts, strict=True)])
+        pred = model(
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            attention_kwargs=None,
+            return_dict=False,
+        )[0]
+        n_cond = sum(s.n for s in states)
+        cond, uncond = pred[:n_cond], pred[n_cond:]
+        i = j = 0
+        for s in states:
+            noise = cond[i : i + s.n]
+            if s.do_cfg:
+                u = uncond[j : j + s.n]
+                # Wan2.2 runs its low-noise expert with guidance_scale_2, which defaults to
+                # guidance_scale; we expose only the one scale.
+                noise = u + s.req.guidance_scale * (noise - u)
+                j += s.n
+            t = s.timesteps[s.step]
+            s.latents = s.cond["scheduler"].step(noise, t, s.latents, return_dict=False)[0]
+            i += s.n
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
+        """One VAE call for the group (same shape by the batch key); each state's frames."""
+        vae = self.pipe.vae
+        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents)
+        video = vae.decode(latents / std + mean, return_dict=False)[0]
+        videos = self.pipe.video_processor.postprocess_video(video, output_type="pil")
+        for s in states:
+            s.cond.pop("scheduler", None)
+        return [list(frames) for frames in videos]
