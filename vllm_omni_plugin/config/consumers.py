@@ -102,6 +102,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("RuntimeOwner", "enforce_eager"): {"ar": EngineArg(), "diffusion": Warned(True)},
     ("RuntimeOwner", "compilation_config"): {"ar": EngineArg()},
     ("RuntimeOwner", "async_chunk"): _both(Warned(True)),
+    ("RuntimeOwner", "stall_timeout_s"): _both(Code("orchestrator/stage_client.py")),
     # CacheOwner, SchedulerOwner: vLLM's own engine settings
     **{
         ("CacheOwner", f): {"ar": EngineArg()}

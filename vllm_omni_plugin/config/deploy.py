@@ -32,6 +32,7 @@ _NOT_ENGINE_ARGS = frozenset(
         "num_replicas",
         "env",
         "async_chunk",
+        "stall_timeout_s",
         "input_connectors",
         "output_connectors",
         "omni_kv_config",

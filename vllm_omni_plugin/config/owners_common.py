@@ -123,6 +123,11 @@ class RuntimeOwner(Owner):
     async_chunk: bool | None = None
     """Stream partial outputs to the next stage (no effect: stages run after full inputs here;
     warned at load)."""
+    stall_timeout_s: float = Field(300.0, ge=1.0)
+    """A stage holding requests that reports no progress (step, tokens) for this long is
+    declared stuck: its requests fail with 503 and it is killed and restarted. 300 s outlasts
+    the longest silent stretch a healthy stage has: the first torch.compile of a new shape on a
+    GPU (tens of seconds) or one full-size DiT step on a CPU; an idle stage is never flagged."""
 
     @field_validator("devices", mode="before")
     @classmethod

@@ -5,8 +5,12 @@ It runs only its stages, with the very code the head uses for local stages (Stag
 StageProcess -> `python -m vllm_omni_plugin.stages.worker`, titled `omni-stage-<id>`, restarted
 when it dies), then registers with the head and relays: Submit/Abort in, Result out. Stage
 payloads never pass through here: the descriptor in a Submit is resolved by the stage process
-itself (NIXL READ from the producer). The node heartbeats; if the head goes silent or away it
-aborts its in-flight work and registers again once the head is back. No HTTP server runs here.
+itself (NIXL READ from the producer). The stages' Progress and Pulse messages are relayed to
+the head as they arrive (StageProgress, StagePulse): streaming works across nodes, and the
+head's stall watchdog sees a stage that stops producing while this node still heartbeats.
+The node's own StageClient runs the same watchdog and restarts such a stage here. The node
+heartbeats; if the head goes silent or away it aborts its in-flight work and registers again
+once the head is back. No HTTP server runs here.
 A head address other than loopback needs VLLM_OMNI_AUTHKEY (node_protocol.py).
 """
 
@@ -25,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from ..stages.messages import Result, StageInit, Submit
+from ..stages.messages import Progress, Pulse, Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect
 from .node_protocol import (
@@ -37,6 +41,8 @@ from .node_protocol import (
     Register,
     Rejected,
     StageAbort,
+    StageProgress,
+    StagePulse,
     StageResult,
     StageStatus,
     StageSubmit,
@@ -87,6 +93,8 @@ class HeadlessNode:
         self.tasks: dict[str, asyncio.Task] = {}
         self.link: Link | None = None
         self.superseded = False
+        for stage in self.stages.values():
+            stage.on_pulse = self._relay_pulse
 
     def statuses(self) -> dict[int, StageStatus]:
         return {
@@ -191,6 +199,12 @@ class HeadlessNode:
                 link.drop(f"head silent for {silent:.1f} s")
                 return
 
+    def _relay_pulse(self, msg: Pulse) -> None:
+        link = self.link
+        if link is not None:
+            with contextlib.suppress(OSError):  # a lost head is noticed by the reader
+                link.send(StagePulse(msg.stage_id))
+
     # ---- messages from the head --------------------------------------------------------
     def _on_message(self, link: Link, msg: Any) -> None:
         if isinstance(msg, ToStage) and isinstance(msg.msg, StageSubmit):
@@ -215,7 +229,12 @@ class HeadlessNode:
             if stage is None:
                 raise StageUnavailableError(f"node {self.name} does not run stage {stage_id}")
             msg: Submit = submit_from_wire(wire)
-            reply = _result_to_wire(await stage.submit(msg))
+
+            def relay(progress: Progress) -> None:
+                with contextlib.suppress(OSError):
+                    link.send(_progress_to_wire(progress))
+
+            reply = _result_to_wire(await stage.submit(msg, on_progress=relay))
         except StageUnavailableError as exc:
             reply = Unavailable(rid, str(exc))
         except asyncio.CancelledError:
@@ -226,6 +245,18 @@ class HeadlessNode:
             self.tasks.pop(rid, None)
         with contextlib.suppress(OSError):
             link.send(reply)
+
+
+def _progress_to_wire(msg: Progress) -> StageProgress:
+    return StageProgress(
+        msg.request_id,
+        msg.stage_id,
+        msg.stage,
+        msg.step,
+        msg.total_steps,
+        msg.preview,
+        msg.preview_index,
+    )
 
 
 def _plain(info: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,8 @@ Conversation (N = node, H = head):
     H -> N  Welcome(head) | Rejected(reason)
     H -> N  ToStage(stage_id, StageSubmit | StageAbort)
     N -> H  StageResult | Unavailable(request_id)   Unavailable: the node's stage is down (503)
+    N -> H  StageProgress                       a streaming request's step (stages' Progress)
+    N -> H  StagePulse(stage_id)                the stage's engine loop made progress (Pulse)
     N -> H  Heartbeat(stages)                   every HEARTBEAT_S; the head answers Ping
     H -> N  Superseded(reason)                  a newer node registered the same stage: exit
 Either side declares the other dead on EOF or after DEAD_AFTER_S without a message.
@@ -176,6 +178,26 @@ class Unavailable(msgspec.Struct, tag=True):
     message: str
 
 
+class StageProgress(msgspec.Struct, tag=True):
+    """stages.messages.Progress on the wire: a streaming request's step in a node's stage."""
+
+    request_id: str
+    stage_id: int
+    stage: str
+    step: int
+    total_steps: int
+    preview: list[bytes] | None = None
+    preview_index: int | None = None
+
+
+class StagePulse(msgspec.Struct, tag=True):
+    """A node's stage made progress (its Pulse, relayed as it comes): the head's stall
+    watchdog reads these and StageProgress, never the node's heartbeats, which a node with a
+    stuck stage still sends."""
+
+    stage_id: int
+
+
 # Everything that may cross the link; anything else is refused at decode.
 Message = Union[
     Register,
@@ -187,6 +209,8 @@ Message = Union[
     ToStage,
     StageResult,
     Unavailable,
+    StageProgress,
+    StagePulse,
 ]
 
 

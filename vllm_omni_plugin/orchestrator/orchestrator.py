@@ -164,7 +164,7 @@ class Orchestrator:
     ) -> PipelineResult:
         """Run one request through every stage. `on_progress` (streaming requests, whose
         params say `stream`) is called on this loop with each stage's Progress messages, in the
-        order the stages send them; multi-node stages do not relay them."""
+        order the stages send them (a headless node relays its stages' Progress)."""
         t0 = time.perf_counter()
         outputs: dict[int, Any] = {}
         producers: list[int] = []  # stages that handed a payload on for this request
@@ -225,6 +225,7 @@ class Orchestrator:
                 "up": 1.0 if s.ready else 0.0,
                 "restarts": s.restarts,
                 "deaths": s.deaths,
+                "stalls": getattr(s, "stalls", 0),
                 "completed": s.completed,
                 "failed": s.failed,
                 "in_flight": len(s.pending),

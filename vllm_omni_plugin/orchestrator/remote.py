@@ -34,6 +34,8 @@ from .node_protocol import (
     Ping,
     Register,
     Rejected,
+    StageProgress,
+    StagePulse,
     StageResult,
     Superseded,
     Unavailable,
@@ -229,6 +231,14 @@ class StageHead:
                     client.update(status)
             with contextlib.suppress(OSError):
                 link.send(Ping())
+        elif isinstance(msg, StagePulse):
+            client = self.clients.get(msg.stage_id)
+            if client is not None and client.link is link:
+                client.on_pulse()
+        elif isinstance(msg, StageProgress):
+            client = self.clients.get(msg.stage_id)
+            if client is not None and client.link is link:
+                client.on_progress(msg)
         elif isinstance(msg, (StageResult, Unavailable)):
             for client in self.clients.values():
                 if client.link is link and client.owns(msg.request_id):
@@ -246,13 +256,16 @@ class StageHead:
             client.detach(link, why)
 
     async def _watch(self) -> None:
-        """Missed heartbeats: a hung node (SIGSTOP, dead network) is dropped like a dead one."""
+        """Missed heartbeats: a hung node (SIGSTOP, dead network) is dropped like a dead one;
+        so is one that heartbeats while a stage of it holding requests stopped producing."""
         while not self._closed:
             await asyncio.sleep(HEARTBEAT_S)
             now = time.monotonic()
             for link in list(self.links):
                 if now - link.last_seen > DEAD_AFTER_S:
                     link.drop(f"no heartbeat for {now - link.last_seen:.1f} s")
+            for client in self.clients.values():
+                client.check_stall(now)
 
 
 def _running_in(loop: asyncio.AbstractEventLoop) -> bool:

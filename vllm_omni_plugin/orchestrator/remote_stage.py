@@ -4,6 +4,12 @@ The orchestrator sees the same face as a local stage (submit/abort/ready/info an
 /metrics reads); the head's registry (remote.py) attaches the link of whichever node
 registered the stage. With no live node the stage is not ready and `submit` raises
 StageUnavailableError at once (HTTP 503); losing the node fails its in-flight requests at once.
+
+The node relays its stages' Progress (streaming requests get their steps from a remote stage
+too) and Pulses. A remote stage holding requests that relays neither for its stall_timeout_s
+plus STALL_GRACE_S is stuck though its node still heartbeats: the head drops that node's link,
+which fails the requests with 503; the node registers again. The grace leaves the first move
+to the node's own watchdog, which sees the stage directly and restarts it there.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..stages.messages import Result, StageInit, Submit
+from ..stages.messages import Progress, Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .link import Link
 from .node_protocol import (
     StageAbort,
+    StageProgress,
     StageResult,
     StageStatus,
     ToStage,
@@ -25,12 +34,16 @@ from .node_protocol import (
     result_from_wire,
     submit_to_wire,
 )
-from .stage_client import send_and_await
+from .stage_client import DEFAULT_STALL_TIMEOUT_S, send_and_await
 
 if TYPE_CHECKING:
     from .remote import StageHead
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
+
+# Beyond the stage's stall_timeout_s before the head gives up on a remote stage: a few of the
+# node's heartbeats, so the node's own watchdog (same deadline, no network between) acts first.
+STALL_GRACE_S = 3.0
 
 
 class RemoteStageClient:
@@ -45,6 +58,14 @@ class RemoteStageClient:
         self.status: StageStatus | None = None
         self.closed = False
         self.pending: dict[str, asyncio.Future[Result]] = {}
+        # Streaming requests: request id -> callback for the stage's relayed Progress.
+        self.listeners: dict[str, Callable[[Progress], None]] = {}
+        runtime = getattr(init.stage, "runtime", None)
+        self.stall_timeout_s = float(
+            getattr(runtime, "stall_timeout_s", None) or DEFAULT_STALL_TIMEOUT_S
+        )
+        self.last_progress = time.monotonic()
+        self.stalls = 0  # links dropped because the stage stopped producing
         self.registrations = 0
         self.restarts = 0  # re-registrations after the first
         self.deaths = 0  # nodes lost (EOF or missed heartbeats)
@@ -93,7 +114,9 @@ class RemoteStageClient:
         self.head.call_in_loop(self._fail_all, "the server is shutting down")
 
     # ---- requests ----------------------------------------------------------------------
-    async def submit(self, msg: Submit) -> Result:
+    async def submit(
+        self, msg: Submit, on_progress: Callable[[Progress], None] | None = None
+    ) -> Result:
         link = self.link
         if not self.ready or link is None:
             raise StageUnavailableError(
@@ -103,11 +126,14 @@ class RemoteStageClient:
         # Converted before send_and_await registers the request: a value that cannot cross
         # the link (an inline payload of an unsupported type) fails here, leaving nothing behind.
         wire = ToStage(self.stage_id, submit_to_wire(msg))
+        if not self.pending:  # the stage was idle: its silence so far was no stall
+            self.last_progress = time.monotonic()
         return await send_and_await(
             self,
             msg,
             lambda _m: link.send(wire),  # queues for the link's writer thread: never blocks
             f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable",
+            on_progress,
         )
 
     def abort(self, request_id: str) -> None:
@@ -157,7 +183,46 @@ class RemoteStageClient:
     def owns(self, request_id: str) -> bool:
         return request_id in self.pending
 
+    def on_pulse(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def on_progress(self, msg: StageProgress) -> None:
+        self.last_progress = time.monotonic()
+        listener = self.listeners.get(msg.request_id)
+        if listener is None:
+            return
+        progress = Progress(
+            msg.request_id,
+            msg.stage_id,
+            msg.stage,
+            msg.step,
+            msg.total_steps,
+            msg.preview,
+            msg.preview_index,
+        )
+        try:
+            listener(progress)
+        except Exception:  # a consumer's bug must not take the link's reader down
+            logger.exception("progress listener of %s failed", msg.request_id)
+
+    def check_stall(self, now: float) -> None:
+        """Drop the node's link when this stage holds requests but relayed no progress for
+        stall_timeout_s + STALL_GRACE_S (see the module doc)."""
+        link = self.link
+        silent = now - self.last_progress
+        if link is None or not self.pending or silent <= self.stall_timeout_s + STALL_GRACE_S:
+            return
+        self.stalls += 1
+        why = (
+            f"stage {self.stage_id} ({self.kind}) made no progress for {silent:.0f} s "
+            f"(stall_timeout_s {self.stall_timeout_s:g})"
+        )
+        logger.error("%s on node %s; dropping the node", why, link.peer)
+        self.detach(link, why)
+        link.drop(why)
+
     def on_result(self, msg: Result) -> None:
+        self.last_progress = time.monotonic()
         fut = self.pending.pop(msg.request_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)

@@ -9,6 +9,13 @@ Every start (the first one and each restart) that fails for any reason is logged
 process killed, and retried with backoff: the first start gives up after STARTUP_ATTEMPTS (the
 server then exits with the error), a restart never does. No background task ends silently: a done
 callback logs its exception, and the supervisor restarts a stage that was left dead.
+
+A stage that is alive but stuck (SIGSTOPped, a deadlocked engine, a step that never returns)
+is caught by the same supervisor: while the stage holds requests, every message it sends
+(Result, Progress, and the Pulse its engine loop sends as it steps) counts as progress; after
+`runtime.stall_timeout_s` without any, its requests fail with StageUnavailableError (503), the
+process and everything it started get SIGKILL, and it restarts like a dead one. Idle stages
+send nothing and are never flagged: the clock only runs while requests are in flight.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Abort, Progress, Result, StageInit, Submit
+from ..stages.messages import Abort, Progress, Pulse, Result, StageInit, Submit
 from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
@@ -31,6 +38,8 @@ MAX_BACKOFF_S = 30.0
 # A transient failure (a spawn hitting a resource limit, a flaky device) should not stop the
 # server from coming up; a real misconfiguration still fails start-up after a few seconds.
 STARTUP_ATTEMPTS = 3
+# When the stage's config does not say (a stub StageInit in a unit test): RuntimeOwner's default.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
 async def send_and_await(
@@ -93,6 +102,16 @@ class StageClient:
         self.completed = 0
         self.failed = 0
         self.busy_s = 0.0
+        # Stall watchdog: the deadline, the last time the stage showed progress (or took its
+        # first request after idling), stages killed for stalling, and a hook for every Pulse
+        # (a headless node relays them to its head).
+        runtime = getattr(init.stage, "runtime", None)
+        self.stall_timeout_s = float(
+            getattr(runtime, "stall_timeout_s", None) or DEFAULT_STALL_TIMEOUT_S
+        )
+        self.last_progress = time.monotonic()
+        self.stalls = 0
+        self.on_pulse: Callable[[Pulse], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: asyncio.Task | None = None
@@ -183,14 +202,22 @@ class StageClient:
             )
 
     async def _supervise(self) -> None:
-        """Backup death detection (exit codes) for when the socket gives no EOF, and a restart
-        for a stage left dead (e.g. its restart task failed)."""
+        """Backup death detection (exit codes) for when the socket gives no EOF, the stall
+        watchdog, and a restart for a stage left dead (e.g. its restart task failed)."""
         while self.state != "closed":
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
             try:
                 proc = self.proc
+                silent = time.monotonic() - self.last_progress
                 if self.state == "ready" and proc is not None and proc.returncode() is not None:
                     await self._on_death(proc)
+                elif (
+                    self.state == "ready"
+                    and proc is not None
+                    and self.pending
+                    and silent > self.stall_timeout_s
+                ):
+                    await self._on_stall(proc, silent)
                 elif self.state == "dead":
                     self._ensure_restart()
             except Exception:  # the supervisor must outlive any one bad round
@@ -220,6 +247,8 @@ class StageClient:
     ) -> Result:
         if self.state != "ready" or self.proc is None:
             raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is {self.state}")
+        if not self.pending:  # the stage was idle: its silence so far was no stall
+            self.last_progress = time.monotonic()
         return await send_and_await(
             self, msg, self.proc.send, f"stage {self.stage_id} ({self.kind}) is down", on_progress
         )
@@ -233,7 +262,11 @@ class StageClient:
 
     # ---- callbacks from the process (on this loop) --------------------------------------
     def _on_message(self, msg: Any) -> None:
-        if isinstance(msg, Result):
+        self.last_progress = time.monotonic()  # whatever the stage says, it is not stuck
+        if isinstance(msg, Pulse):
+            if self.on_pulse is not None:
+                self.on_pulse(msg)
+        elif isinstance(msg, Result):
             fut = self.pending.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -268,6 +301,37 @@ class StageClient:
             self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
             await self._loop.run_in_executor(None, proc.kill)
         finally:  # whatever failed above, the stage must not stay "dying" for good
+            if self.state == "dying":
+                self.state = "dead"
+            self._ensure_restart()
+
+    async def _on_stall(self, proc: StageProcess, silent: float) -> None:
+        """The stage holds requests but reported no progress for `silent` s: fail them, kill
+        it (SIGKILL at once: a stopped or deadlocked process acts on nothing gentler) and let
+        the restart path bring up a fresh one. /health is unhealthy until it is ready."""
+        if self.state != "ready" or proc is not self.proc:
+            return
+        self.state = "dying"
+        self.stalls += 1
+        assert self._loop is not None
+        try:
+            logger.error(
+                "stage %d (%s, pid %s) made no progress for %.1f s with %d request(s) in "
+                "flight (stall_timeout_s %g); failing them, killing it%s",
+                self.stage_id,
+                self.kind,
+                proc.pid,
+                silent,
+                len(self.pending),
+                self.stall_timeout_s,
+                " and restarting" if self.restart_enabled else "",
+            )
+            self._fail_all(
+                f"stage {self.stage_id} ({self.kind}) made no progress for {silent:.0f} s "
+                f"(stall_timeout_s {self.stall_timeout_s:g}); it is being restarted"
+            )
+            await self._loop.run_in_executor(None, proc.kill_now)
+        finally:
             if self.state == "dying":
                 self.state = "dead"
             self._ensure_restart()

@@ -288,6 +288,35 @@ class StageProcess:
             break
         self._close_conn()
 
+    def kill_now(self) -> None:
+        """SIGKILL the stage's process group at once, then every process the stage started
+        outside it (a stuck stage gets no SIGTERM grace: a stopped process would not act on it).
+        The children are listed before the kill: once the stage is gone they are reparented
+        and can no longer be found through it."""
+        self._closing = True
+        if self.proc is None:
+            return
+        import psutil  # a vLLM dependency, so on every machine that runs an orchestrator
+
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for child in children:
+            try:
+                child.kill()
+            except psutil.Error:  # gone with the group already
+                pass
+        try:
+            self.proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            logger.error("%s (pid %s) outlived SIGKILL for 10 s", self.name, self.proc.pid)
+        self._close_conn()
+
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
     try:

@@ -15,6 +15,12 @@ _STAGE_METRICS = (
     ("omni_stage_up", "up", "1 when the stage process is ready, 0 while it is down", False),
     ("omni_stage_restarts", "restarts", "Stage restarts after a death", True),
     ("omni_stage_deaths", "deaths", "Stage processes that died unexpectedly", True),
+    (
+        "omni_stage_stalls",
+        "stalls",
+        "Stages killed for holding requests without progress for stall_timeout_s",
+        True,
+    ),
     ("omni_stage_requests_completed", "completed", "Requests the stage finished", True),
     ("omni_stage_requests_failed", "failed", "Requests that failed in the stage", True),
     ("omni_stage_requests_in_flight", "in_flight", "Requests inside the stage now", False),

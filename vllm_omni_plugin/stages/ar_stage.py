@@ -18,7 +18,7 @@ from typing import Any
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from ..diffusion.errors import RequestValidationError
 from .ar_glue import glue_for
-from .messages import Abort, Progress, Result, Shutdown, StageInit, Submit
+from .messages import PULSE_INTERVAL_S, Abort, Progress, Pulse, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
@@ -128,6 +128,7 @@ class ARStageRunner:
         self.glue = glue_for(init.pipeline, init.stage)
         self.payloads = StagePayloads(init.connectors)
         self.tasks: dict[str, asyncio.Task] = {}
+        self._pulsed = 0.0  # when the last Pulse went out (monotonic)
         self.loop = asyncio.new_event_loop()
         self.engine = self.loop.run_until_complete(self._build_engine())
 
@@ -225,6 +226,7 @@ class ARStageRunner:
             sent = 0
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
                 final = out
+                self._pulse()
                 if msg.params.stream:
                     # Streaming: tokens generated so far, about every 5 % of max_tokens.
                     done = len(out.outputs[0].token_ids)
@@ -252,6 +254,15 @@ class ARStageRunner:
             self.tasks.pop(rid, None)
         result.stage_s = time.perf_counter() - t0
         self.conn.send(result)
+
+    def _pulse(self) -> None:
+        """Tell the orchestrator's stall watchdog that the engine produced tokens. Sent as
+        outputs arrive from vLLM's engine core, so a stuck engine (or a stopped worker)
+        stops the pulses; nothing here beats on a timer."""
+        now = time.monotonic()
+        if now - self._pulsed >= PULSE_INTERVAL_S:
+            self._pulsed = now
+            self.conn.send(Pulse(self.stage_id))
 
     def _engine_died(self) -> None:
         # vLLM's engine core is gone (a device error, a crashed worker): every later request

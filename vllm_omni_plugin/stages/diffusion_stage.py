@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .images import encode_image
-from .messages import Abort, Progress, Result, Shutdown, StageInit, Submit
+from .messages import PULSE_INTERVAL_S, Abort, Progress, Pulse, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
@@ -53,6 +53,7 @@ class DiffusionStageRunner:
         self.payloads = StagePayloads(init.connectors)
         self.jobs: dict[str, _Job] = {}
         self._stop = False
+        self._pulsed = 0.0  # when the last Pulse went out (monotonic)
 
     def info(self) -> dict[str, Any]:
         """Ready info: the bounds the API server validates against, and what this stage runs."""
@@ -95,6 +96,7 @@ class DiffusionStageRunner:
                     self._handle(self.conn.recv())
             if self.engine.has_unfinished():
                 outs = self._step()
+                self._pulse()
                 self._send_progress()
                 for out in outs:
                     self._finish(out)
@@ -111,6 +113,14 @@ class DiffusionStageRunner:
             self.payloads.close()
             logging.shutdown()
             os._exit(DEVICE_ERROR_EXIT_CODE)
+
+    def _pulse(self) -> None:
+        """Tell the orchestrator's stall watchdog that a step ran (from this loop, the one
+        that steps: a stuck step stops the pulses)."""
+        now = time.monotonic()
+        if now - self._pulsed >= PULSE_INTERVAL_S:
+            self._pulsed = now
+            self._reply(Pulse(self.stage_id))
 
     def _send_progress(self) -> None:
         """Streaming requests: one Progress per step a request advanced, with its preview

@@ -115,3 +115,19 @@ class Result:
     error_field: str | None = None  # set for request validation errors (-> HTTP 400)
     stage_s: float = 0.0  # time the stage spent on this request, from receipt to reply
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Pulse:
+    """A stage's engine loop made progress (a diffusion step ran, an AR engine produced
+    tokens). Sent from the loop that does the work, never from a side thread, at most every
+    PULSE_INTERVAL_S, and only while the stage has work: the orchestrator's stall watchdog
+    (runtime.stall_timeout_s) reads any message from the stage as progress, and this one keeps
+    non-streaming requests, which get no Progress, visible to it."""
+
+    stage_id: int
+
+
+# The least time between two Pulses of one stage: a pulse per step would cost a message per
+# millisecond on tiny models, while a watchdog deadline is seconds at least.
+PULSE_INTERVAL_S = 0.25
