@@ -1,4 +1,4 @@
-"""GLM-Image's AR stage as a native vLLM model (text-to-image).
+"""GLM-Image's AR stage as a native vLLM model (text-to-image and image-to-image).
 
 The math follows transformers' `GlmImageForConditionalGeneration` (text decoder only):
 GLM-4 decoder layers with sandwich norms (post-attention and post-MLP RMSNorm), q/k/v with bias,
@@ -8,7 +8,13 @@ RowParallelLinear, MergedColumnParallelLinear, ParallelLMHead, Attention), so TP
 
 GLM-Image specifics written here: the decode-time grid positions (see positions.py) and
 logits padded from `vision_vocab_size` to the text vocabulary vLLM samples over.
-The vision encoder / VQ tokenizer (image-to-image) is not loaded: image inputs are refused.
+
+Image-to-image goes through vLLM's multimodal input path (processor in `mm_processing.py`):
+each source image's `<|image|>` placeholder is expanded to one token per vision patch; the
+checkpoint's own vision tokenizer (transformers' GlmImageVisionModel + GlmImageVQVAE, loaded
+from `model.visual.*` / `model.vqmodel.*`) turns the image into VQ codes, and the codes' text
+embeddings take the placeholders' place, as transformers scatters the codes into input_ids.
+Source image tokens get 2-D positions (transformers' `get_rope_index`).
 """
 
 from __future__ import annotations
@@ -28,13 +34,19 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLine
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsPP
+from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal, SupportsPP
 from vllm.model_executor.models.llama import LlamaMLP, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, maybe_prefix
+from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.sequence import IntermediateTensors
 
+from vllm_omni_plugin.models.glm_image.mm_processing import (
+    GlmImageDummyInputsBuilder,
+    GlmImageMultiModalProcessor,
+    GlmImageProcessingInfo,
+)
 from vllm_omni_plugin.models.glm_image.positions import GridPositionCodec, T2ILayout
-from vllm_omni_plugin.models.glm_image.processing import parse_t2i_layout
+from vllm_omni_plugin.models.glm_image.processing import parse_t2i_layout, source_positions
 
 # Under "vllm." so vLLM's own log handler prints it in worker processes.
 logger = init_logger("vllm.omni_plugin.glm_image")
@@ -159,13 +171,16 @@ class GlmImageTextModel(LlamaModel):
 def _split_hf_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF checkpoint names -> this module's names; the vision/VQ parts are skipped (t2i)."""
+    """HF checkpoint names -> this module's names (vision tokenizer: `visual.*`, `vqmodel.*`)."""
     for name, tensor in weights:
         if name.startswith("lm_head."):
             yield name, tensor
             continue
+        if name.startswith(("model.visual.", "model.vqmodel.")):
+            yield name[len("model.") :], tensor
+            continue
         if not name.startswith("model.language_model."):
-            continue  # model.visual.*, model.vqmodel.*: image-to-image only
+            continue
         name = "model." + name[len("model.language_model.") :]
         if ".mlp.gate_up_proj." in name:
             # HF stores [gate; up] fused; split so each TP rank loads its own slice of both.
@@ -194,7 +209,37 @@ def _load_tokenizer(paths: list[str | None]):
     )
 
 
-class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
+def _vision_tokenizer(config) -> tuple[nn.Module, nn.Module]:
+    """The checkpoint's vision encoder and VQ quantizer, as transformers defines them (they run
+    once per source image; exact codes matter more than speed here)."""
+    from transformers.models.glm_image.modeling_glm_image import (
+        GlmImageVisionModel,
+        GlmImageVQVAE,
+    )
+
+    vision_config = config.vision_config
+    vision_config._attn_implementation = "sdpa"
+    return GlmImageVisionModel(vision_config).eval(), GlmImageVQVAE(config.vq_config).eval()
+
+
+def _as_tensor(value) -> torch.Tensor:
+    if isinstance(value, (list, tuple)):
+        return torch.cat(
+            [torch.as_tensor(v).reshape(-1, *torch.as_tensor(v).shape[-1:]) for v in value]
+        )
+    return value
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    GlmImageMultiModalProcessor,
+    info=GlmImageProcessingInfo,
+    dummy_inputs=GlmImageDummyInputsBuilder,
+)
+class GlmImageForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRoPE, SupportsPP):
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        return "<|image|>" if modality.startswith("image") else None
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -218,17 +263,54 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
         else:
             self.lm_head = PPMissingLayer()
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self.visual, self.vqmodel = _vision_tokenizer(config)
         # Where to find the tokenizer that reads the grid sizes back from prompts.
         # Loaded now so a missing tokenizer fails the start-up, not the first request.
         self._tokenizer = _load_tokenizer(
             [model_config.tokenizer, str(Path(model_config.model).parent / "processor")]
         )
-        self._warned_i2i = False
 
     # vLLM model interface
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings=None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        embeds = self.model.embed_input_ids(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return embeds
+        assert is_multimodal is not None
+        flat = torch.cat(list(multimodal_embeddings)).to(embeds.dtype)
+        embeds[is_multimodal.to(embeds.device)] = flat
+        return embeds
+
+    def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
+        """One [h * w, hidden] tensor per source image: the text embeddings of its VQ codes."""
+        pixel_values = kwargs.get("pixel_values")
+        grid = kwargs.get("image_grid_thw")
+        if pixel_values is None or grid is None:
+            return []
+        codes = self.image_codes(_as_tensor(pixel_values), _as_tensor(grid).reshape(-1, 3))
+        return [self.model.embed_input_ids(c) for c in codes]
+
+    @torch.inference_mode()
+    def image_codes(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        """Each source image's VQ codes (row-major over its grid): transformers'
+        `get_image_features` + `get_image_tokens`."""
+        grid = grid.to(torch.long).cpu()
+        dtype = next(self.visual.parameters()).dtype
+        device = next(self.visual.parameters()).device
+        hidden = self.visual(
+            pixel_values.to(device=device, dtype=dtype), grid_thw=grid.to(device), return_dict=True
+        ).last_hidden_state
+        out = []
+        for emb, (t, h, w) in zip(hidden.split(grid.prod(-1).tolist()), grid.tolist(), strict=True):
+            emb = emb.view(t, h, w, -1).permute(0, 3, 1, 2).reshape(-1, h, w)
+            out.append(self.vqmodel.encode(emb[None]).image_tokens.reshape(-1))
+        return out
 
     def forward(
         self,
@@ -258,17 +340,34 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
         self, input_tokens: list[int], mm_features: list
     ) -> tuple[torch.Tensor, int]:
         codec = self.model.codec
-        return codec.prompt_positions(self._t2i_layout(input_tokens), len(input_tokens))
+        images = sorted(
+            (f.mm_position.offset, *self._grid_of(f))
+            for f in (mm_features or [])
+            if f.modality == "image"
+        )
+        if not images:
+            return codec.prompt_positions(self._layout(input_tokens, 2), len(input_tokens))
+        prompt_len = self._prompt_len(input_tokens)
+        prompt, start = source_positions(prompt_len, images)
+        layout = self._layout(input_tokens, 1)
+        if layout is not None:
+            layout = T2ILayout(prompt_len=layout.prompt_len, grids=layout.grids, start=start)
+        return codec.prompt_positions(layout, len(input_tokens), prompt)
 
-    def _t2i_layout(self, input_tokens: list[int]) -> T2ILayout | None:
-        if self.config.image_token_id in input_tokens:
-            if not self._warned_i2i:
-                logger.warning(
-                    "GLM-Image image-to-image is not supported yet; a prompt with image tokens "
-                    "gets plain text positions"
-                )
-                self._warned_i2i = True
-            return None
+    @staticmethod
+    def _grid_of(feature) -> tuple[int, int]:
+        t, h, w = (int(x) for x in feature.data["image_grid_thw"].data.tolist())
+        return h, w
+
+    def _prompt_len(self, input_tokens: list[int]) -> int:
+        # The prompt ends at its last image-start token (what follows was generated).
+        start_id = self.config.image_start_token_id
+        for i in range(len(input_tokens) - 1, -1, -1):
+            if input_tokens[i] == start_id:
+                return i + 1
+        return len(input_tokens)
+
+    def _layout(self, input_tokens: list[int], num_grids: int) -> T2ILayout | None:
         tok = self._tokenizer
         try:
             return parse_t2i_layout(
@@ -277,6 +376,7 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
                 grid_eos_id=tok.convert_tokens_to_ids(getattr(tok, "grid_eos_token", "<eop>")),
                 image_start_id=self.config.image_start_token_id,
                 decode=tok.decode,
+                num_grids=num_grids,
             )
         except ValueError as exc:  # grid out of range: never kill the engine over one prompt
             logger.warning("GLM-Image: ignoring target grids of a prompt: %s", exc)

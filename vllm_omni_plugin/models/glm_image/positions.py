@@ -37,6 +37,13 @@ class T2ILayout:
     prompt_len: int
     # Target grids in decode order (rows, cols): the preview grid first, then the large grid.
     grids: tuple[tuple[int, int], ...]
+    # Position value the first grid starts at. Text-to-image: the prompt length (None). Image-
+    # to-image: smaller, since each source image advances positions by max(rows, cols) only.
+    start: int | None = None
+
+    @property
+    def base(self) -> int:
+        return self.prompt_len if self.start is None else self.start
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -52,16 +59,23 @@ class T2ILayout:
         return sum(rows * cols for rows, cols in self.grids)
 
     def table_row(self) -> list[int]:
-        """[L, rows1, cols1, rows2, cols2] (a missing second grid is 0 x 0)."""
+        """[start, rows1, cols1, rows2, cols2] (a missing second grid is 0 x 0)."""
         dims = [d for grid in self.grids for d in grid] + [0, 0] * (2 - len(self.grids))
-        return [self.prompt_len, *dims]
+        return [self.base, *dims]
 
 
-def reference_positions(layout: T2ILayout, num_generated: int) -> torch.Tensor:
-    """[3, L + num_generated] positions exactly as transformers builds them (plain loops)."""
+def reference_positions(
+    layout: T2ILayout, num_generated: int, prompt: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[3, L + num_generated] positions exactly as transformers builds them (plain loops).
+
+    `prompt`: the prompt's own [3, L] positions when they are not plain 0..L-1 (image-to-image).
+    """
     length = layout.prompt_len
-    cols_t, cols_h, cols_w = list(range(length)), list(range(length)), list(range(length))
-    start = length
+    if prompt is None:
+        prompt = torch.arange(length, dtype=torch.long).expand(3, -1)
+    cols_t, cols_h, cols_w = (prompt[i].tolist() for i in range(3))
+    start = layout.base
     for rows, cols in layout.grids:
         for r in range(rows):
             for c in range(cols):
@@ -108,17 +122,24 @@ class GridPositionCodec:
         return self.stride * (slot + 1) - layout.prompt_len
 
     def prompt_positions(
-        self, layout: T2ILayout | None, num_tokens: int
+        self, layout: T2ILayout | None, num_tokens: int, prompt: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
         """Positions of the first `num_tokens` tokens vLLM prefills, and the request's delta.
 
         `num_tokens` may exceed the prompt length when vLLM re-prefills a request together with
-        tokens it already generated; those get their true grid positions directly.
+        tokens it already generated; those get their true grid positions directly. `prompt`:
+        the prompt's [3, L] positions when they are not plain text positions (source images).
         """
         if layout is None:
+            if prompt is not None:
+                # No target grid (e.g. vLLM's profiling dummy): later tokens continue linearly.
+                extra = torch.arange(num_tokens - prompt.shape[1], dtype=torch.long)
+                last = int(prompt.max()) + 1 if prompt.numel() else 0
+                out = torch.cat([prompt, (extra + last).expand(3, -1)], dim=1)[:, :num_tokens]
+                return out.clone(), last - prompt.shape[1]
             return torch.arange(num_tokens, dtype=torch.long).expand(3, -1).clone(), 0
         extra = max(0, num_tokens - layout.prompt_len)
-        positions = reference_positions(layout, extra)[:, :num_tokens].clone()
+        positions = reference_positions(layout, extra, prompt)[:, :num_tokens].clone()
         return positions, self.delta_for(layout)
 
     def decode(self, positions: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
