@@ -29,9 +29,11 @@ class EngineArg:
 @dataclass(frozen=True)
 class Refused:
     """Loading refuses `example` (and values like it) naming the field; other values act or
-    are the only behaviour there is (e.g. num_replicas: 1)."""
+    are the only behaviour there is (e.g. num_replicas: 1). `unless`: the setting under which
+    the refused value is accepted and acts instead, and the code that acts on it."""
 
     example: Any
+    unless: tuple[str, Code] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ _ENV = "orchestrator/stage_process.py"  # the stage process's environment is bui
 _EDGES = "config/connectors_cfg.py"
 _ENGINE = "diffusion/engine.py"
 _LIMITS = "serving/protocol.py"
+_RAY = "orchestrator/ray_backend.py"
 
 
 def _both(fate: Fate) -> dict[str, Fate]:
@@ -97,7 +100,9 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ConnectorOwner", "kv_transfer_config"): {"ar": EngineArg()},
     # RuntimeOwner
     ("RuntimeOwner", "devices"): _both(Code(_ENV)),
-    ("RuntimeOwner", "num_replicas"): _both(Refused(2)),
+    ("RuntimeOwner", "num_replicas"): _both(
+        Refused(2, unless=("runtime: {backend: ray}", Code(_RAY)))
+    ),
     ("RuntimeOwner", "env"): _both(Code(_ENV)),
     ("RuntimeOwner", "enforce_eager"): {"ar": EngineArg(), "diffusion": Warned(True)},
     ("RuntimeOwner", "compilation_config"): {"ar": EngineArg()},
@@ -194,4 +199,9 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "max_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "max_negative_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
+    # PipelineRuntime (top-level `runtime:`)
+    ("PipelineRuntime", "backend"): {"pipeline": Code(_RAY)},
+    ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},
+    ("PipelineRuntime", "node_ip_address"): {"pipeline": Code(_RAY)},
+    ("PipelineRuntime", "max_restarts"): {"pipeline": Code(_RAY)},
 }

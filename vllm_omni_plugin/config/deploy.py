@@ -17,6 +17,7 @@ from vllm_omni_plugin.config.owners_common import (
     ServingLimits,
 )
 from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner, DiffusionSamplingDefaults
+from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
 from vllm_omni_plugin.pipelines.topology import PipelineTopology
 
 _FROZEN = ConfigDict(frozen=True, arbitrary_types_allowed=True)
@@ -181,6 +182,8 @@ class DeployConfig(BaseModel):
     edges: list[EdgeConfig]
     connectors: dict[str, ConnectorSpec]
     serving: ServingLimits
+    runtime: PipelineRuntime = Field(default_factory=PipelineRuntime)
+    """Where the stage replicas run (top-level `runtime:`: local processes or Ray)."""
     platform: str | None = None
     """The `platforms:` section applied, if any."""
     async_chunk: bool = False
@@ -221,6 +224,7 @@ class DeployConfig(BaseModel):
             "platform": self.platform,
             "async_chunk": self.async_chunk,
             "serving": self.serving.model_dump(),
+            "runtime": self.runtime.model_dump(),
             "connectors": {k: v.model_dump() for k, v in self.connectors.items()},
             "edges": [e.model_dump() for e in self.edges],
             "stages": [s.flat_dict(provenance) for s in self.stages],

@@ -113,7 +113,8 @@ class RuntimeOwner(Owner):
     devices: str | None = None
     """Devices of one replica, CUDA_VISIBLE_DEVICES style ("0", "0,1"); None: the platform's default."""
     num_replicas: int = Field(1, ge=1)
-    """Copies of this stage behind the orchestrator (only 1 until stage replicas exist)."""
+    """Copies of this stage behind the orchestrator, each a Ray actor (above 1 needs the
+    pipeline's `runtime: {backend: ray}`; refused at load otherwise)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set in the stage's process (and only there)."""
     enforce_eager: bool | None = None

@@ -14,6 +14,7 @@ from vllm_omni_plugin.config.detect import find_topology
 from vllm_omni_plugin.config.errors import ProblemSink, did_you_mean
 from vllm_omni_plugin.config.loading import LoadedFile, find_config_file, load_with_bases
 from vllm_omni_plugin.config.overrides import parse_stage_overrides
+from vllm_omni_plugin.config.pipeline_runtime import check_replicas, pipeline_runtime
 from vllm_omni_plugin.config.provenance import Layered
 from vllm_omni_plugin.config.sections import (
     check_declared_graph,
@@ -45,6 +46,7 @@ TOP_KEYS = {
     "platforms",
     "base_config",
     "serving",
+    "runtime",
     *PIPELINE_WIDE,
 }
 # vLLM-Omni top-level settings for features this plugin does not have (warned, not errors).
@@ -129,6 +131,7 @@ def load_deploy_config(
     platform = (platform or detect_platform()).lower()
     platform_stages = platform_entries(top.get("platforms"), platform, topo, sink)
     serving = serving_limits(top.get("serving"), sink)
+    runtime = pipeline_runtime(top.get("runtime"), sink)
     sink.raise_if_any()
 
     stages: list[StageConfig] = []
@@ -163,6 +166,7 @@ def load_deploy_config(
         stage = build_stage(spec, topo, layered, pipeline_model, serving, sink, warnings)
         if stage is not None:
             stages.append(stage)
+    check_replicas(stages, runtime, sink)
     sink.raise_if_any()
     connectors = parse_connectors(top.get("connectors"), sink, warnings)
     edges = assign_edges(topo, top.get("edges"), stages, connectors, sink)
@@ -178,6 +182,7 @@ def load_deploy_config(
         edges=edges,
         connectors=connectors,
         serving=serving,
+        runtime=runtime,
         platform=platform if platform_stages else None,
         async_chunk=bool(top.get("async_chunk")),
         warnings=warnings,

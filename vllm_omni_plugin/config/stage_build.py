@@ -254,8 +254,8 @@ def _check_ar(owners: dict[str, Any], sampling: Any, sid: int, sink: ProblemSink
 # not have is refused (a deploy that silently runs differently from its file is the failure this
 # project exists to prevent); a value that changes nothing when ignored (vLLM-Omni files set them
 # routinely) is warned about, naming the field. config/consumers.py lists every field's fate.
+# (num_replicas: config/pipeline_runtime.py, which knows the pipeline's backend.)
 _REFUSED_ABOVE_ONE = {
-    "runtime": ("num_replicas",),
     "parallel": (
         "sequence_parallel_size",
         "ulysses_degree",
@@ -274,7 +274,6 @@ _WARNED_IF_SET_DIFFUSION = {
     "diffusion": ("cache_backend", "cache_config"),
 }
 _WHY_ONE = {
-    "num_replicas": "a stage runs as one process until stage replicas exist",
     "tensor_parallel_size": "a diffusion stage runs on one device",
 }
 

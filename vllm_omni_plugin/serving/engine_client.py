@@ -19,6 +19,7 @@ from typing import Any
 from ..config.serve_args import load_config
 from ..orchestrator import Orchestrator
 from ..orchestrator.orchestrator import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_ENV
+from ..orchestrator.ray_backend import RayBackend, uses_ray
 
 logger = logging.getLogger("vllm_omni_plugin.serving")
 
@@ -112,8 +113,20 @@ async def omni_engine_client(args: argparse.Namespace) -> AsyncIterator[OmniEngi
 
     head = head_from_args(cfg, args)
     factory = head.stage_factory(timeout) if head is not None else None
+    # `runtime: {backend: ray}`: every stage a set of Ray actors (orchestrator/ray_backend.py).
+    ray_backend = None
+    if uses_ray(cfg):
+        if head is not None:
+            raise SystemExit(
+                "runtime.backend: ray places every stage on the Ray cluster; drop --stage-ids "
+                "and --omni-master-port (headless nodes are the other way to spread stages)"
+            )
+        ray_backend = RayBackend(cfg, timeout)
+        factory = ray_backend.stage_factory
     orchestrator = Orchestrator(cfg, startup_timeout_s=timeout, stage_factory=factory)
     try:
+        if ray_backend is not None:
+            await ray_backend.connect()
         if head is not None:
             await head.start()
         await orchestrator.start()
@@ -123,3 +136,5 @@ async def omni_engine_client(args: argparse.Namespace) -> AsyncIterator[OmniEngi
         await orchestrator.aclose()
         if head is not None:
             head.close()
+        if ray_backend is not None:
+            ray_backend.close()

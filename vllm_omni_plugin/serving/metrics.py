@@ -48,6 +48,36 @@ class OmniCollector:
         for status, count in sorted(self.service.outcomes.items()):
             requests.add_metric([self.pipeline, status], float(count))
         yield requests
+        yield from self._replica_families()
+
+    def _replica_families(self):
+        """Per replica of the stages that have several (Ray backend: orchestrator/replicas.py)."""
+        rows = [
+            (sid, r)
+            for sid, stage in self.orchestrator.stages.items()
+            if hasattr(stage, "replica_stats")
+            for r in stage.replica_stats()
+        ]
+        if not rows:
+            return
+        labels = ["pipeline", "stage_id", "replica", "node"]
+        for name, key, doc, counter in _REPLICA_METRICS:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, doc, labels=labels
+            )
+            for sid, r in rows:
+                family.add_metric(
+                    [self.pipeline, str(sid), str(r["replica"]), r["node"]], float(r[key])
+                )
+            yield family
+
+
+_REPLICA_METRICS = (
+    ("omni_replica_up", "up", "1 when the replica is ready, 0 while it is down", False),
+    ("omni_replica_restarts", "restarts", "Replica restarts after a death", True),
+    ("omni_replica_requests_completed", "completed", "Requests the replica finished", True),
+    ("omni_replica_requests_in_flight", "in_flight", "Requests inside the replica now", False),
+)
 
 
 _registered: list[tuple[Any, OmniCollector]] = []

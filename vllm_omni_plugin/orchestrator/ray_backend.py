@@ -1,0 +1,297 @@
+"""Stage replicas on Ray (`runtime: {backend: ray}`): placement, routing clients, restarts.
+
+The API server is a Ray driver. For each stage it reserves one placement-group bundle per
+replica (strategy SPREAD: replicas land on different nodes while there are nodes to spread
+over) and starts one StageReplicaActor (ray_replica.py) in each bundle; the orchestrator sees
+one ReplicaSet per stage (replicas.py), which routes each request to a replica.
+
+A replica (actor + its stage process) that dies is restarted by Ray (`max_restarts` of the
+pipeline's `runtime:`) in the same bundle, so on the same node. Here each replica's client
+keeps one call (`watch`) pending on its actor: the call fails the moment the actor dies, the
+client marks the replica down (its in-flight requests fail or are retried, replicas.py), then
+calls `start` until the restarted actor has its stage process ready again.
+
+Resources per replica: 1 CPU, and as many GPUs as the stage's `devices` lists (1 when unset on
+a GPU platform, 0 for a stage on the CPU); Ray picks the GPUs. Payloads between stages move
+over the stages' connectors (NIXL) as they do without Ray. Progress messages of streaming
+requests are not relayed from Ray replicas (their final images are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ..config.resolve import detect_platform
+from ..stages.messages import Result, StageInit, Submit
+from .errors import StageUnavailableError
+from .replicas import ReplicaLostError, ReplicaSet
+
+logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
+
+RAY_NAMESPACE = "vllm-omni"
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def uses_ray(cfg: Any) -> bool:
+    """The pipeline's `runtime.backend` is ray."""
+    runtime = getattr(cfg, "runtime", None)
+    return runtime is not None and runtime.backend == "ray"
+
+
+def replica_resources(stage: Any, platform: str) -> dict[str, float]:
+    """What one replica of `stage` asks Ray for."""
+    diffusion = getattr(stage, "diffusion", None)
+    on_cpu = platform == "cpu" or (diffusion is not None and diffusion.device == "cpu")
+    gpus = 0 if on_cpu else (stage.runtime.device_count or 1)
+    return {"num_cpus": 1, "num_gpus": gpus}
+
+
+class RayBackend:
+    """Connects to (or starts) a Ray cluster and makes each stage a ReplicaSet of actors."""
+
+    def __init__(self, cfg: Any, startup_timeout_s: float):
+        self.cfg = cfg
+        self.runtime = cfg.runtime
+        self.startup_timeout_s = startup_timeout_s
+        self.platform = cfg.platform or detect_platform()
+        self._groups: dict[int, Any] = {}
+        self._connected = False
+
+    # ---- cluster -----------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Join the cluster at `runtime.address` and reserve every stage's bundles."""
+        await asyncio.to_thread(self._connect)
+
+    def _connect(self) -> None:
+        import ray
+
+        kwargs: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": True}
+        if self.runtime.node_ip_address:
+            kwargs["_node_ip_address"] = self.runtime.node_ip_address
+        if self.runtime.address == "auto":
+            try:
+                ray.init(address="auto", **kwargs)
+            except ConnectionError:
+                logger.info("no running Ray cluster found: starting a local one")
+                ray.init(**kwargs)
+        else:
+            ray.init(address=self.runtime.address, **kwargs)
+        self._connected = True
+        logger.info("Ray cluster: %s", ray.cluster_resources())
+        from ray.util.placement_group import placement_group
+
+        for stage in self.cfg.stages:
+            need = replica_resources(stage, self.platform)
+            bundle = {
+                "CPU": need["num_cpus"],
+                **({"GPU": need["num_gpus"]} if need["num_gpus"] else {}),
+            }
+            group = placement_group([bundle] * stage.num_replicas, strategy="SPREAD")
+            ready = group.ready()
+            try:
+                ray.get(ready, timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise StageUnavailableError(
+                    f"stage {stage.stage_id}: the Ray cluster cannot place {stage.num_replicas} "
+                    f"replica(s) of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s "
+                    f"(cluster: {ray.cluster_resources()})"
+                ) from None
+            self._groups[stage.stage_id] = group
+
+    def close(self) -> None:
+        """Give the bundles back and disconnect (actors went with their ReplicaSets)."""
+        if not self._connected:
+            return
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception:  # the cluster may be gone already
+                logger.info("removing a placement group failed", exc_info=True)
+        self._groups.clear()
+        ray.shutdown()
+        self._connected = False
+
+    # ---- stages ------------------------------------------------------------------------
+    def stage_factory(self, init: StageInit) -> ReplicaSet:
+        """For Orchestrator(stage_factory=...): every stage a ReplicaSet of Ray actors."""
+        n = init.stage.num_replicas
+        replicas = [RayReplicaClient(self, init, i) for i in range(n)]
+        # Retrying a lost request is safe only when it consumed nothing (replicas.py).
+        return ReplicaSet(
+            init.stage.stage_id, init.spec.kind, replicas, retry_lost=not init.spec.inputs
+        )
+
+    def create_actor(self, init: StageInit, replica: int) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .ray_replica import StageReplicaActor
+
+        stage = init.stage
+        need = replica_resources(stage, self.platform)
+        strategy = PlacementGroupSchedulingStrategy(
+            self._groups[stage.stage_id], placement_group_bundle_index=replica
+        )
+        actor_cls = ray.remote(StageReplicaActor).options(
+            **need,
+            max_restarts=self.runtime.max_restarts,
+            max_task_retries=0,  # a lost request is retried (or not) by its ReplicaSet
+            scheduling_strategy=strategy,
+        )
+        return actor_cls.remote(init, replica, self.startup_timeout_s)
+
+
+class RayReplicaClient:
+    """The API server's handle on one replica: StageClient's face, backed by a Ray actor."""
+
+    def __init__(self, backend: RayBackend, init: StageInit, replica: int):
+        self.backend = backend
+        self.init = init
+        self.stage_id: int = init.stage.stage_id
+        self.kind: str = init.spec.kind
+        self.replica = replica
+        self.state = "stopped"  # stopped | ready | restarting | closed
+        self.actor: Any = None
+        self.info: dict[str, Any] = {}
+        self.pid: int | None = None  # the actor's process
+        self.node_ip: str | None = None
+        self.pending: dict[str, Any] = {}
+        self.restarts = 0
+        self.deaths = 0
+        self.completed = 0
+        self.failed = 0
+        self.busy_s = 0.0
+        self._watcher: asyncio.Task | None = None
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_id} ({self.kind}) replica {self.replica}"
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def start(self) -> None:
+        self.actor = self.backend.create_actor(self.init, self.replica)
+        await self._started()
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _started(self) -> None:
+        started = await self.actor.start.remote()
+        self.info = started["info"]
+        self.pid = started["pid"]
+        self.node_ip = started["node_ip"]
+        self.state = "ready"
+        logger.info(
+            "%s ready on node %s (actor pid %s, stage pid %s)",
+            self.name,
+            self.node_ip,
+            self.pid,
+            started["stage_pid"],
+        )
+
+    async def _watch(self) -> None:
+        """Notice the actor's death (its pending `watch` call fails), then bring it back."""
+        while self.state != "closed":
+            try:
+                await self.actor.watch.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.state == "closed":
+                    return
+                self._on_death(exc)
+                await self._recover()
+
+    def _on_death(self, exc: BaseException) -> None:
+        if self.state != "ready":
+            return
+        self.state = "restarting"
+        self.deaths += 1
+        logger.error(
+            "%s on node %s died (%s); %d request(s) in flight on it; Ray restarts it",
+            self.name,
+            self.node_ip,
+            type(exc).__name__,
+            len(self.pending),
+        )
+
+    async def _recover(self) -> None:
+        backoff = FIRST_BACKOFF_S
+        while self.state == "restarting":
+            try:
+                await self._started()
+                self.restarts += 1
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.state == "closed":
+                    return
+                logger.error("%s: restart failed (%s); retrying in %g s", self.name, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def shutdown(self) -> None:
+        """Stop the replica for good (blocking, any thread)."""
+        self.state = "closed"
+        if self.actor is None:
+            return
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote(), timeout=10)
+        except Exception:  # dead already, or not answering: kill it below regardless
+            pass
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+        watcher = self._watcher
+        if watcher is not None:
+            try:
+                watcher.get_loop().call_soon_threadsafe(watcher.cancel)
+            except RuntimeError:  # its loop closed meanwhile
+                pass
+
+    # ---- requests ----------------------------------------------------------------------
+    async def submit(self, msg: Submit, on_progress: Any = None) -> Result:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        if not self.ready:
+            raise StageUnavailableError(f"{self.name} is {self.state}")
+        ref = self.actor.submit.remote(msg)
+        self.pending[msg.request_id] = ref  # before any await: routing counts it at once
+        try:
+            result = await ref
+        except asyncio.CancelledError:
+            self.abort(msg.request_id)
+            raise
+        except (RayActorError, ActorUnavailableError) as exc:
+            self.failed += 1
+            raise ReplicaLostError(
+                f"{self.name} on {self.node_ip} died: {type(exc).__name__}"
+            ) from None
+        except StageUnavailableError as exc:  # its stage process died: the actor follows it
+            self.failed += 1
+            raise ReplicaLostError(f"{self.name} on {self.node_ip}: {exc}") from None
+        finally:
+            self.pending.pop(msg.request_id, None)
+        self.busy_s += result.stage_s
+        if result.error is None:
+            self.completed += 1
+        else:
+            self.failed += 1
+        result.metrics["replica"] = self.replica
+        return result
+
+    def abort(self, request_id: str) -> None:
+        if self.actor is not None and self.state == "ready":
+            self.actor.abort.remote(request_id)
