@@ -6,8 +6,8 @@
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
 #   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
 #   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
-#   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy, then the tiny
-#                                           GLM-Image served with glm_image_1gpu_nixl (issue 19)
+#   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
+#                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
 set -euo pipefail
@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
+SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
 REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
 # scripts/gpu_kit/install_kit.sh puts each system in its own folder; a phase sees only its own.
 OURS_PATH=/tmp/ours:/tmp/site
@@ -33,15 +34,18 @@ while [ $# -gt 0 ]; do
       ;;
     smoke)
       [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
+      echo "smoke: --stage-config $SMOKE_CONFIG"
       python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny" --size 256 \
-        --steps 20 --stage-overrides "$TINY_OVERRIDES"
+        --steps 20 --stage-config "$SMOKE_CONFIG" --stage-overrides "$TINY_OVERRIDES"
+      pkill -f "vllm serve" || true; sleep 2
       ;;
     nixl-vram)
-      python3 benchmarks/bench_nixl_vram.py | tee "$OUT/nixl_vram.txt"
-      [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
-      python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny-nixl" --size 256 \
-        --steps 20 --stage-config glm_image_1gpu_nixl --stage-overrides "$TINY_OVERRIDES"
-      pkill -f "vllm serve" || true; sleep 2
+      # The handoff figures; when both GPU-memory rows ran, later smoke runs serve the tiny
+      # checkpoint through glm_image_1gpu_nixl (NIXL into the DiT's GPU memory) instead.
+      python3 benchmarks/bench_nixl_vram.py | tee "$OUT/nixl_vram.txt" || true
+      if tail -1 "$OUT/nixl_vram.txt" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read())["results"]; sys.exit(any("error" in x for row in r.values() for x in row.values()))'; then
+        SMOKE_CONFIG=glm_image_1gpu_nixl
+      fi
       ;;
     placeholders)
       # vLLM's start-up dummy image through vLLM-Omni's GLM-Image processor, on both checkpoints.
