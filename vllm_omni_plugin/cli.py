@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
-    tiny.add_argument("kind", choices=["glm-image", "qwen-image", "flux"])
+    tiny.add_argument("kind", choices=["glm-image", "qwen-image", "qwen-image-edit", "flux"])
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(

@@ -181,6 +181,7 @@ class DiffusionEngine:
         if not math.isfinite(guidance) or guidance < 0:
             raise RequestValidationError("guidance_scale", f"must be >= 0, got {guidance}")
         _int_field("partial_images", req.partial_images, 0, MAX_PARTIAL_IMAGES)
+        _check_inputs(self.adapter, req)
         seed = req.seed if req.seed is not None else d.get("seed")
         if seed is not None:
             seed = _int_field("seed", seed, 0, lim.max_seed)
@@ -290,6 +291,18 @@ class DiffusionEngine:
             for o in self.step():
                 results[o.request_id] = o
         return [results[i] for i in ids]
+
+
+def _check_inputs(adapter: DiffusionAdapter, req: GenerationRequest) -> None:
+    """Edits: the source images and mask this family takes (the API server checked the uploads)."""
+    count, most = len(req.input_images), adapter.max_input_images
+    if count > most:
+        what = "takes no source image" if most == 0 else f"takes at most {most} source image(s)"
+        raise RequestValidationError("image", f"this pipeline {what}, got {count}")
+    if count == 0 and adapter.requires_input_image:
+        raise RequestValidationError("image", "this pipeline edits images: send one")
+    if req.mask is not None and not adapter.accepts_mask:
+        raise RequestValidationError("mask", "this pipeline does not inpaint with a mask")
 
 
 def _int_field(name: str, value: Any, lo: int | None, hi: int | None) -> int:

@@ -29,6 +29,10 @@ class GenerationRequest:
     partial_images: int = 0
     # Video families (Wan): frames of the one video (None: the family's or stage's default).
     num_frames: int | None = None
+    # Edits: the source images (PIL RGB, decoded from the API server's lossless PNGs) and the
+    # inpainting mask (PIL "L", 255 = repaint); only for adapters that declare them.
+    input_images: list[Any] = field(default_factory=list)
+    mask: Any = None
 
 
 def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:

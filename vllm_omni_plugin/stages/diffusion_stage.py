@@ -177,6 +177,9 @@ class DiffusionStageRunner:
                 seed=p.seed,
                 prior_token_ids=prior,
                 partial_images=p.partial_images if p.stream else 0,
+                # Edits: the API server's checked lossless PNGs (GenerationParams' contract).
+                input_images=[_decode_png(b) for b in p.input_images],
+                mask=None if p.mask is None else _decode_png(p.mask),
             )
             self.engine.add_request(req)
         except RequestValidationError as exc:
@@ -209,3 +212,14 @@ class DiffusionStageRunner:
 
     def close(self) -> None:
         self.payloads.close()
+
+
+def _decode_png(data: bytes) -> Any:
+    """An edit's source image or mask as PIL (the API server checked and re-encoded it)."""
+    import io
+
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(data), formats=["PNG"])
+    im.load()
+    return im

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 _BUILDERS = {
     "glm-image": "vllm_omni_plugin.testing.tiny_glm_image",
     "qwen-image": "vllm_omni_plugin.testing.tiny_qwen_image",
+    "qwen-image-edit": "vllm_omni_plugin.testing.tiny_qwen_image_edit",
     "flux": "vllm_omni_plugin.testing.tiny_flux",
     "wan": "vllm_omni_plugin.testing.tiny_wan",  # Wan2.2 text-to-video (WanPipeline)
 }

@@ -40,6 +40,11 @@ class DiffusionAdapter(ABC):
     step_batched: ClassVar[bool] = True
     # model_index.json components this stage never needs (not read from disk).
     skip_components: ClassVar[tuple[str, ...]] = ()
+    # Edits: source images one request may carry (`GenerationRequest.input_images`; 0: text
+    # to image only), whether it must carry one, and whether it inpaints with a mask.
+    max_input_images: ClassVar[int] = 0
+    requires_input_image: ClassVar[bool] = False
+    accepts_mask: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         self.pipe = pipe

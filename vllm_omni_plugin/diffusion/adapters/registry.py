@@ -25,6 +25,7 @@ FALLBACK = "fallback"
 _ADAPTERS: dict[str, str | type[DiffusionAdapter]] = {
     "GlmImagePipeline": "vllm_omni_plugin.diffusion.adapters.glm_image:GlmImageAdapter",
     "QwenImagePipeline": "vllm_omni_plugin.diffusion.adapters.qwen_image:QwenImageAdapter",
+    "QwenImageEditPipeline": "vllm_omni_plugin.diffusion.adapters.qwen_image_edit:QwenImageEditAdapter",
     "FluxPipeline": "vllm_omni_plugin.diffusion.adapters.flux:FluxAdapter",
     "WanPipeline": "vllm_omni_plugin.diffusion.adapters.wan:WanAdapter",
     FALLBACK: "vllm_omni_plugin.diffusion.adapters.generic:GenericAdapter",

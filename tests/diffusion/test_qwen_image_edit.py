@@ -1,0 +1,177 @@
+"""Qwen-Image-Edit: engine images equal diffusers' QwenImageEditPipeline on the tiny checkpoint,
+alone and step-batched (requests joining mid-run, CFG and plain, n > 1).
+
+For CPU time the condition area (diffusers' `calculate_dimensions(1024 * 1024, ratio)`) is
+64x64 pixels on both sides here: the adapter's `condition_pixels` and the reference module's
+`calculate_dimensions` target. tests/serving/test_edits_serve.py checks the default 1 MP area
+against an unmodified reference.
+
+Tolerances: the final latents (the denoising state handed to the VAE) within 1e-4 (max abs,
+fp32; the source image moves them by ~2e-2 here, so a dropped condition cannot pass), and the
+decoded image within a mean absolute pixel difference of 1.0 (0-255). Pixels alone would be a
+weak check: the tiny random VAE maps most latent changes to a fraction of a grey level.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion.adapters.loader import load_pipeline
+from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import (
+    QwenImageEditAdapter,
+    load_processor,
+)
+from vllm_omni_plugin.diffusion.errors import RequestValidationError
+
+SIZE = 64
+AREA = 64 * 64
+TOLERANCE = 1.0  # pixels
+LATENT_TOLERANCE = 1e-4
+
+
+class SmallConditionAdapter(QwenImageEditAdapter):
+    condition_pixels = AREA
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models("qwen-image-edit")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    cpu = torch.device("cpu")
+    pipe = load_pipeline(model_dir, torch.float32, cpu, skip=QwenImageEditAdapter.skip_components)
+    adapter = SmallConditionAdapter(pipe, cpu, torch.float32, {})
+    engine = DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=8), adapter)
+    # Keep each request's final latents (the real decode still runs on them).
+    engine.final_latents = {}
+    decode = adapter.decode
+
+    def keep_and_decode(states):
+        engine.final_latents.update({s.request_id: s.latents.clone() for s in states})
+        return decode(states)
+
+    adapter.decode = keep_and_decode
+    return engine
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir):
+    from diffusers import QwenImageEditPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    p = QwenImageEditPipeline.from_pretrained(
+        str(model_dir), processor=load_processor(model_dir / "processor")
+    )
+    p.set_progress_bar_config(disable=True)
+    original = module.calculate_dimensions
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "calculate_dimensions", lambda _area, ratio: original(AREA, ratio))
+        yield p
+
+
+def source(seed: int, size=(64, 48)) -> Image.Image:
+    rs = np.random.RandomState(seed)
+    return Image.fromarray((rs.rand(size[1], size[0], 3) * 255).astype(np.uint8))
+
+
+def reference(pipe, r: GenerationRequest, output_type: str = "latent"):
+    """diffusers' packed final latents (or PIL images) for the same request and seed."""
+    return pipe(
+        r.input_images[0],
+        r.prompt,
+        negative_prompt=r.negative_prompt,
+        true_cfg_scale=r.guidance_scale,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=r.num_inference_steps,
+        num_images_per_prompt=r.n,
+        generator=torch.Generator("cpu").manual_seed(r.seed),
+        output_type=output_type,
+    ).images
+
+
+def latent_diff(engine, r: GenerationRequest, pipe) -> float:
+    return float((engine.final_latents[r.request_id] - reference(pipe, r)).abs().max())
+
+
+def req(rid, prompt, image, seed, steps=2, negative=None, n=1):
+    return GenerationRequest(
+        rid,
+        prompt,
+        negative_prompt=negative,
+        n=n,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=4.0,
+        seed=seed,
+        input_images=[image],
+    )
+
+
+def test_tiny_template_prefix_is_64_tokens_like_the_real_one(pipe):
+    prefix = pipe.prompt_template_encode.split("<|vision_start|>")[0]
+    assert len(pipe.tokenizer(prefix)["input_ids"]) == pipe.prompt_template_encode_start_idx
+
+
+def test_alone_matches_diffusers(engine, pipe, pixel_diff):
+    r = req("alone", "make it red", source(0), seed=7, negative="blurry")  # true CFG on
+    (out,) = engine.generate([r])
+    assert out.error is None, out.error
+    assert out.images[0].size == (SIZE, SIZE)
+    assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE
+    assert pixel_diff(out.images[0], reference(pipe, r, "pil")[0]) <= TOLERANCE
+
+
+def test_batched_with_joins_matches_diffusers(engine, pipe, pixel_diff, staggered):
+    first = [req("b0", "turn the cube into a cat", source(1), seed=1, steps=3)]
+    later = [
+        req("b1", "sky", source(2, size=(64, 64)), seed=2, steps=2),  # another condition size
+        req("b2", "make it blue", source(1), seed=3, steps=2, n=2),
+    ]
+    results = staggered(engine, first, later, join_after_steps=1)
+    assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
+    for r in first + later:
+        out = results[r.request_id]
+        assert out.error is None, out.error
+        assert len(out.images) == r.n and out.images[0].size == (SIZE, SIZE)
+        assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE, r.request_id
+    # The source image matters: same prompt and seed, another image, other latents.
+    engine.generate([req("o", "make it blue", source(5), seed=3)])
+    moved = engine.final_latents["o"] - engine.final_latents["b2"][:1]
+    assert float(moved.abs().max()) > 100 * LATENT_TOLERANCE
+
+
+def test_requests_without_one_image_or_with_a_mask_are_refused(engine):
+    r = req("none", "x", source(0), seed=0)
+    for bad, field in (
+        (GenerationRequest("none", "x"), "image"),
+        (GenerationRequest("two", "x", input_images=[source(0), source(1)]), "image"),
+        (
+            GenerationRequest("m", "x", input_images=[source(0)], mask=Image.new("L", (64, 48))),
+            "mask",
+        ),
+    ):
+        with pytest.raises(RequestValidationError) as info:
+            engine.validate(bad)
+        assert info.value.field == field
+    engine.validate(r)  # the well-formed one passes
+
+
+def test_stage_decodes_the_api_servers_png(engine):
+    """The contract: GenerationParams carries lossless RGB PNG bytes, decoded to the same pixels."""
+    from vllm_omni_plugin.serving.edits import to_rgb_png
+    from vllm_omni_plugin.stages.diffusion_stage import _decode_png
+
+    im = source(3)
+    back = _decode_png(to_rgb_png(im))
+    assert back.mode == "RGB" and (np.asarray(back) == np.asarray(im)).all()
+    assert io.BytesIO(to_rgb_png(im)).getvalue()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,174 @@
+"""Qwen-Image-Edit (diffusers QwenImageEditPipeline) as batched phases.
+
+Math follows diffusers 0.42 `pipeline_qwenimage_edit.py`. The one source image is resized to
+`condition_pixels` (1024x1024 in diffusers) at its own aspect ratio (multiples of 32); that
+resized image goes to the Qwen2.5-VL text encoder inside the templated prompt (its vision tokens
+stay in the prompt embeddings; only the 64 template tokens before them are dropped), and, VAE
+encoded (the latent mode, no noise drawn) and normalised, is appended after the noisy latents in
+the transformer's sequence with its own RoPE frame (`img_shapes` gets a second entry). Only the
+noisy latents' part of the prediction is used. Sigmas, true CFG with the norm rescale, the Euler
+step and the decode are Qwen-Image's (the parent adapter).
+
+Step batching: requests share a forward when they have the same output size, condition size
+and CFG use (`batch_key`); prompts of different lengths (the vision tokens count too) are
+right-padded with an `encoder_hidden_states_mask`, as in the Qwen-Image adapter. Text encoding
+runs once for all newly admitted requests; the VAE encodes each request's image on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from diffusers.utils.torch_utils import randn_tensor
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+from ..errors import RequestValidationError
+from ..request import GenerationRequest, RequestState
+from .qwen_image import QwenImageAdapter
+
+
+class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without a video processor. transformers builds that one only with
+    torchvision installed; the edit pipeline never passes videos, so without torchvision the
+    same class runs with its image processor and tokenizer (the same __call__ code)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def load_processor(folder: Path) -> Qwen2VLProcessor:
+    """The checkpoint's processor/ folder as Qwen2VLProcessor (image-only without torchvision)."""
+    try:
+        return Qwen2VLProcessor.from_pretrained(folder)
+    except ImportError:
+        return ImageOnlyQwen2VLProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(folder),
+            tokenizer=AutoTokenizer.from_pretrained(folder),
+        )
+
+
+class QwenImageEditAdapter(QwenImageAdapter):
+    pipeline_class = "QwenImageEditPipeline"
+    # Loaded by `load_processor` instead (diffusers' loader needs torchvision for it).
+    skip_components = ("processor",)
+    max_input_images: ClassVar[int] = 1
+    requires_input_image: ClassVar[bool] = True
+    # diffusers' target area for the condition image (calculate_dimensions(1024 * 1024, ratio)).
+    condition_pixels: ClassVar[int] = 1024 * 1024
+
+    def __init__(self, pipe, device, dtype, defaults) -> None:
+        super().__init__(pipe, device, dtype, defaults)
+        if getattr(pipe, "processor", None) is None:
+            pipe.register_modules(processor=load_processor(Path(pipe.name_or_path) / "processor"))
+
+    def check_request(self, req: GenerationRequest) -> None:
+        if len(req.input_images) != 1:
+            raise RequestValidationError(
+                "image", f"Qwen-Image-Edit edits exactly one image, got {len(req.input_images)}"
+            )
+
+    def condition_size(self, image) -> tuple[int, int]:
+        """(height, width) the source image is resized to, as diffusers computes it."""
+        w, h = image.size
+        cw, ch, _ = calculate_dimensions(self.condition_pixels, w / h)
+        return int(ch), int(cw)
+
+    def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
+        tokens, inner, heads = super().token_geometry(height, width)
+        # The condition image's latents and its vision tokens in the prompt.
+        return tokens + 2 * self.condition_pixels // 256, inner, heads
+
+    def batch_key(self, state: RequestState):
+        return (state.req.height, state.req.width, state.do_cfg, state.cond.get("cond_hw"))
+
+    # ---- prepare -----------------------------------------------------------------------
+    def _encode_with_images(self, prompts: list[str], images: list) -> list[torch.Tensor]:
+        """One text-encoder call for all (prompt, image) pairs; each row keeps its own tokens."""
+        embeds, mask = self.pipe._get_qwen_prompt_embeds(prompts, images, self.device)
+        lengths = mask.sum(dim=1).tolist()
+        return [embeds[i : i + 1, : int(n)] for i, n in enumerate(lengths)]
+
+    def prepare(self, states: list[RequestState]) -> None:
+        proc = self.pipe.image_processor
+        prompt_images = []
+        for s in states:
+            ch, cw = self.condition_size(s.req.input_images[0])
+            s.cond["cond_hw"] = (ch, cw)
+            prompt_images.append(proc.resize(s.req.input_images[0], ch, cw))
+        embeds = self._encode_with_images([s.req.prompt for s in states], prompt_images)
+        cfg = [(s, im) for s, im in zip(states, prompt_images, strict=True) if s.do_cfg]
+        if cfg:
+            negs = self._encode_with_images(
+                [s.req.negative_prompt or "" for s, _ in cfg], [im for _, im in cfg]
+            )
+            for (s, _), neg in zip(cfg, negs, strict=True):
+                s.cond["neg"] = neg
+        channels = self.pipe.transformer.config.in_channels // 4
+        for s, emb, image in zip(states, embeds, prompt_images, strict=True):
+            s.cond["embeds"] = emb
+            ch, cw = s.cond["cond_hw"]
+            pixels = proc.preprocess(image, ch, cw).unsqueeze(2).to(self.device, emb.dtype)
+            # argmax: the latent mode, so the generator is not drawn from (as in diffusers).
+            latents = self.pipe._encode_vae_image(pixels, s.generator)
+            lh, lw = latents.shape[3:]
+            packed = self.pipe._pack_latents(latents, 1, channels, lh, lw)
+            s.cond["image_latents"] = packed.expand(s.n, -1, -1)
+            h = 2 * (s.req.height // (self.vae_scale_factor * 2))
+            w = 2 * (s.req.width // (self.vae_scale_factor * 2))
+            noise = randn_tensor(
+                (s.n, 1, channels, h, w), generator=s.generator, device=self.device, dtype=emb.dtype
+            )
+            s.latents = self.pipe._pack_latents(noise, s.n, channels, h, w)
+            self._schedule(s)
+
+    # ---- denoise -----------------------------------------------------------------------
+    def denoise(self, states: list[RequestState]) -> None:
+        cfg_states = [s for s in states if s.do_cfg]
+        rows = states + cfg_states  # cond rows, then uncond rows of the CFG requests
+        texts = [s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states]
+        longest = max(t.shape[1] for t in texts)
+        embeds, masks = [], []
+        for s, t in zip(rows, texts, strict=True):
+            pad = longest - t.shape[1]
+            padded = torch.cat([t, t.new_zeros(1, pad, t.shape[2])], dim=1) if pad else t
+            embeds.append(padded.expand(s.n, -1, -1))
+            mask = torch.zeros(1, longest, dtype=torch.long, device=t.device)
+            mask[:, : t.shape[1]] = 1
+            masks.append(mask.expand(s.n, -1))
+        mask_t = torch.cat(masks)
+        # diffusers drops an all-ones mask; do the same so unpadded batches take its exact path.
+        mask_t = None if bool(mask_t.all()) else mask_t
+        noisy = torch.cat([s.latents for s in rows])
+        hidden = torch.cat(
+            [torch.cat([s.latents, s.cond["image_latents"]], dim=1) for s in rows], dim=0
+        )
+        t = torch.cat([s.timesteps[s.step].expand(s.n) for s in rows]).to(noisy.dtype)
+        req0, g = states[0].req, self.vae_scale_factor * 2
+        ch, cw = states[0].cond["cond_hw"]
+        img_shapes = [[(1, req0.height // g, req0.width // g), (1, ch // g, cw // g)]] * len(hidden)
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.cat(
+                [torch.full([s.n], s.req.guidance_scale, dtype=torch.float32) for s in rows]
+            ).to(self.device)
+        pred = self.transformer(
+            hidden_states=hidden,
+            timestep=t / 1000,
+            guidance=guidance,
+            encoder_hidden_states_mask=mask_t,
+            encoder_hidden_states=torch.cat(embeds),
+            img_shapes=img_shapes,
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+        pred = pred[:, : noisy.shape[1]]
+        n_cond = sum(s.n for s in states)
+        cond, uncond = pred[:n_cond], pred[n_cond:]
+        if cfg_states:
+            cond = self._apply_cfg(states, cond, uncond)
+        self.euler_update(states, cond)
