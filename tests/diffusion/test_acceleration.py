@@ -58,7 +58,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_cuda_options_are_lossless_and_reversible(flux):
     tr, kw, ref = flux
-    fn = accelerate_transformer(tr, CUDA, fuse_qkv=True, attention_backend="cudnn")
+    fn = accelerate_transformer(
+        tr, CUDA, fuse_qkv=True, attention_backend="cudnn", cuda_graphs=False
+    )
     try:
         assert isinstance(fn, WithAttentionBackend)
         assert fn.config.num_layers == 2  # adapters read the wrapped module's attributes

@@ -172,6 +172,10 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "vae_use_tiling",
             "compile_transformer",
             "compile_regional",
+            "compile_dynamic",
+            "cuda_graphs",
+            "cuda_graph_max_graphs",
+            "fp8_linear",
         )
     },
     ("DiffusionOwner", "enable_cpu_offload"): {"diffusion": Refused(True)},

@@ -51,6 +51,17 @@ class DiffusionOwner(Owner):
     compile_regional: bool = False
     """Compile each repeated transformer block once instead of the whole model (same speed,
     10-16 s of compile instead of 93 s); only with compile_transformer."""
+    compile_dynamic: bool | None = None
+    """torch.compile with dynamic shapes (None: on for families whose text length varies per
+    prompt, GLM-Image and Qwen-Image, so new prompts never recompile; torch's choice otherwise)."""
+    cuda_graphs: bool | None = None
+    """Replay the transformer forward from CUDA graphs captured per recurring input shape
+    (None: on for CUDA devices; lossless)."""
+    cuda_graph_max_graphs: int = Field(8, ge=1, le=256)
+    """Most CUDA graphs kept (least recently used evicted); all share one memory pool."""
+    fp8_linear: bool = False
+    """fp8 GEMMs with per-row scales for the transformer blocks' linears: faster, lossy
+    (BENCHMARKS.md has the measured image difference); needs a GPU of compute capability 8.9+."""
     cache_backend: str | None = None
     """Step-cache acceleration backend (no effect yet: warned at load)."""
     cache_config: dict[str, Any] | None = None
@@ -62,6 +73,8 @@ class DiffusionOwner(Owner):
             lo, hi = getattr(self, f"min_{dim}"), getattr(self, f"max_{dim}")
             if lo > hi:
                 raise ValueError(f"min_{dim} ({lo}) is larger than max_{dim} ({hi})")
+        if self.fp8_linear and self.device == "cpu":
+            raise ValueError("fp8_linear needs a CUDA GPU of compute capability >= 8.9, not cpu")
         if self.memory_budget_gb is not None and self.gpu_memory_utilization is not None:
             raise ValueError(
                 "gpu_memory_utilization and memory_budget_gb both set the memory budget; keep one"

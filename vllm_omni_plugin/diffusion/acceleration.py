@@ -12,6 +12,17 @@ Each option keeps the model's function: no caching across steps, no lower precis
   * `compile`: torch.compile, either the whole forward or, with `regional`, each repeated
     block (diffusers' `_repeated_blocks`): the blocks are identical, so one compiled graph per
     block type serves them all and the compile takes seconds instead of minutes.
+  * `dynamic`: torch.compile's `dynamic`. Left to torch (None), dynamo compiles the first shape
+    statically, recompiles when a dimension changes (then with that dimension symbolic), and
+    specialises sizes 0 and 1, so the first requests of a server each pay a compile (seconds
+    per block type) until the shape classes are seen; past the recompile limit (8) a new shape
+    silently runs eager. Families whose text length changes with every prompt (GLM-Image's
+    glyph text, Qwen-Image's prompt) therefore compile with dynamic=True: at most four graphs
+    per block type (batch 1 or more, text length 1 or more), no further recompiles.
+  * `cuda_graphs` (cuda_graphs.py): the forward captured per input signature and replayed.
+  * `fp8` (fp8.py): fp8 GEMMs for the block linears; lossy, opt-in, sm89+ only.
+  * GLM-Image always runs without its forward's host syncs (glm_image_sync_free.py): the same
+    math, and the precondition for capturing it in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,6 +33,10 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import fp8 as fp8_gemm
+from . import glm_image_sync_free
+from .cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +49,12 @@ ATTENTION_BACKENDS = {
 # Transformers whose attention processors use the fused projections once they exist
 # (for the others `fuse_qkv_projections` would only add unused weights).
 QKV_FUSION_MODELS = frozenset({"FluxTransformer2DModel"})
+# Transformers whose text length changes per prompt: compiled with dynamic shapes by default.
+VARIABLE_TEXT_MODELS = frozenset({"GlmImageTransformer2DModel", "QwenImageTransformer2DModel"})
+
+
+class AccelerationError(ValueError):
+    """An option the device cannot honour (raised at engine start, naming the option)."""
 
 
 class WithAttentionBackend:
@@ -55,6 +76,8 @@ class WithAttentionBackend:
             return self.fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # config, dtype, ... of the wrapped module
+        if name == "fn":  # not set yet (copy, unpickle): no recursion
+            raise AttributeError(name)
         return getattr(self.fn, name)
 
 
@@ -66,37 +89,69 @@ def accelerate_transformer(
     regional: bool = False,
     mode: str | None = None,
     fullgraph: bool = False,
+    dynamic: bool | None = None,
     fuse_qkv: bool = False,
     attention_backend: str | None = None,
+    cuda_graphs: bool | None = None,
+    max_graphs: int = 8,
+    fp8: bool = False,
 ) -> Callable[..., Any]:
-    """Apply the options to `transformer` (fusion and regional compile are in place) and
-    return what the denoising loop should call."""
+    """Apply the options to `transformer` (fusion, fp8, GLM's sync-free modules and regional
+    compile are in place; `reset_transformer` undoes them) and return what the denoising loop
+    should call. `dynamic=None`: dynamic for VARIABLE_TEXT_MODELS, else torch's default.
+    `cuda_graphs=None`: on for CUDA devices."""
     cuda = device.type == "cuda"
+    name = type(transformer).__name__
+    undo: list[Callable[[], None]] = transformer.__dict__.setdefault("_omni_undo", [])
     if fuse_qkv:
         if not cuda:
             logger.info("fuse_qkv ignored on %s (CUDA only)", device)
-        elif type(transformer).__name__ in QKV_FUSION_MODELS:
+        elif name in QKV_FUSION_MODELS:
             transformer.fuse_qkv_projections()
         else:
-            logger.info("fuse_qkv not supported for %s; ignored", type(transformer).__name__)
+            logger.info("fuse_qkv not supported for %s; ignored", name)
+    if fp8:
+        why = fp8_gemm.fp8_supported(device)
+        if why is not None:
+            raise AccelerationError(f"fp8_linear: {why}")
+        swapped = fp8_gemm.quantize_block_linears(_repeated_blocks(transformer))
+        undo.append(lambda: fp8_gemm.restore_linears(swapped))
+        logger.info("fp8_linear: %d block linears run as fp8 GEMMs", len(swapped))
+    sync_free = glm_image_sync_free.install(transformer)
+    if sync_free is not None:
+        undo.append(sync_free)
     fn: Callable[..., Any] = transformer
     if compile:
-        kwargs: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph}
+        if dynamic is None and name in VARIABLE_TEXT_MODELS:
+            dynamic = True
+        kwargs: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
         if regional and getattr(transformer, "_repeated_blocks", None):
             for block in _repeated_blocks(transformer):
                 block.compile(**kwargs)
         else:
             fn = torch.compile(transformer, **kwargs)
+    if sync_free is not None:
+        fn = glm_image_sync_free.SyncFreeGlm(fn, transformer)
     if attention_backend is not None:
         if cuda:
             fn = WithAttentionBackend(fn, attention_backend)
         else:
             logger.info("attention_backend ignored on %s (CUDA only)", device)
+    if cuda_graphs is None:
+        cuda_graphs = cuda
+    if cuda_graphs:
+        if cuda:
+            fn = StepGraphs(fn, device, max_graphs=max_graphs)
+        else:
+            logger.info("cuda_graphs ignored on %s (CUDA only)", device)
     return fn
 
 
 def reset_transformer(transformer: torch.nn.Module) -> None:
     """Undo `accelerate_transformer`'s in-place changes (benchmarks compare variants)."""
+    undo = transformer.__dict__.get("_omni_undo") or []
+    while undo:  # newest first; fp8 puts back the fused Linear before the unfuse drops it
+        undo.pop()()
     for block in _repeated_blocks(transformer):
         block._compiled_call_impl = None  # what nn.Module.compile sets
     if getattr(transformer, "fuse_qkv_projections", None) is not None:

@@ -52,6 +52,15 @@ class DiffusionEngineConfig:
     # torch.compile mode (None = default; e.g. "max-autotune-no-cudagraphs") and fullgraph.
     compile_mode: str | None = None
     compile_fullgraph: bool = False
+    # torch.compile's `dynamic` for the transformer (None: dynamic for families whose text
+    # length changes per prompt, GLM-Image and Qwen-Image; torch's automatic choice otherwise).
+    compile_dynamic: bool | None = None
+    # CUDA graphs over the transformer forward, one per recurring input shape (None: on CUDA).
+    cuda_graphs: bool | None = None
+    # Most CUDA graphs kept (least recently used evicted); they share one memory pool.
+    cuda_graph_max_graphs: int = 8
+    # fp8 GEMMs (per-row scaled) for the transformer blocks' linears: lossy, opt-in, sm89+.
+    fp8_linear: bool = False
     # Benchmark knobs, not in the stage config: neither paid off on the H200 (BENCHMARKS.md).
     # One Q|K|V GEMM instead of three (FLUX); CUDA only, lossless.
     fuse_qkv: bool = False

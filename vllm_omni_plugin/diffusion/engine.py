@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .acceleration import accelerate_transformer
+from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter
 from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
@@ -43,16 +43,23 @@ class DiffusionEngine:
         self._budget_bytes = self._total_budget()
         self.adapter = adapter or self._load_adapter()
         configure_vae(self.adapter.pipe, config.vae_use_slicing, config.vae_use_tiling)
-        self.adapter.transformer = accelerate_transformer(
-            self.adapter.pipe.transformer,
-            self.device,
-            compile=config.compile_transformer,
-            regional=config.compile_regional,
-            mode=config.compile_mode,
-            fullgraph=config.compile_fullgraph,
-            fuse_qkv=config.fuse_qkv,
-            attention_backend=config.attention_backend,
-        )
+        try:
+            self.adapter.transformer = accelerate_transformer(
+                self.adapter.pipe.transformer,
+                self.device,
+                compile=config.compile_transformer,
+                regional=config.compile_regional,
+                mode=config.compile_mode,
+                fullgraph=config.compile_fullgraph,
+                dynamic=config.compile_dynamic,
+                fuse_qkv=config.fuse_qkv,
+                attention_backend=config.attention_backend,
+                cuda_graphs=config.cuda_graphs,
+                max_graphs=config.cuda_graph_max_graphs,
+                fp8=config.fp8_linear,
+            )
+        except AccelerationError as exc:
+            raise DiffusionEngineError(str(exc)) from exc
         self.defaults: dict[str, Any] = dict(config.defaults or {})
         self._activation_budget = self._budget()
         self.limits = self._limits()
