@@ -89,7 +89,8 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     },
     ("ParallelOwner", "enable_expert_parallel"): {"ar": EngineArg()},
     ("ParallelOwner", "sequence_parallel_size"): _both(Refused(2)),
-    ("ParallelOwner", "ulysses_degree"): _both(Refused(2)),
+    # A diffusion stage's ulysses_degree is DiffusionOwner's (routed there first, stage_keys.py).
+    ("ParallelOwner", "ulysses_degree"): {"ar": Refused(2)},
     ("ParallelOwner", "ring_degree"): _both(Refused(2)),
     ("ParallelOwner", "cfg_parallel_size"): _both(Refused(2)),
     ("ParallelOwner", "vae_patch_parallel_size"): _both(Refused(2)),
@@ -179,6 +180,9 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
         )
     },
     ("DiffusionOwner", "enable_cpu_offload"): {"diffusion": Refused(True)},
+    # Multi-rank DiT: the stage starts that many ranks (diffusion/parallel/ranks.py).
+    ("DiffusionOwner", "cfg_parallel"): {"diffusion": Code("diffusion/parallel/ranks.py")},
+    ("DiffusionOwner", "ulysses_degree"): {"diffusion": Code("diffusion/parallel/ranks.py")},
     ("DiffusionOwner", "cache_backend"): {"diffusion": Warned("tea_cache")},
     ("DiffusionOwner", "cache_config"): {"diffusion": Warned({"rel_l1_thresh": 0.2})},
     # DiffusionSamplingDefaults: the engine's request defaults

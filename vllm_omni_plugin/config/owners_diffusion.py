@@ -51,6 +51,12 @@ class DiffusionOwner(Owner):
     compile_regional: bool = False
     """Compile each repeated transformer block once instead of the whole model (same speed,
     10-16 s of compile instead of 93 s); only with compile_transformer."""
+    cfg_parallel: bool = False
+    """Run a CFG request's cond and uncond rows on two ranks (processes), combined every step."""
+    ulysses_degree: int = Field(1, ge=1, le=64)
+    """Ranks one image's attention sequence is split over (Ulysses all-to-all); with
+    cfg_parallel the stage runs 2 x ulysses_degree ranks, one per device of `devices` (or gloo
+    processes with device: cpu)."""
     compile_dynamic: bool | None = None
     """torch.compile with dynamic shapes (None: on for families whose text length varies per
     prompt, GLM-Image and Qwen-Image, so new prompts never recompile; torch's choice otherwise)."""

@@ -106,6 +106,7 @@ def build_stage(
         _check_ar(owners, sampling, sid, sink)
     else:
         _check_diffusion(owners["diffusion"], sampling, sid, sink)
+        _check_diffusion_ranks(owners["diffusion"], owners["runtime"], sid, sink)
     _check_without_effect(owners, kind, sid, sink, warnings)
     if len(sink.problems) > before:
         return None
@@ -303,6 +304,24 @@ def _check_without_effect(
             "enable_cpu_offload",
             "CPU offload is not implemented: the whole pipeline stays on the device; "
             "set false or remove it",
+        )
+
+
+def _check_diffusion_ranks(diff: Any, runtime: Any, sid: int, sink: ProblemSink) -> None:
+    """cfg_parallel / ulysses_degree start one rank per device: on a GPU the stage's `devices`
+    must list at least that many (gloo ranks on device: cpu need none)."""
+    world = (2 if diff.cfg_parallel else 1) * diff.ulysses_degree
+    if world == 1 or diff.device == "cpu":
+        return
+    field = "ulysses_degree" if diff.ulysses_degree > 1 else "cfg_parallel"
+    if runtime.device_count is None or runtime.device_count < world:
+        listed = f"lists {runtime.device_count}" if runtime.devices else "is not set"
+        sink.add(
+            sid,
+            field,
+            f"cfg_parallel={diff.cfg_parallel} x ulysses_degree={diff.ulysses_degree} needs "
+            f"{world} devices (one rank each) but devices {listed}; list {world} GPUs in "
+            "`devices` or run on device: cpu",
         )
 
 

@@ -67,7 +67,15 @@ class DiffusionEngineConfig:
     # SDPA kernel torch tries first: "cudnn" | "flash" | "efficient" | "math"; None = torch's
     # order (torch 2.11 already picks cuDNN attention on Hopper). CUDA only.
     attention_backend: str | None = None
+    # Multi-rank DiT (diffusion/parallel/): cond/uncond rows on two ranks, and the attention
+    # sequence split over ulysses_degree ranks; world = (2 if cfg_parallel else 1) * ulysses.
+    cfg_parallel: bool = False
+    ulysses_degree: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return (2 if self.cfg_parallel else 1) * self.ulysses_degree
 
     @classmethod
     def from_owner(

@@ -37,7 +37,8 @@ class _Job:
 
 class DiffusionStageRunner:
     def __init__(self, init: StageInit, conn: Connection):
-        from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
+        from vllm_omni_plugin.diffusion import DiffusionEngineConfig
+        from vllm_omni_plugin.diffusion.parallel import build_engine
 
         self.init = init
         self.conn = conn
@@ -49,7 +50,9 @@ class DiffusionStageRunner:
             defaults=stage.sampling.defaults_dict(),
             pipeline_class=init.spec.pipeline_class,
         )
-        self.engine = DiffusionEngine(config)
+        # cfg_parallel / ulysses_degree: this process is rank 0 and starts the other ranks; one
+        # that dies takes this process down with it, so the stage restarts as a whole.
+        self.engine = build_engine(config)
         self.payloads = StagePayloads(init.connectors)
         self.jobs: dict[str, _Job] = {}
         self._stop = False

@@ -125,6 +125,11 @@ class DiffusionAdapter(ABC):
                 s.latents = latents
                 s.x0 = None
 
+    def forward_groups(self, forward: Any, groups: list[Any]) -> list[torch.Tensor]:
+        """Run one step's separate forwards (row groups); CFG parallelism replaces this on the
+        instance to spread the groups over its ranks (diffusion/parallel/cfg.py)."""
+        return [forward(g) for g in groups]
+
     def generate(self, state: RequestState, on_step: Any) -> list[Image.Image]:
         raise NotImplementedError  # only whole-pipeline adapters implement this
 

@@ -158,8 +158,8 @@ class GlmImageAdapter(DiffusionAdapter):
         by_len: dict[int, list[tuple[RequestState, torch.Tensor, bool]]] = {}
         for row in rows:
             by_len.setdefault(row[1].shape[1], []).append(row)
-        for group in by_len.values():
-            out = self._forward(group)
+        groups = list(by_len.values())
+        for group, out in zip(groups, self.forward_groups(self._forward, groups), strict=True):
             for (s, _, drop), chunk in zip(group, out.split([r[0].n for r in group]), strict=True):
                 preds[(id(s), drop)] = chunk
         noise = []
