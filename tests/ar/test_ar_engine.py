@@ -221,6 +221,22 @@ def test_sync_abort_mid_step(sync_llm, glm_tiny):
 # ---- async scheduling on ----
 
 
+def test_ignore_eos_request_gets_no_forced_eos(sync_llm, glm_tiny):
+    # Free generation (no image-grid constraint): the checkpoint's generation_config forces EOS
+    # (65) as the last budgeted token, and its sequence_bias keeps 65 from ever being picked
+    # otherwise. With ignore_eos=True the same greedy run must end on its own last token.
+    from vllm import SamplingParams
+
+    def greedy(**extra):
+        params = SamplingParams(temperature=0, max_tokens=12, detokenize=False, **extra)
+        return _tokens(sync_llm.generate(_prompts(glm_tiny, [(64, 64)]), params))[0]
+
+    forced, free = greedy(), greedy(ignore_eos=True)
+    assert len(forced) == 12 and forced[-1] == 65, forced
+    assert len(free) == 12 and free[-1] != 65, free
+    assert free[:-1] == forced[:-1]  # one greedy run; only the forced last token differs
+
+
 def test_async_outputs_identical_to_sync(async_llm, glm_tiny):
     assert async_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
     greedy, sampled = _run_batch(async_llm, glm_tiny)

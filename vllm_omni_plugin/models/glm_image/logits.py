@@ -12,7 +12,7 @@ one. In an engine it is inert unless a request asks for it or the engine serves 
 * Engine-wide, for a `glm_image` model: the two generation_config.json fields transformers'
   `generate` honours and vLLM ignores, so greedy vLLM equals greedy transformers on the same
   checkpoint: single-token `sequence_bias`, and `forced_eos_token_id` at the last allowed token
-  (output index max_tokens - 1).
+  (output index max_tokens - 1), except for requests with `ignore_eos=True`.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ class ImageGridLogitsProcessor(LogitsProcessor):
         if spec is not None:
             n = int(spec["num_tokens"])
             return _Rule(output_ids, n, int(spec["num_codes"]), n, int(spec["eos_token_id"]))
-        if self.forced_eos is not None and params.max_tokens is not None:
+        # A request that ignores EOS asked for exactly max_tokens free tokens: forcing EOS as
+        # the last one would break that (transformers' generate has no ignore_eos to honour).
+        if self.forced_eos is not None and params.max_tokens is not None and not params.ignore_eos:
             last = params.max_tokens - 1
             return _Rule(output_ids, 0, 0, last, self.forced_eos)
         return None
