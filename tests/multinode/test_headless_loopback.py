@@ -3,14 +3,19 @@
 One head start-up and two node start-ups for the whole module: the head runs the AR stage and
 the API server; the node runs the DiT stage and registers with it; the AR -> DiT payload crosses over
 NIXL (descriptor on the control path, READ by the DiT process). Then the failure cases: a node
-that hangs (SIGSTOP: missed heartbeats), and a node killed mid-request, then restarted.
+that hangs (SIGSTOP: missed heartbeats), a node killed mid-request, then restarted, and a node
+that keeps heartbeating while its DiT stage process is stopped (the stall watchdog, with a short
+stall_timeout_s for stage 1 on both sides).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
 import secrets
+import signal
 import threading
 import time
 
@@ -35,6 +40,9 @@ ENV = {
     "NIXL_LOG_LEVEL": "WARN",
     "VLLM_OMNI_AUTHKEY": secrets.token_hex(16),
 }
+STALL_TIMEOUT_S = 5.0
+# Head and node load the same pipeline; the override keeps their stage 1 configs identical.
+OVERRIDES = ["--stage-overrides", json.dumps({"1": {"stall_timeout_s": STALL_TIMEOUT_S}})]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +52,7 @@ def cluster(tiny_models, tmp_path_factory):
     model = tiny_models("glm-image")
     logs = tmp_path_factory.mktemp("multinode-lo")
     port, master = free_port(), free_port()
-    head = Proc(head_args(model, port, master), logs / "head.log", ENV)
+    head = Proc([*head_args(model, port, master), *OVERRIDES], logs / "head.log", ENV)
     head.url = f"http://127.0.0.1:{port}"
     head.model, head.master, head.logs = model, master, logs
     head.node = start_node(head, "node-1.log")
@@ -57,7 +65,9 @@ def cluster(tiny_models, tmp_path_factory):
 
 
 def start_node(head: Proc, name: str) -> Proc:
-    return Proc(node_args(head.model, "127.0.0.1", head.master), head.logs / name, ENV)
+    return Proc(
+        [*node_args(head.model, "127.0.0.1", head.master), *OVERRIDES], head.logs / name, ENV
+    )
 
 
 def generate(url: str, model: str, seed: int, **extra) -> bytes:
@@ -161,6 +171,46 @@ def test_node_killed_mid_request_fails_fast_then_restart_resumes(cluster):
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     for name in ("omni_stage_deaths_total", "omni_stage_restarts_total"):
         assert stage_metric(metrics, name, 1) == stage_metric(before, name, 1) + 1
+
+
+def test_stuck_stage_on_a_heartbeating_node_fails_503_and_restarts(cluster):
+    # The node process runs on and heartbeats; only its DiT stage process is stopped. The node's
+    # watchdog sees no Pulse for stall_timeout_s, answers the head 503 (Unavailable), kills the
+    # stage and restarts it; the head reports unhealthy until the node says it is ready again.
+    url = cluster.url
+    stage = next(p for p in cluster.node.descendants() if "omni-stage-1" in " ".join(p.cmdline()))
+    outcome: dict = {}
+
+    def long_request() -> None:
+        outcome["resp"] = post_image(url, timeout=120, size="256x256", num_inference_steps=200)
+        outcome["done"] = time.monotonic()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        if stage_metric(metrics, "omni_stage_requests_in_flight", 1) == 1:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the request never reached the DiT node")
+    time.sleep(0.3)  # a few denoising steps in
+    os.kill(stage.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    worker.join(60)
+    answered = outcome["done"] - stopped
+    assert_503(outcome["resp"])
+    assert "made no progress" in outcome["resp"].json()["error"]["message"]
+    # the deadline, the node's 0.5 s supervisor round, slack for a loaded 2-core box
+    assert answered <= STALL_TIMEOUT_S + 2.0, answered
+    # The next heartbeat (at most 1 s later) carries the stage's restart to the head.
+    wait_status(f"{url}/health", 503, cluster.node, timeout=3)
+    assert not _alive(stage.pid)  # SIGKILLed, not left stopped
+    wait_status(f"{url}/health", 200, cluster.node, timeout=120)
+    assert post_image(url).status_code == 200
+    assert cluster.node.proc.poll() is None  # the node itself never went away
+    print(f"stuck remote stage: 503 after {answered:.2f} s (stall_timeout_s {STALL_TIMEOUT_S})")
 
 
 def _alive(pid: int) -> bool:
