@@ -6,6 +6,7 @@
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
 #   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
 #   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
+#   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_dit_gpu.py, ~8 min, no vLLM
 #   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
 #                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
@@ -75,6 +76,12 @@ while [ $# -gt 0 ]; do
         pkill -f "vllm serve" || true; sleep 2
       done
       shift $#
+      ;;
+    dit)
+      # Step variants, GLM CFG step, served-shape sequence, end to end; random weights built on
+      # the GPU. DIT_BUDGET_S bounds the whole run (the script skips what no longer fits).
+      python3 benchmarks/bench_dit_gpu.py --budget-s "${DIT_BUDGET_S:-450}" --out "$OUT/dit" \
+        2>&1 | tee "$OUT/dit.log"
       ;;
     *)
       echo "unknown step: $step" >&2

@@ -22,7 +22,8 @@ Each option keeps the model's function: no caching across steps, no lower precis
   * `cuda_graphs` (cuda_graphs.py): the forward captured per input signature and replayed.
   * `fp8` (fp8.py): fp8 GEMMs for the block linears; lossy, opt-in, sm89+ only.
   * GLM-Image always runs without its forward's host syncs (glm_image_sync_free.py): the same
-    math, and the precondition for capturing it in a CUDA graph.
+    math, and the precondition for capturing it in a CUDA graph. Compiled on CUDA, its four
+    shape classes are compiled at start-up (`warm_up`), not in the first requests.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ def accelerate_transformer(
     cuda_graphs: bool | None = None,
     max_graphs: int = 8,
     fp8: bool = False,
+    reversible: bool = True,
 ) -> Callable[..., Any]:
     """Apply the options to `transformer` (fusion, fp8, GLM's sync-free modules and regional
     compile are in place; `reset_transformer` undoes them) and return what the denoising loop
     should call. `dynamic=None`: dynamic for VARIABLE_TEXT_MODELS, else torch's default.
-    `cuda_graphs=None`: on for CUDA devices."""
+    `cuda_graphs=None`: on for CUDA devices. `reversible=False` (serving) frees what only
+    `reset_transformer` would need (fp8: the model-dtype weights of the swapped linears)."""
     cuda = device.type == "cuda"
     name = type(transformer).__name__
     undo: list[Callable[[], None]] = transformer.__dict__.setdefault("_omni_undo", [])
@@ -115,7 +118,8 @@ def accelerate_transformer(
         if why is not None:
             raise AccelerationError(f"fp8_linear: {why}")
         swapped = fp8_gemm.quantize_block_linears(_repeated_blocks(transformer))
-        undo.append(lambda: fp8_gemm.restore_linears(swapped))
+        if reversible:
+            undo.append(lambda: fp8_gemm.restore_linears(swapped))
         logger.info("fp8_linear: %d block linears run as fp8 GEMMs", len(swapped))
     sync_free = glm_image_sync_free.install(transformer)
     if sync_free is not None:
@@ -132,6 +136,9 @@ def accelerate_transformer(
             fn = torch.compile(transformer, **kwargs)
     if sync_free is not None:
         fn = glm_image_sync_free.SyncFreeGlm(fn, transformer)
+        if compile and cuda and dynamic:
+            # All of GLM's compiles now, at start-up, instead of in the first requests.
+            glm_image_sync_free.warm_up(fn, transformer)
     if attention_backend is not None:
         if cuda:
             fn = WithAttentionBackend(fn, attention_backend)

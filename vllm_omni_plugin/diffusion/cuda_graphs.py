@@ -58,8 +58,8 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(value)
     if isinstance(value, (tuple, list)):
         return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, dict):  # sorted: the same order whatever order the caller used
+        return {k: _map_tensors(value[k], fn) for k in sorted(value)}
     return value
 
 

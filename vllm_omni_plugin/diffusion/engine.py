@@ -57,6 +57,7 @@ class DiffusionEngine:
                 cuda_graphs=config.cuda_graphs,
                 max_graphs=config.cuda_graph_max_graphs,
                 fp8=config.fp8_linear,
+                reversible=False,
             )
         except AccelerationError as exc:
             raise DiffusionEngineError(str(exc)) from exc

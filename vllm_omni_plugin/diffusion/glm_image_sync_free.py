@@ -17,19 +17,33 @@ by a keep mask (1.0 or 0.0 per token: x * 1.0 == x, and x * 0.0 is what the mask
 gives). `SyncFreeGlm` wraps the call: it sets the keep mask from `prior_token_drop` on the
 device and passes the forward an empty slice as its drop mask, so the forward's own masked
 multiply touches nothing.
+
+`warm_up` compiles ahead of the first request: with dynamic shapes (acceleration.py) the
+compiled block serves every batch size, text length and resolution, except that torch
+specialises sizes 1, so there are four graphs per block type (batch 1 or more, glyph length 1
+or more). Without it the first request with quoted text (cond and uncond rows of different
+lengths: two batch-1 forwards) paid those compiles, ~19 s, in the middle of serving (issue 10).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 MODEL = "GlmImageTransformer2DModel"
 # Latent sizes whose cos/sin stay on the device (a few KB to a few MB each).
 MAX_CACHED_SIZES = 16
+# The warm-up's shape classes: (batch, glyph length). Sizes other than 1 are chosen distinct
+# from each other and from the image token count, so no two dimensions share a symbol.
+WARM_UP_CLASSES = ((2, 3), (2, 1), (1, 3), (1, 1))
+WARM_UP_LATENT = 32  # 256x256 images: cheap, and the graphs are shape-generic
 
 
 class DeviceRope(nn.Module):
@@ -107,3 +121,38 @@ class SyncFreeGlm:
         if name == "fn":  # not set yet (copy, unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.fn, name)
+
+
+def warm_up_inputs(transformer: nn.Module, batch: int, glyph_len: int) -> dict[str, Any]:
+    """Inputs of one forward in the GLM adapter's layout, at WARM_UP_LATENT, random values."""
+    cfg = transformer.config
+    device, dtype = transformer.device, transformer.dtype
+    lat = WARM_UP_LATENT
+    tokens = (lat // cfg.patch_size) ** 2
+    size = float(lat * 8)
+    return dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, lat, lat, device=device, dtype=dtype),
+        encoder_hidden_states=torch.randn(
+            batch, glyph_len, cfg.text_embed_dim, device=device, dtype=dtype
+        ),
+        prior_token_id=torch.zeros(batch, tokens, dtype=torch.long, device=device),
+        prior_token_drop=torch.zeros(batch, tokens, dtype=torch.bool, device=device),
+        timestep=torch.full([batch], 500.0, device=device, dtype=dtype),
+        target_size=torch.tensor([[size, size]] * batch, device=device, dtype=dtype),
+        crop_coords=torch.zeros(batch, 2, device=device, dtype=dtype),
+        attention_kwargs=None,
+        return_dict=False,
+    )
+
+
+@torch.inference_mode()
+def warm_up(fn: Callable[..., Any], transformer: nn.Module) -> float:
+    """Run `fn` once per shape class so every compile happens now; returns the seconds spent."""
+    t0 = time.perf_counter()
+    for batch, glyph_len in WARM_UP_CLASSES:
+        fn(**warm_up_inputs(transformer, batch, glyph_len))
+    if transformer.device.type == "cuda":
+        torch.cuda.synchronize(transformer.device)
+    spent = time.perf_counter() - t0
+    logger.info("GLM-Image transformer compiled for %d shape classes in %.1f s", 4, spent)
+    return spent
