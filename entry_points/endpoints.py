@@ -22,6 +22,9 @@ class OmniImagesPlugin:
         from vllm_omni_plugin.serving.routes import router
 
         app.include_router(router)
+        from vllm_omni_plugin.serving.videos_routes import router as videos_router
+
+        app.include_router(videos_router)  # /v1/videos jobs
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from vllm_omni_plugin.serving.engine_client import OmniEngineClient
@@ -31,6 +34,9 @@ class OmniImagesPlugin:
         from vllm_omni_plugin.serving.app_state import init_image_service
 
         init_image_service(engine_client, state, args)
+        from vllm_omni_plugin.serving.videos import init_video_service
+
+        init_video_service(engine_client, state, args)  # video pipelines only
 
 
 def make_plugin() -> OmniImagesPlugin:

@@ -17,6 +17,7 @@ from vllm_omni_plugin.config.consumers import CONSUMERS, Code, EngineArg, Refuse
 from vllm_omni_plugin.config.owners_ar import ARSamplingDefaults
 from vllm_omni_plugin.config.owners_common import Owner, ServingLimits
 from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults
+from vllm_omni_plugin.config.owners_videos import VideoJobs
 from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
 from vllm_omni_plugin.config.stage_keys import AR_OWNERS, DIFFUSION_FIELDS, DIFFUSION_OWNERS
 from vllm_omni_plugin.config.vllm_engine_fields import VLLM_ENGINE_FIELDS
@@ -39,6 +40,8 @@ def _all_owners() -> list[type[Owner]]:
 
 def _kinds(owner: type[Owner], field: str) -> set[str]:
     """The stage kinds (or "pipeline") on which a field of this owner can be set."""
+    if owner is VideoJobs:  # top-level `videos:`
+        return {"pipeline"}
     if owner in (ServingLimits, PipelineRuntime):
         return {"pipeline"}
     if owner is ARSamplingDefaults:

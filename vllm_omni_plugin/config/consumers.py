@@ -212,4 +212,13 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "node_ip_address"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "max_restarts"): {"pipeline": Code(_RAY)},
+    # VideoJobs (top-level `videos:`): the /v1/videos job store and video request bounds
+    **{
+        ("VideoJobs", f): {"pipeline": Code("serving/videos_store.py")}
+        for f in ("store_dir", "max_store_bytes", "max_age_s")
+    },
+    **{
+        ("VideoJobs", f): {"pipeline": Code("serving/videos.py")}
+        for f in ("max_running_jobs", "max_num_frames", "default_fps")
+    },
 }

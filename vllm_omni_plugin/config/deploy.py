@@ -17,6 +17,7 @@ from vllm_omni_plugin.config.owners_common import (
     ServingLimits,
 )
 from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner, DiffusionSamplingDefaults
+from vllm_omni_plugin.config.owners_videos import VideoJobs
 from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
 from vllm_omni_plugin.pipelines.topology import PipelineTopology
 
@@ -182,6 +183,8 @@ class DeployConfig(BaseModel):
     edges: list[EdgeConfig]
     connectors: dict[str, ConnectorSpec]
     serving: ServingLimits
+    videos: VideoJobs = Field(default_factory=VideoJobs)
+    """The /v1/videos job store and video request bounds (top-level `videos:`)."""
     runtime: PipelineRuntime = Field(default_factory=PipelineRuntime)
     """Where the stage replicas run (top-level `runtime:`: local processes or Ray)."""
     platform: str | None = None
@@ -224,6 +227,7 @@ class DeployConfig(BaseModel):
             "platform": self.platform,
             "async_chunk": self.async_chunk,
             "serving": self.serving.model_dump(),
+            "videos": self.videos.model_dump(),
             "runtime": self.runtime.model_dump(),
             "connectors": {k: v.model_dump() for k, v in self.connectors.items()},
             "edges": [e.model_dump() for e in self.edges],

@@ -14,6 +14,7 @@ from vllm_omni_plugin.config.detect import find_topology
 from vllm_omni_plugin.config.errors import ProblemSink, did_you_mean
 from vllm_omni_plugin.config.loading import LoadedFile, find_config_file, load_with_bases
 from vllm_omni_plugin.config.overrides import parse_stage_overrides
+from vllm_omni_plugin.config.owners_videos import video_jobs
 from vllm_omni_plugin.config.pipeline_runtime import check_replicas, pipeline_runtime
 from vllm_omni_plugin.config.provenance import Layered
 from vllm_omni_plugin.config.sections import (
@@ -46,6 +47,7 @@ TOP_KEYS = {
     "platforms",
     "base_config",
     "serving",
+    "videos",  # VideoJobs: the /v1/videos job store
     "runtime",
     *PIPELINE_WIDE,
 }
@@ -131,6 +133,7 @@ def load_deploy_config(
     platform = (platform or detect_platform()).lower()
     platform_stages = platform_entries(top.get("platforms"), platform, topo, sink)
     serving = serving_limits(top.get("serving"), sink)
+    videos = video_jobs(top.get("videos"), sink)
     runtime = pipeline_runtime(top.get("runtime"), sink)
     sink.raise_if_any()
 
@@ -182,6 +185,7 @@ def load_deploy_config(
         edges=edges,
         connectors=connectors,
         serving=serving,
+        videos=videos,
         runtime=runtime,
         platform=platform if platform_stages else None,
         async_chunk=bool(top.get("async_chunk")),

@@ -13,6 +13,7 @@ def single_diffusion_stage(
     model_types: tuple[str, ...] = (),
     granularity: int = 16,
     description: str = "",
+    emits: str = "image",
 ) -> PipelineTopology:
     """A pipeline made of one diffusion stage over the whole checkpoint folder."""
     dit = StageSpec(
@@ -20,7 +21,7 @@ def single_diffusion_stage(
         name="dit",
         kind="diffusion",
         inputs=[],
-        emits="image",
+        emits=emits,
         final_output=True,
         pipeline_class=pipeline_class,
     )
@@ -49,6 +50,15 @@ FLUX = single_diffusion_stage(
     class_names=("FluxPipeline",),
     model_types=("flux",),
     description="FLUX.1: one diffusion stage",
+)
+# Wan2.1 / Wan2.2 text-to-video: VAE scale 8 x transformer patch 2; served on /v1/videos.
+WAN = single_diffusion_stage(
+    "wan",
+    "WanPipeline",
+    class_names=("WanPipeline",),
+    model_types=("wan",),
+    description="Wan2.2 text-to-video: one diffusion stage",
+    emits="video",
 )
 # The fallback: any diffusers model_index.json; its `_class_name` picks the pipeline class.
 GENERIC_DIFFUSERS = single_diffusion_stage(

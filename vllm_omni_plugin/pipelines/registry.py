@@ -11,7 +11,7 @@ import logging
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from vllm_omni_plugin.pipelines.diffusers_single import FLUX, GENERIC_DIFFUSERS, QWEN_IMAGE
+from vllm_omni_plugin.pipelines.diffusers_single import FLUX, GENERIC_DIFFUSERS, QWEN_IMAGE, WAN
 from vllm_omni_plugin.pipelines.glm_image import GLM_IMAGE
 from vllm_omni_plugin.pipelines.topology import PipelineTopology
 
@@ -121,5 +121,5 @@ def diffusers_class_of(model: str | Path) -> str | None:
     return None
 
 
-for _topo in (GLM_IMAGE, QWEN_IMAGE, FLUX, GENERIC_DIFFUSERS):
+for _topo in (GLM_IMAGE, QWEN_IMAGE, FLUX, WAN, GENERIC_DIFFUSERS):
     register_pipeline(_topo)

@@ -18,6 +18,7 @@ from typing import Any
 from .images import encode_image
 from .messages import PULSE_INTERVAL_S, Abort, Progress, Pulse, Result, Shutdown, StageInit, Submit
 from .payloads import StagePayloads
+from .videos_encode import encode_mp4
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
 
@@ -33,6 +34,7 @@ class _Job:
     compression: int | None
     stream: bool = False
     sent_step: int = -1  # the last step reported in a Progress message
+    fps: int | None = None  # video jobs (output_format "mp4"): frames per second of the MP4
 
 
 class DiffusionStageRunner:
@@ -65,6 +67,8 @@ class DiffusionStageRunner:
             "pipeline_class": type(self.engine.adapter).pipeline_class,
             "limits": self.engine.limits.to_dict(),
             "effective": self.describe(),
+            # Video families: what /v1/videos checks requests against (frames = 1 + k * step).
+            **({"video": self.engine.adapter.video_facts()} if _is_video(self.engine) else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -180,6 +184,7 @@ class DiffusionStageRunner:
                 seed=p.seed,
                 prior_token_ids=prior,
                 partial_images=p.partial_images if p.stream else 0,
+                num_frames=p.num_frames,  # video requests only
                 # Edits: the API server's checked lossless PNGs (GenerationParams' contract).
                 input_images=[_decode_png(b) for b in p.input_images],
                 mask=None if p.mask is None else _decode_png(p.mask),
@@ -197,6 +202,7 @@ class DiffusionStageRunner:
             self._reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
             return
         self.jobs[msg.request_id] = _Job(t0, p.output_format, p.output_compression, p.stream)
+        self.jobs[msg.request_id].fps = p.fps  # video requests only
 
     def _finish(self, out: Any) -> None:
         job = self.jobs.pop(out.request_id, None)
@@ -205,7 +211,11 @@ class DiffusionStageRunner:
         if out.error is not None:
             result = Result(out.request_id, error=out.error, metrics=dict(out.metrics))
         else:
-            images = [encode_image(im, job.output_format, job.compression) for im in out.images]
+            images = (
+                [encode_mp4(out.images, job.fps or 16)]  # a video: its frames as one MP4
+                if job.output_format == "mp4"
+                else [encode_image(im, job.output_format, job.compression) for im in out.images]
+            )
             result = Result(out.request_id, output=images, metrics=dict(out.metrics))
         result.stage_s = time.perf_counter() - job.received
         self._reply(result)
@@ -215,6 +225,11 @@ class DiffusionStageRunner:
 
     def close(self) -> None:
         self.payloads.close()
+
+
+def _is_video(engine: Any) -> bool:
+    """A video family's adapter says what its frames must look like (adapters/wan.py)."""
+    return hasattr(engine.adapter, "video_facts")
 
 
 def _decode_png(data: bytes) -> Any:

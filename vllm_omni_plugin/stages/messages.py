@@ -52,6 +52,9 @@ class GenerationParams:
     # messages for this request; a diffusion stage also decodes `partial_images` previews.
     stream: bool = False
     partial_images: int = 0
+    # /v1/videos jobs (output_format "mp4"): frames of the video and frames per second.
+    num_frames: int | None = None
+    fps: int | None = None
     # Edits (POST /v1/images/edits). The contract between the API server and every stage:
     # `input_images` are the request's source images in upload order, each one already checked
     # (bytes, pixels, format) and decoded by the API server, then re-encoded as a lossless 8-bit

@@ -1,0 +1,245 @@
+"""`vllm serve TINY_WAN --stage-config wan_tiny.yaml`: /v1/videos jobs through the official
+openai client, against a real server and a real diffusion-stage process.
+
+One store folder, two servers in turn (the second proves a restart loses nothing finished).
+Order matters: the tests run in file order and share the jobs they made.
+
+Frame tolerance against diffusers' WanPipeline on the same weights and seed: H.264 (yuv420p,
+crf 18) is lossy, so (1) the served MP4's frames equal diffusers' frames put through the same
+encoder within a mean of 1/255 (seen: 0), and (2) their luma is within a mean of 4/255 of
+diffusers' raw frames (seen: 3.0; chroma subsampling of 32x32 noise-like frames costs ~15/255
+in RGB) and less than half as far as the video of another seed (seen: 20).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import av
+import httpx
+import numpy as np
+import pytest
+from omni_server import API_KEY, REPO, Server
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from vllm_omni_plugin.stages.videos_encode import encode_mp4
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+PROMPT = "a red cat"
+MAX_ROUNDTRIP_DIFF = 1.0
+MAX_LUMA_DIFF = 4.0
+LUMA = np.array([0.299, 0.587, 0.114])
+JOBS = [  # (size, num_frames, seed): 4 jobs at once, two sizes, two lengths
+    ("32x32", 9, 1),
+    ("32x32", 9, 2),
+    ("48x32", 5, 3),
+    ("32x32", 13, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, tmp_path_factory):
+    model = tiny_models("wan")
+    root = tmp_path_factory.mktemp("wan-server")
+    config = root / "wan_tiny_store.yaml"
+    config.write_text(
+        f"base_config: {REPO / 'stage_configs' / 'wan_tiny.yaml'}\n"
+        f"videos:\n  store_dir: {root / 'store'}\n"
+    )
+    return model, config, root
+
+
+def start(setup, name: str) -> Server:
+    model, config, root = setup
+    server = Server(
+        [str(model), "--stage-config", str(config), "--api-key", API_KEY],
+        root / f"{name}.log",
+        env={"VLLM_OMNI_DESCRIBE_STAGES": "1"},
+    )
+    server.wait_healthy()
+    server.model = str(model)
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    s = start(setup, "first")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared() -> dict:
+    return {}
+
+
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def create(server, size="32x32", frames=9, seed=0, steps=4, **kw):
+    return client(server).videos.create(
+        prompt=kw.pop("prompt", PROMPT),
+        size=size,
+        extra_body={"num_frames": frames, "seed": seed, "num_inference_steps": steps, **kw},
+    )
+
+
+def wait(server, video_id: str, timeout: float = 120) -> tuple[object, list[int]]:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = client(server).videos.retrieve(video_id)
+        seen.append(v.progress)
+        if v.status in ("completed", "failed"):
+            return v, seen
+        time.sleep(0.1)
+    raise TimeoutError(f"{video_id} unfinished:\n{server.log_tail()}")
+
+
+def frames_of(mp4: bytes) -> np.ndarray:
+    with av.open(io.BytesIO(mp4)) as c:
+        return np.stack(
+            [f.to_ndarray(format="rgb24").astype(np.float64) for f in c.decode(video=0)]
+        )
+
+
+def reference(model, size: str, frames: int, seed: int) -> list:
+    import torch
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(model))
+    pipe.set_progress_bar_config(disable=True)
+    width, height = map(int, size.split("x"))
+    return pipe(
+        PROMPT,
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=4,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="pil",
+    ).frames[0]
+
+
+def pixels(frames) -> np.ndarray:
+    return np.stack([np.asarray(f, dtype=np.float64) for f in frames])
+
+
+def test_four_jobs_at_once_give_four_valid_mp4s(server, setup, shared):
+    with ThreadPoolExecutor(4) as pool:
+        created = list(pool.map(lambda j: create(server, j[0], j[1], j[2]), JOBS))
+    assert all(v.object == "video" and v.status in ("queued", "in_progress") for v in created)
+    with ThreadPoolExecutor(4) as pool:
+        finished = list(pool.map(lambda v: wait(server, v.id), created))
+    videos = {}
+    for (size, frames, seed), v, (done, seen) in zip(JOBS, created, finished, strict=True):
+        assert done.status == "completed", done.error
+        assert done.progress == 100 and done.completed_at >= done.created_at
+        assert done.size == size and seen == sorted(seen)
+        mp4 = client(server).videos.download_content(v.id).read()
+        got = frames_of(mp4)
+        width, height = map(int, size.split("x"))
+        assert got.shape == (frames, height, width, 3)
+        videos[seed] = got
+    shared["finished"] = {
+        v.id: client(server).videos.download_content(v.id).read() for v in created
+    }
+    model = setup[0]
+    ref, other = reference(model, "32x32", 9, 1), reference(model, "32x32", 9, 2)
+    roundtrip = np.abs(videos[1] - frames_of(encode_mp4(ref, 16))).mean()
+    assert roundtrip <= MAX_ROUNDTRIP_DIFF, roundtrip
+    luma = np.abs(videos[1] @ LUMA - pixels(ref) @ LUMA).mean()
+    assert luma <= MAX_LUMA_DIFF, luma
+    assert luma < 0.5 * np.abs(videos[1] @ LUMA - pixels(other) @ LUMA).mean()
+
+
+def test_list_and_delete(server, shared):
+    ids = set(shared["finished"])
+    listed = [v.id for v in client(server).videos.list(limit=100)]
+    assert ids <= set(listed)
+    page = client(server).videos.list(limit=2, order="asc")
+    assert len(page.data) == 2 and page.has_more
+    extra = create(server, seed=9)
+    wait(server, extra.id)
+    gone = client(server).videos.delete(extra.id)
+    assert gone.deleted and gone.id == extra.id
+    with pytest.raises(NotFoundError):
+        client(server).videos.retrieve(extra.id)
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"size": "7x7"}, "size"),
+        ({"size": "1792x1024"}, "size"),
+        ({"frames": 0}, "num_frames"),
+        ({"frames": 10**9}, "num_frames"),
+        ({"frames": 8}, "num_frames"),
+        ({"steps": 0}, "num_inference_steps"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_400s(server, kw, param):
+    with pytest.raises(BadRequestError) as exc:
+        create(server, **kw)
+    err = exc.value.body
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_unknown_ids_get_404s(server):
+    missing = "video_" + "0" * 32
+    for call in (
+        lambda: client(server).videos.retrieve(missing),
+        lambda: client(server).videos.download_content(missing),
+        lambda: client(server).videos.delete("not-an-id"),
+    ):
+        with pytest.raises(NotFoundError) as exc:
+            call()
+        assert exc.value.body["code"] == "video_not_found"
+
+
+def test_killed_stage_fails_its_job_and_later_jobs_complete(server, shared):
+    doomed = create(server, seed=5, steps=200)
+    deadline = time.monotonic() + 60
+    while client(server).videos.retrieve(doomed.id).progress < 1:
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.05)
+    stage = next(p for p in server.descendants() if "omni-stage-0" in " ".join(p.cmdline()))
+    stage.kill()
+    failed, _ = wait(server, doomed.id)
+    assert failed.status == "failed" and failed.error.code == "stage_unavailable", failed.error
+    # Created while the stage restarts: they wait for it, then complete.
+    later = [create(server, seed=s) for s in (6, 7)]
+    for v in later:
+        done, _ = wait(server, v.id, timeout=180)
+        assert done.status == "completed", done.error
+    shared["failed"] = doomed.id
+    shared["finished"].update(
+        {v.id: client(server).videos.download_content(v.id).read() for v in later}
+    )
+    # Left running when the server stops: reported failed by the next server.
+    shared["unfinished"] = create(server, seed=8, steps=200).id
+    while client(server).videos.retrieve(shared["unfinished"]).status == "queued":
+        time.sleep(0.05)
+
+
+def test_restarted_server_keeps_finished_jobs_and_content(server, setup, shared):
+    server.stop()
+    second = start(setup, "second")
+    try:
+        for video_id, mp4 in shared["finished"].items():
+            v = client(second).videos.retrieve(video_id)
+            assert v.status == "completed"
+            assert client(second).videos.download_content(video_id).read() == mp4
+        assert client(second).videos.retrieve(shared["failed"]).status == "failed"
+        left = client(second).videos.retrieve(shared["unfinished"])
+        assert left.status == "failed" and left.error.code == "server_restarted"
+        r = httpx.get(
+            f"{second.url}/v1/videos/{shared['unfinished']}/content",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+        assert r.status_code == 404 and r.json()["error"]["code"] == "video_failed"
+    finally:
+        second.stop()
