@@ -9,15 +9,37 @@ with the empty glyph prompt and the prior tokens dropped, latents_mean/std befor
 The transformer has no text attention mask, and diffusers left-pads glyph embeddings with zero
 vectors that the model does see; to keep each image independent of its batch neighbours, rows
 share a forward only when their glyph lengths are equal (one forward per length).
+
+Image-to-image (one source image, `req.input_images`), as diffusers' pipeline with `image`: the
+source is fitted as the AR stage fits it (`fit_source_image`), tokenized by the AR checkpoint's
+vision tokenizer (loaded here on the first edit: vision encoder + VQ only), its codes upsampled
+2x; the VAE-encoded source (mode, normalized) runs once through the transformer at timestep 0
+in "write" mode, and the keys/values it leaves condition every conditional step ("read");
+unconditional rows skip them. Conditional rows share a forward only with rows whose source
+shape is the same; an edit and a text-to-image request still share engine steps and their
+unconditional forward.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
+from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+from diffusers.pipelines.glm_image.pipeline_glm_image import (
+    calculate_shift,
+    retrieve_latents,
+    retrieve_timesteps,
+)
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
+
+from vllm_omni_plugin.models.glm_image.processing import (
+    fit_source_image,
+    load_vision_tokenizer,
+    source_image_codes,
+    source_pixel_bounds,
+    upsample_codes,
+)
 
 from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
@@ -30,6 +52,7 @@ class GlmImageAdapter(DiffusionAdapter):
     pipeline_class = "GlmImagePipeline"
     # The AR model and its processor run in the AR stage; the DiT stage never loads them.
     skip_components = ("vision_language_encoder", "processor")
+    max_input_images = 1
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -37,6 +60,7 @@ class GlmImageAdapter(DiffusionAdapter):
         self.vae_scale_factor = pipe.vae_scale_factor
         self.patch = int(pipe.transformer.config.patch_size)
         self._empty_glyph: torch.Tensor | None = None
+        self._vision = None  # (processor, visual, vqmodel), loaded on the first edit
 
     @property
     def spec(self) -> FamilySpec:
@@ -66,6 +90,63 @@ class GlmImageAdapter(DiffusionAdapter):
         vocab = int(self.pipe.transformer.config.prior_vq_quantizer_codebook_size)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise RequestValidationError("prior_token_ids", f"ids must lie in [0, {vocab})")
+        if req.input_images:
+            processor = self._vision_tokenizer()[0]
+            try:
+                fit_source_image(req.input_images[0], *source_pixel_bounds(processor))
+            except ValueError as exc:
+                raise RequestValidationError("image", str(exc)) from None
+
+    # ---- image-to-image ----------------------------------------------------------------
+    def _vision_tokenizer(self):
+        if self._vision is None:
+            from pathlib import Path
+
+            from transformers import AutoProcessor
+
+            root = Path(self.pipe.name_or_path)
+            processor = AutoProcessor.from_pretrained(root / "processor")
+            visual, vq = load_vision_tokenizer(
+                root / "vision_language_encoder", device=self.device, dtype=self.pipe.dtype
+            )
+            self._vision = (processor, visual, vq)
+        return self._vision
+
+    @torch.no_grad()
+    def _condition(self, image: Image.Image) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per transformer layer, the (key, value) of one source image: diffusers' "write" pass."""
+        processor, visual, vq = self._vision_tokenizer()
+        image = fit_source_image(image, *source_pixel_bounds(processor))
+        pix = processor.image_processor(images=[image], return_tensors="pt")
+        grid = pix["image_grid_thw"]
+        (codes,) = source_image_codes(visual, vq, pix["pixel_values"], grid)
+        prior = upsample_codes(codes, int(grid[0, 1]), int(grid[0, 2])).to(self.device)
+        width, height = image.size
+        pixels = self.pipe.image_processor.preprocess(image, height=height, width=width)
+        vae = self.pipe.vae
+        dtype = self.pipe.dtype
+        latent = retrieve_latents(
+            vae.encode(pixels.to(device=self.device, dtype=dtype)), sample_mode="argmax"
+        )
+        c = vae.config.latent_channels
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1).to(self.device, dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1).to(self.device, dtype)
+        latent = (latent - mean) / std
+        caches = GlmImageKVCache(num_layers=self.pipe.transformer.config.num_layers)
+        caches.set_mode("write")
+        empty = torch.zeros(1, 0, self.pipe.transformer.config.text_embed_dim, dtype=dtype)
+        self.transformer(
+            hidden_states=latent,
+            encoder_hidden_states=empty.to(self.device),
+            prior_token_id=prior,
+            prior_token_drop=torch.zeros_like(prior, dtype=torch.bool),
+            timestep=torch.zeros((1,), device=self.device),
+            target_size=torch.tensor([[height, width]], device=self.device),
+            crop_coords=torch.zeros((1, 2), device=self.device),
+            attention_kwargs=None,
+            kv_caches=caches,
+        )
+        return [(layer.k_caches[0], layer.v_caches[0]) for layer in caches.caches]
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         cfg = self.pipe.transformer.config
@@ -117,6 +198,8 @@ class GlmImageAdapter(DiffusionAdapter):
             s.cond["embeds"] = emb
             if s.do_cfg:
                 s.cond["neg"] = self._empty_glyph
+            if s.req.input_images:
+                s.cond["kv"] = self._condition(s.req.input_images[0])
             ids = s.req.prior_token_ids.to(self.device)
             s.cond["prior"] = (
                 ids.repeat_interleave(s.n, dim=0) if ids.shape[0] == 1 and s.n > 1 else ids
@@ -155,9 +238,11 @@ class GlmImageAdapter(DiffusionAdapter):
         rows = [(s, s.cond["embeds"], False) for s in states]
         rows += [(s, s.cond["neg"], True) for s in states if s.do_cfg]
         preds: dict[tuple[int, bool], torch.Tensor] = {}
-        by_len: dict[int, list[tuple[RequestState, torch.Tensor, bool]]] = {}
+        by_len: dict[tuple, list[tuple[RequestState, torch.Tensor, bool]]] = {}
         for row in rows:
-            by_len.setdefault(row[1].shape[1], []).append(row)
+            # Conditional rows of an edit attend to its source keys: same source length only.
+            kv = row[0].cond.get("kv") if not row[2] else None
+            by_len.setdefault((row[1].shape[1], kv[0][0].shape[1] if kv else 0), []).append(row)
         groups = list(by_len.values())
         for group, out in zip(groups, self.forward_groups(self._forward, groups), strict=True):
             for (s, _, drop), chunk in zip(group, out.split([r[0].n for r in group]), strict=True):
@@ -185,6 +270,18 @@ class GlmImageAdapter(DiffusionAdapter):
         size = torch.tensor([[req0.height, req0.width]], dtype=dtype, device=self.device)
         crop = torch.zeros(1, 2, dtype=dtype, device=self.device)
         b = latents.shape[0]
+        caches = None
+        if rows[0][0].cond.get("kv") is not None and not rows[0][2]:
+            # "read": every row's source keys/values, repeated for its n images, before its own.
+            caches = GlmImageKVCache(num_layers=len(rows[0][0].cond["kv"]))
+            caches.set_mode("read")
+            for i, layer in enumerate(caches.caches):
+                layer.k_caches = [
+                    torch.cat([s.cond["kv"][i][0].expand(s.n, -1, -1, -1) for s, _, _ in rows])
+                ]
+                layer.v_caches = [
+                    torch.cat([s.cond["kv"][i][1].expand(s.n, -1, -1, -1) for s, _, _ in rows])
+                ]
         return tr(
             hidden_states=latents.to(self.pipe.transformer.dtype),
             encoder_hidden_states=embeds,
@@ -195,6 +292,7 @@ class GlmImageAdapter(DiffusionAdapter):
             crop_coords=crop.repeat(b, 1),
             attention_kwargs=None,
             return_dict=False,
+            kv_caches=caches,
         )[0].float()
 
     # ---- decode ------------------------------------------------------------------------

@@ -46,7 +46,11 @@ from vllm_omni_plugin.models.glm_image.mm_processing import (
     GlmImageProcessingInfo,
 )
 from vllm_omni_plugin.models.glm_image.positions import GridPositionCodec, T2ILayout
-from vllm_omni_plugin.models.glm_image.processing import parse_t2i_layout, source_positions
+from vllm_omni_plugin.models.glm_image.processing import (
+    parse_t2i_layout,
+    source_image_codes,
+    source_positions,
+)
 
 # Under "vllm." so vLLM's own log handler prints it in worker processes.
 logger = init_logger("vllm.omni_plugin.glm_image")
@@ -298,19 +302,7 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
 
     @torch.inference_mode()
     def image_codes(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
-        """Each source image's VQ codes (row-major over its grid): transformers'
-        `get_image_features` + `get_image_tokens`."""
-        grid = grid.to(torch.long).cpu()
-        dtype = next(self.visual.parameters()).dtype
-        device = next(self.visual.parameters()).device
-        hidden = self.visual(
-            pixel_values.to(device=device, dtype=dtype), grid_thw=grid.to(device), return_dict=True
-        ).last_hidden_state
-        out = []
-        for emb, (t, h, w) in zip(hidden.split(grid.prod(-1).tolist()), grid.tolist(), strict=True):
-            emb = emb.view(t, h, w, -1).permute(0, 3, 1, 2).reshape(-1, h, w)
-            out.append(self.vqmodel.encode(emb[None]).image_tokens.reshape(-1))
-        return out
+        return source_image_codes(self.visual, self.vqmodel, pixel_values, grid)
 
     def forward(
         self,

@@ -324,3 +324,69 @@ def source_positions(
         pos += 1
     out = torch.tensor([t[:prompt_len], h[:prompt_len], w[:prompt_len]], dtype=torch.long)
     return out, pos
+
+
+def source_image_codes(
+    visual: torch.nn.Module,
+    vqmodel: torch.nn.Module,
+    pixel_values: torch.Tensor,
+    grid: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Each source image's VQ codes (row-major over its grid), transformers'
+    `get_image_features` + `get_image_tokens`: the vision encoder's patch features, reshaped to
+    [1, hidden, rows, cols] per image, quantized by the VQ model."""
+    grid = grid.to(torch.long).reshape(-1, 3).cpu()
+    param = next(visual.parameters())
+    hidden = visual(
+        pixel_values.to(device=param.device, dtype=param.dtype),
+        grid_thw=grid.to(param.device),
+        return_dict=True,
+    ).last_hidden_state
+    out = []
+    for emb, (t, h, w) in zip(hidden.split(grid.prod(-1).tolist()), grid.tolist(), strict=True):
+        emb = emb.view(t, h, w, -1).permute(0, 3, 1, 2).reshape(-1, h, w)
+        out.append(vqmodel.encode(emb[None]).image_tokens.reshape(-1))
+    return out
+
+
+def upsample_codes(codes: torch.Tensor, rows: int, cols: int) -> torch.LongTensor:
+    """[1, 4 * rows * cols]: a grid of codes upsampled 2x (nearest), as diffusers'
+    `_upsample_token_ids` does for the target and the source grids alike."""
+    grid = codes.to(torch.long).reshape(1, 1, rows, cols).float()
+    up = torch.nn.functional.interpolate(grid, scale_factor=2, mode="nearest")
+    return up.to(torch.long).view(1, -1)
+
+
+def load_vision_tokenizer(ar_dir: str | Path, device: Any = "cpu", dtype: Any = None):
+    """(visual, vqmodel) of a GLM-Image AR checkpoint folder, as transformers defines them,
+    with only their own tensors read from the safetensors shards (not the 9B text model)."""
+    from safetensors import safe_open
+    from transformers import GlmImageConfig
+    from transformers.models.glm_image.modeling_glm_image import (
+        GlmImageVisionModel,
+        GlmImageVQVAE,
+    )
+
+    ar_dir = Path(ar_dir)
+    config = GlmImageConfig.from_pretrained(ar_dir)
+    config.vision_config._attn_implementation = "sdpa"
+    visual = GlmImageVisionModel(config.vision_config).eval()
+    vqmodel = GlmImageVQVAE(config.vq_config).eval()
+    wanted = {"model.visual.": visual, "model.vqmodel.": vqmodel}
+    states: dict[str, dict[str, torch.Tensor]] = {p: {} for p in wanted}
+    for shard in sorted(ar_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                for prefix in wanted:
+                    if name.startswith(prefix):
+                        states[prefix][name[len(prefix) :]] = f.get_tensor(name)
+    for prefix, module in wanted.items():
+        missing, unexpected = module.load_state_dict(states[prefix], strict=False)
+        missing = [m for m in missing if m in dict(module.named_parameters())]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"{ar_dir}: vision tokenizer weights {prefix}*: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        module.to(device=device, dtype=dtype)
+    return visual, vqmodel
