@@ -22,6 +22,9 @@ class OmniImagesPlugin:
         from vllm_omni_plugin.serving.routes import router
 
         app.include_router(router)
+        from vllm_omni_plugin.serving.edits_routes import router as edits_router
+
+        app.include_router(edits_router)  # POST /v1/images/edits
         from vllm_omni_plugin.serving.videos_routes import router as videos_router
 
         app.include_router(videos_router)  # /v1/videos jobs

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..diffusion.limits import RequestLimits
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
+from ..pipelines import get_pipeline
 from ..stages.images import MEDIA_TYPES
 from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid, unavailable
@@ -62,6 +63,12 @@ class ImageService:
         """Parse and validate a request body; APIError (4xx/503) before any stage is touched."""
         data = parse_body(body)
         valid = validate_request(data, self.limits)
+        if self.pipeline and get_pipeline(self.pipeline).requires_input_image:
+            raise invalid(
+                f"the {self.pipeline} pipeline edits images: use POST /v1/images/edits",
+                "image",
+                "unsupported_endpoint",
+            )
         model = data.get("model")
         if model is not None and model not in self.served_names:
             raise APIError(
@@ -175,6 +182,8 @@ class ImageService:
             output_compression=valid.output_compression,
             stream=valid.stream,
             partial_images=valid.partial_images if valid.stream else 0,
+            input_images=list(valid.input_images),
+            mask=valid.mask,
         )
 
     @staticmethod

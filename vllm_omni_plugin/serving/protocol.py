@@ -91,3 +91,8 @@ class ValidRequest:
     # Echoed in stream events (OpenAI's fields; they change nothing here).
     quality: str = "auto"
     background: str = "auto"
+    # Edits (POST /v1/images/edits, serving/edits.py): the checked source images and mask in
+    # the stages' form (GenerationParams.input_images / mask), and the stream's event names.
+    input_images: tuple[bytes, ...] = ()
+    mask: bytes | None = None
+    event_prefix: str = "image_generation"

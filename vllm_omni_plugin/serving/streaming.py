@@ -40,7 +40,7 @@ def _common(valid: ValidRequest, image: bytes) -> dict[str, Any]:
 
 
 def partial_image_event(valid: ValidRequest, image: bytes, index: int) -> str:
-    kind = "image_generation.partial_image"
+    kind = f"{valid.event_prefix}.partial_image"  # image_edit.* for edits
     return sse(kind, {"type": kind, **_common(valid, image), "partial_image_index": index})
 
 
@@ -57,7 +57,7 @@ def usage(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def completed_event(valid: ValidRequest, image: bytes, metrics: dict[str, Any]) -> str:
-    kind = "image_generation.completed"
+    kind = f"{valid.event_prefix}.completed"
     return sse(kind, {"type": kind, **_common(valid, image), "usage": usage(metrics)})
 
 

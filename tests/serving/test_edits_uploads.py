@@ -1,0 +1,133 @@
+"""The edits route's upload checks and conversions (serving/edits.py), without a server:
+every registered pipeline's topology decides whether it takes images and masks, and bad files
+are refused with OpenAI-shaped 400/413 errors before anything is decoded further."""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vllm_omni_plugin.pipelines import available_pipelines, get_pipeline
+from vllm_omni_plugin.serving.edits import (
+    MAX_IMAGE_BYTES,
+    check_topology,
+    decode_uploads,
+    form_fields,
+    open_checked,
+)
+from vllm_omni_plugin.serving.errors import APIError
+
+
+class Upload:
+    """What Starlette's form parser hands over for a file part (filename + async read)."""
+
+    def __init__(self, data: bytes, filename: str = "f.png"):
+        self.filename, self.data = filename, data
+
+    async def read(self) -> bytes:
+        return self.data
+
+
+def png(size=(32, 24), mode="RGB", color=(10, 200, 30)) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, color if mode != "1" else 0).save(out, format="PNG")
+    return out.getvalue()
+
+
+def code_of(fn, *args) -> tuple[int, str | None, str | None]:
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    err = info.value
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    return err.status, err.code, err.param
+
+
+def test_each_topology_decides_images_and_masks():
+    img = [Upload(png())]
+    for key in available_pipelines():
+        topo = get_pipeline(key)
+        if topo.max_input_images == 0:  # text-to-image only: 400 before any file is read
+            assert code_of(check_topology, topo, img, None)[:2] == (400, "unsupported_endpoint")
+            continue
+        check_topology(topo, img, None)
+        too_many = [Upload(png())] * (topo.max_input_images + 1)
+        assert code_of(check_topology, topo, too_many, None)[1] == "too_many_images"
+        if not topo.accepts_mask:
+            assert code_of(check_topology, topo, img, Upload(png()))[1] == "unsupported_parameter"
+    edit = get_pipeline("qwen_image_edit")
+    assert (edit.max_input_images, edit.requires_input_image, edit.accepts_mask) == (1, True, False)
+    assert get_pipeline("qwen_image").max_input_images == 0
+    assert code_of(check_topology, edit, [], None)[1] == "missing_required_parameter"
+
+
+def test_form_fields_types_and_names():
+    data, images, mask = form_fields(
+        [
+            ("image[]", Upload(png())),
+            ("image[]", Upload(png())),
+            ("prompt", "p"),
+            ("n", "2"),
+            ("stream", "true"),
+            ("guidance_scale", "3.5"),
+            ("quality", "high"),  # OpenAI field we do not use: ignored downstream
+        ]
+    )
+    assert len(images) == 2 and mask is None
+    assert data == {"prompt": "p", "n": 2, "stream": True, "guidance_scale": 3.5, "quality": "high"}
+    assert code_of(form_fields, [("images", Upload(png()))])[1:] == ("unknown_parameter", "images")
+    assert code_of(form_fields, [("image", "x.png")])[1] == "invalid_type"
+    assert code_of(form_fields, [("n", "two")])[1:] == ("invalid_type", "n")
+    assert code_of(form_fields, [("stream", "yes")])[1] == "invalid_type"
+
+
+def test_bad_files_are_refused_before_decoding():
+    good = png()
+    assert code_of(open_checked, b"GIF89a not really", "image")[1] == "invalid_image_format"
+    assert code_of(open_checked, good[: len(good) // 2], "image")[1] == "invalid_image"
+    assert code_of(open_checked, b"", "image")[1] == "invalid_image"
+    too_big = good + b"\0" * MAX_IMAGE_BYTES
+    assert code_of(open_checked, too_big, "image")[:2] == (413, "file_too_large")
+    gif = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(gif, format="GIF")
+    assert code_of(open_checked, gif.getvalue(), "image")[1] == "invalid_image_format"
+
+
+def test_decompression_bomb_is_refused_from_its_header():
+    """A PNG whose header declares 100 MP, with no pixel data at all: refused by size, so the
+    check cannot be decoding it."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body).to_bytes(4, "big")
+        return len(body).to_bytes(4, "big") + kind + body + crc
+
+    header = (10000).to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    status, code, param = code_of(open_checked, bomb, "image")
+    assert (status, code, param) == (400, "image_too_large", "image")
+    # Past twice PIL's own limit PIL refuses at open: the same answer.
+    header = (20000).to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    assert code_of(open_checked, bomb, "image")[1] == "image_too_large"
+
+
+def test_uploads_become_rgb_pngs_and_an_l_mask():
+    rgba = np.zeros((24, 32, 4), dtype=np.uint8)
+    rgba[..., :3] = np.arange(32, dtype=np.uint8)[None, :, None] * 7
+    rgba[..., 3] = 255
+    rgba[:10, :10, 3] = 0  # the area to edit
+    src = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(src, format="PNG")
+    images, mask = decode_uploads([src.getvalue(), png()], src.getvalue())
+    first = Image.open(io.BytesIO(images[0]))
+    assert first.format == "PNG" and first.mode == "RGB" and first.size == (32, 24)
+    assert (np.asarray(first) == rgba[..., :3]).all()
+    m = np.asarray(Image.open(io.BytesIO(mask)))
+    assert m.dtype == np.uint8 and m.shape == (24, 32)
+    assert (m[:10, :10] == 255).all() and m[10:, :].max() == 0 and m[:, 10:].max() == 0
+    # A mask without alpha, or of another size, is a 400.
+    assert code_of(decode_uploads, [png()], png())[1] == "invalid_mask"
+    assert code_of(decode_uploads, [png()], png((8, 8), "RGBA"))[1] == "invalid_mask"

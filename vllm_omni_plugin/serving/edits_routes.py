@@ -1,0 +1,123 @@
+"""POST /v1/images/edits (OpenAI's multipart image edit), beside the generations route.
+
+The uploads are read with a byte limit, checked and converted (serving/edits.py) before the
+request reaches ImageService, which then serves it exactly like a generation (non-streaming or
+SSE with `image_edit.*` events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..pipelines import get_pipeline
+from .edits import (
+    MAX_EDIT_BODY_BYTES,
+    check_topology,
+    decode_uploads,
+    edit_request,
+    form_fields,
+    with_uploads,
+)
+from .errors import APIError, invalid, unavailable
+from .handlers import ClientDisconnected, ImageService
+from .protocol import ValidRequest
+
+router = APIRouter()
+
+
+def _service(request: Request) -> ImageService:
+    service = getattr(request.app.state, "omni_images", None)
+    if service is None:
+        raise APIError(503, "the image pipeline is not initialised", code="not_ready")
+    return service
+
+
+async def _read_limited(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    too_big = APIError(
+        413, f"request body exceeds {MAX_EDIT_BODY_BYTES} bytes", code="body_too_large"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > MAX_EDIT_BODY_BYTES:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_EDIT_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def check_edit(request: Request, service: ImageService) -> ValidRequest:
+    """The whole edit request checked, uploads converted; APIError before any stage."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise invalid(
+            "POST /v1/images/edits takes multipart/form-data (image files and fields)",
+            None,
+            "invalid_content_type",
+        )
+    request._body = await _read_limited(request)  # form() parses the body read above
+    try:
+        form = await request.form(max_files=32, max_fields=64)
+    except Exception as exc:  # python-multipart / Starlette parse errors
+        raise invalid(f"malformed multipart body: {exc}", None, "invalid_multipart") from None
+    data, image_files, mask_file = form_fields(list(form.multi_items()))
+    check_topology(get_pipeline(service.pipeline), image_files, mask_file)
+    valid = edit_request(data, service.limits)
+    model = data.get("model")
+    if model is not None and model not in service.served_names:
+        raise APIError(
+            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+    blobs = [await f.read() for f in image_files]
+    mask = None if mask_file is None else await mask_file.read()
+    images, mask_png = await asyncio.to_thread(decode_uploads, blobs, mask)
+    if not service.orchestrator.healthy():
+        raise unavailable(
+            f"stage(s) {service.orchestrator.unhealthy_stages()} are restarting; retry shortly"
+        )
+    return with_uploads(valid, images, mask_png)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@router.post("/v1/images/edits")
+async def edit_image(request: Request) -> Response:
+    service = None
+    try:
+        t0 = time.perf_counter()
+        service = _service(request)
+        valid = await check_edit(request, service)
+        if valid.stream:
+            request_id = f"img-{uuid.uuid4().hex}"
+            return StreamingResponse(
+                service.stream(valid, request_id),
+                media_type="text/event-stream",
+                headers={
+                    "cache-control": "no-cache",
+                    "x-accel-buffering": "no",
+                    "x-omni-request-id": request_id,
+                },
+            )
+        data, headers = await service.respond(
+            valid, t0, str(request.base_url), lambda: _wait_disconnect(request)
+        )
+    except APIError as exc:
+        if service is not None:
+            service.outcomes[str(exc.status)] += 1
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except ClientDisconnected:
+        service.outcomes["499"] += 1
+        return Response(status_code=499)
+    service.outcomes["200"] += 1
+    return JSONResponse(data, headers=headers)
