@@ -25,3 +25,54 @@ def qwen_server(tiny_models, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# ---- Shared by test_fuzz.py, test_soak.py and test_stream_disconnect.py (issues 11 and 12) ---
+# Session scope: two start-ups serve all three modules. Both expose the live stage-inspection
+# route (VLLM_OMNI_DESCRIBE_STAGES=1), which the tests read stage-side counters from.
+SHARED_ENV = {"VLLM_OMNI_DESCRIBE_STAGES": "1"}
+# Qwen-Image with small limits, so whatever valid request the fuzzer finds costs little:
+# up to 128x128, 4 steps, 2 images (the rest gets a 400 before any stage).
+SMALL_QWEN_OVERRIDES = '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4}}'
+
+
+def _start_shared(model, config, root, *extra: str) -> Server:
+    server = Server(
+        [str(model), "--stage-config", str(config), "--api-key", API_KEY, *extra],
+        root / "server.log",
+        env=SHARED_ENV,
+    )
+    try:
+        server.startup_s = server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    server.model = str(model)
+    return server
+
+
+@pytest.fixture(scope="session")
+def small_qwen_server(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("small-qwen-server")
+    config = root / "qwen_image_small.yaml"
+    config.write_text(
+        f"base_config: {REPO / 'stage_configs' / 'qwen_image_tiny.yaml'}\nserving:\n  max_n: 2\n"
+    )
+    server = _start_shared(
+        tiny_models("qwen-image"), config, root, "--stage-overrides", SMALL_QWEN_OVERRIDES
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_glm_server(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared-glm-server")
+    config = REPO / "stage_configs" / "glm_image_tiny.yaml"
+    server = _start_shared(tiny_models("glm-image"), config, root)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -238,6 +238,15 @@ class DiffusionEngine:
         with self._lock:
             return self.scheduler.has_unfinished()
 
+    def held(self) -> dict[str, tuple[int, int]]:
+        """Requests the engine holds now (waiting or running; aborted ones are gone):
+        request id -> (steps done, total steps)."""
+        with self._lock:
+            return {
+                s.request_id: (s.step, s.total_steps)
+                for s in (*self.scheduler.running, *self.scheduler.waiting)
+            }
+
     def hold_s(self) -> float:
         """Seconds until held requests start (request_batch_max_wait_ms); 0: step now."""
         with self._lock:

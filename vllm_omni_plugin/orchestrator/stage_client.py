@@ -21,12 +21,23 @@ send nothing and are never flagged: the clock only runs while requests are in fl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Abort, Progress, Pulse, Result, StageInit, Submit
+from ..stages.messages import (
+    Abort,
+    EngineMetrics,
+    Inspect,
+    Inspection,
+    Progress,
+    Pulse,
+    Result,
+    StageInit,
+    Submit,
+)
 from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
@@ -96,6 +107,9 @@ class StageClient:
         self.pending: dict[str, asyncio.Future[Result]] = {}
         # Streaming requests: request id -> callback for the stage's Progress messages.
         self.listeners: dict[str, Callable[[Progress], None]] = {}
+        # Live inspections awaiting the stage's answer: token -> future (see `inspect`).
+        self.inspections: dict[int, asyncio.Future[Inspection]] = {}
+        self._inspect_token = 0
         self.restarts = 0
         self.start_failures = 0
         self.deaths = 0
@@ -112,6 +126,8 @@ class StageClient:
         self.last_progress = time.monotonic()
         self.stalls = 0
         self.on_pulse: Callable[[Pulse], None] | None = None
+        # An AR stage's latest vLLM metrics (EngineMetrics.families), for /metrics.
+        self.engine_metrics: list = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: asyncio.Task | None = None
@@ -253,6 +269,25 @@ class StageClient:
             self, msg, self.proc.send, f"stage {self.stage_id} ({self.kind}) is down", on_progress
         )
 
+    async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """The stage's own view of what it holds now (Inspection, as plain data), answered by
+        the loop that drives its engine; None while it is not ready or if it does not answer
+        within `timeout_s` (a step longer than that, or a stuck stage)."""
+        if self.state != "ready" or self.proc is None:
+            return None
+        self._inspect_token += 1
+        token = self._inspect_token
+        fut: asyncio.Future[Inspection] = asyncio.get_running_loop().create_future()
+        self.inspections[token] = fut
+        try:
+            self.proc.send(Inspect(token))
+            found = await asyncio.wait_for(fut, timeout_s)
+        except (OSError, asyncio.TimeoutError):
+            return None
+        finally:
+            self.inspections.pop(token, None)
+        return dataclasses.asdict(found)
+
     def abort(self, request_id: str) -> None:
         if self.proc is not None and self.state == "ready":
             try:
@@ -262,7 +297,10 @@ class StageClient:
 
     # ---- callbacks from the process (on this loop) --------------------------------------
     def _on_message(self, msg: Any) -> None:
-        self.last_progress = time.monotonic()  # whatever the stage says, it is not stuck
+        if isinstance(msg, EngineMetrics):  # sent on a timer: no sign of progress
+            self.engine_metrics = msg.families
+            return
+        self.last_progress = time.monotonic()  # whatever else the stage says, it is not stuck
         if isinstance(msg, Pulse):
             if self.on_pulse is not None:
                 self.on_pulse(msg)
@@ -270,6 +308,10 @@ class StageClient:
             fut = self.pending.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, Inspection):
+            waiting = self.inspections.get(msg.token)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(msg)
         elif isinstance(msg, Progress):
             listener = self.listeners.get(msg.request_id)
             if listener is not None:

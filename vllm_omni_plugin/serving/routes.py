@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .errors import APIError
 from .handlers import ClientDisconnected, ImageService
+from .protocol import ImageGenerationRequest
 from .validation import MAX_BODY_BYTES
 
 router = APIRouter()
@@ -57,7 +58,18 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-@router.post("/v1/images/generations")
+# The body is read by hand (size limit first, then strict validation), so FastAPI cannot infer
+# it: publish the request model's schema, so /openapi.json describes the route (and the fuzz
+# test generates requests from it).
+_GENERATIONS_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}},
+    }
+}
+
+
+@router.post("/v1/images/generations", openapi_extra=_GENERATIONS_BODY)
 async def create_image(request: Request) -> Response:
     service = None
     try:
@@ -106,7 +118,9 @@ async def get_image_file(token: str, request: Request) -> Response:
 async def describe_stages(request: Request) -> Response:
     """Internal: what each live stage runs with (its Ready info: limits and the settings read
     back from its engine), and its pid. 404 unless VLLM_OMNI_DESCRIBE_STAGES=1 is set for the
-    API server; under /v1, so --api-key guards it too."""
+    API server; under /v1, so --api-key guards it too. With `?live=1`, each stage also answers
+    what it holds right now ("live": the requests in its engine, its count of Submits),
+    between two of its steps; null for a stage that is down or cannot be asked (remote)."""
     if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
         return _error(APIError(404, "not found", code="not_found"))
     try:
@@ -123,6 +137,10 @@ async def describe_stages(request: Request) -> Response:
         }
         for sid, stage in orchestrator.stages.items()
     ]
+    if request.query_params.get("live") == "1":
+        for entry, stage in zip(stages, orchestrator.stages.values(), strict=True):
+            inspect = getattr(stage, "inspect", None)
+            entry["live"] = await inspect() if inspect is not None else None
     return JSONResponse({"pipeline": orchestrator.cfg.pipeline, "stages": stages})
 
 

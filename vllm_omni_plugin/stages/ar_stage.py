@@ -17,8 +17,22 @@ from typing import Any
 
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from ..diffusion.errors import RequestValidationError
+from . import engine_metrics
 from .ar_glue import glue_for
-from .messages import PULSE_INTERVAL_S, Abort, Progress, Pulse, Result, Shutdown, StageInit, Submit
+from .messages import (
+    ENGINE_METRICS_INTERVAL_S,
+    PULSE_INTERVAL_S,
+    Abort,
+    EngineMetrics,
+    Inspect,
+    Inspection,
+    Progress,
+    Pulse,
+    Result,
+    Shutdown,
+    StageInit,
+    Submit,
+)
 from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
@@ -128,6 +142,7 @@ class ARStageRunner:
         self.glue = glue_for(init.pipeline, init.stage)
         self.payloads = StagePayloads(init.connectors)
         self.tasks: dict[str, asyncio.Task] = {}
+        self.submitted = 0  # Submits received (Inspection.submitted)
         self._pulsed = 0.0  # when the last Pulse went out (monotonic)
         self.loop = asyncio.new_event_loop()
         self.engine = self.loop.run_until_complete(self._build_engine())
@@ -179,10 +194,13 @@ class ARStageRunner:
         self.loop.add_reader(self.conn.fileno(), self._on_readable)
         watch = self.loop.create_task(self._watch_engine())
         watch.add_done_callback(_log_task_failure)
+        publish = self.loop.create_task(self._publish_metrics())
+        publish.add_done_callback(_log_task_failure)
         try:
             self.loop.run_until_complete(self._done)
         finally:
             watch.cancel()
+            publish.cancel()
             self.loop.remove_reader(self.conn.fileno())
 
     async def _watch_engine(self) -> None:
@@ -191,6 +209,12 @@ class ARStageRunner:
             await asyncio.sleep(ENGINE_CHECK_S)
             if getattr(self.engine, "errored", False):
                 self._engine_died()
+
+    async def _publish_metrics(self) -> None:
+        # vLLM's own metrics live in this process's registry: hand them to the API server.
+        while not self._done.done():
+            self.conn.send(EngineMetrics(self.stage_id, engine_metrics.snapshot()))
+            await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
 
     def _on_readable(self) -> None:
         try:
@@ -203,6 +227,7 @@ class ARStageRunner:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Submit):
+            self.submitted += 1
             task = self.loop.create_task(self._run(msg))
             task.add_done_callback(_log_task_failure)
             self.tasks[msg.request_id] = task
@@ -215,16 +240,33 @@ class ARStageRunner:
             self.payloads.release_request(msg.request_id)
         elif isinstance(msg, Shutdown) and not self._done.done():
             self._done.set_result(None)
+        elif isinstance(msg, Inspect):
+            self.conn.send(
+                Inspection(
+                    msg.token,
+                    self.stage_id,
+                    {rid: {} for rid in self.tasks},
+                    engine_unfinished=self._engine_unfinished(),
+                    submitted=self.submitted,
+                )
+            )
+
+    def _engine_unfinished(self) -> int | None:
+        """vLLM's own count of the requests its AsyncLLM still tracks (None if this vLLM
+        does not say); an aborted generation leaves it when vLLM handles the abort."""
+        processor = getattr(self.engine, "output_processor", None)
+        count = getattr(processor, "get_num_unfinished_requests", None)
+        return count() if callable(count) else None
 
     async def _run(self, msg: Submit) -> None:
         t0 = time.perf_counter()
         rid = msg.request_id
         try:
-            prompt_ids, params = self.glue.prepare(msg.params)
+            prompt, params = self.glue.prepare(msg.params)  # token ids (+ multimodal data)
             final = None
             total = int(params.max_tokens or 0)
             sent = 0
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
+            async for out in self.engine.generate(prompt, params, rid):
                 final = out
                 self._pulse()
                 if msg.params.stream:

@@ -16,7 +16,18 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .images import encode_image
-from .messages import PULSE_INTERVAL_S, Abort, Progress, Pulse, Result, Shutdown, StageInit, Submit
+from .messages import (
+    PULSE_INTERVAL_S,
+    Abort,
+    Inspect,
+    Inspection,
+    Progress,
+    Pulse,
+    Result,
+    Shutdown,
+    StageInit,
+    Submit,
+)
 from .payloads import StagePayloads
 from .videos_encode import encode_mp4
 
@@ -57,6 +68,7 @@ class DiffusionStageRunner:
         self.engine = build_engine(config)
         self.payloads = StagePayloads(init.connectors)
         self.jobs: dict[str, _Job] = {}
+        self.submitted = 0  # Submits received (Inspection.submitted)
         self._stop = False
         self._pulsed = 0.0  # when the last Pulse went out (monotonic)
 
@@ -161,12 +173,24 @@ class DiffusionStageRunner:
                 self.engine.abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             self._stop = True
+        elif isinstance(msg, Inspect):
+            held = self.engine.held()
+            self._reply(
+                Inspection(
+                    msg.token,
+                    self.stage_id,
+                    {r: {"step": s, "total_steps": t} for r, (s, t) in held.items()},
+                    engine_unfinished=len(held),
+                    submitted=self.submitted,
+                )
+            )
 
     def _submit(self, msg: Submit) -> None:
         from vllm_omni_plugin.connectors import ConnectorError
         from vllm_omni_plugin.diffusion import GenerationRequest, RequestValidationError
 
         t0 = time.perf_counter()
+        self.submitted += 1
         p = msg.params
         try:
             # GLM-Image: the AR stage's prior token ids. All inputs are released, read or not.
@@ -220,7 +244,7 @@ class DiffusionStageRunner:
         result.stage_s = time.perf_counter() - job.received
         self._reply(result)
 
-    def _reply(self, result: Result | Progress) -> None:
+    def _reply(self, result: Result | Progress | Inspection) -> None:
         self.conn.send(result)
 
     def close(self) -> None:

@@ -92,6 +92,30 @@ class Shutdown:
 
 
 @dataclass
+class Inspect:
+    """Ask a stage what it holds now (the guarded GET /v1/omni/stages?live=1). The stage answers
+    with an Inspection from the loop that drives its engine, so a diffusion stage answers
+    between two steps, after the Aborts that arrived before this message."""
+
+    token: int
+
+
+@dataclass
+class Inspection:
+    """A stage's own view of its work, read from its engine (not the API server's bookkeeping).
+    `requests`: the requests the stage holds now (a diffusion engine: waiting or running, with
+    {"step", "total_steps"}; an AR stage: its running generations). `engine_unfinished`: the
+    engine's own count of unfinished requests (vLLM's, for an AR stage); None if unknown.
+    `submitted`: Submits this process received since it started, valid or not."""
+
+    token: int
+    stage_id: int
+    requests: dict[str, dict[str, int]] = field(default_factory=dict)
+    engine_unfinished: int | None = None
+    submitted: int = 0
+
+
+@dataclass
 class Progress:
     """A streaming request's progress in one stage, sent before its Result (only for requests
     whose params say `stream`). `step` of `total_steps`: denoising steps in a diffusion stage,

@@ -1,0 +1,124 @@
+"""Issue 12: a client that hangs up mid-stream leaves every stage within one step.
+
+Observed from the stages themselves, not from the API server's bookkeeping: the guarded
+`GET /v1/omni/stages?live=1` asks each stage process what its engine holds now. A diffusion
+stage answers between two steps (the loop that steps answers), with the requests in its engine
+(waiting or running) and their step; the AR stage answers with its running generations and
+vLLM's own count of unfinished requests. Each test first sees its request inside the stage it
+hangs up in (so it cannot pass vacuously), then closes the connection and polls until the
+request is gone from every stage. Bound: max(1 s, 2 step times), a step time measured from the
+request's own progress comments (one per denoising step; AR: tokens between two comments).
+
+Tiny GLM-Image (AR + DiT), so both stage kinds are covered: a hang-up during the AR phase (the
+request must never reach the DiT) and during the DiT phase.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from omni_server import API_KEY
+
+pytestmark = pytest.mark.slow
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def live(server) -> dict[int, dict]:
+    """stage id -> that stage's own answer (Inspection as a dict)."""
+    r = httpx.get(f"{server.url}/v1/omni/stages", params={"live": "1"}, headers=HEADERS, timeout=60)
+    r.raise_for_status()
+    stages = {s["stage_id"]: s["live"] for s in r.json()["stages"]}
+    assert all(v is not None for v in stages.values()), stages  # every stage answered
+    return stages
+
+
+def holders(stages: dict[int, dict], rid: str) -> list[int]:
+    return [sid for sid, s in stages.items() if rid in s["requests"]]
+
+
+def stream_until(server, body: dict, enough) -> tuple[str, list[tuple[float, dict]], dict]:
+    """Stream `body`, collecting (time, progress) until `enough(progress list)` is true; then,
+    with the connection still open, ask the stages what they hold; then hang up (the time of
+    the hang-up is when this returns)."""
+    seen: list[tuple[float, dict]] = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/images/generations",
+        headers=HEADERS,
+        json={**body, "stream": True},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200, r.read()
+        rid = r.headers["x-omni-request-id"]
+        for line in r.iter_lines():
+            if line.startswith(": omni.progress "):
+                seen.append((time.monotonic(), json.loads(line.split(" ", 2)[2])))
+                if enough(seen):
+                    # Ask while still inside the loop: leaving iter_lines() closes the
+                    # connection at once (httpcore closes its stream on GeneratorExit), so a
+                    # look after `break` already races the abort.
+                    inside = live(server)
+                    break
+            assert not line.startswith("event: image_generation.completed"), "finished first"
+        else:
+            raise AssertionError(f"the stream ended early: {seen}")
+    return rid, seen, inside
+
+
+def wait_gone(server, rid: str, bound: float) -> tuple[float, dict]:
+    """Seconds from the hang-up until no stage holds `rid` and no engine counts it (looking
+    past the bound, to report how late it was), and the stages' last answer."""
+    hung_up = time.monotonic()
+    while True:
+        stages = live(server)
+        ar_busy = stages[0]["engine_unfinished"]
+        if not holders(stages, rid) and (ar_busy is None or ar_busy == 0):
+            return time.monotonic() - hung_up, stages
+        if time.monotonic() - hung_up > bound + 10:
+            return float("inf"), stages
+
+
+def step_time(seen: list[tuple[float, dict]], stage: str) -> float:
+    """Seconds per step (diffusion) or per token (AR) between the last two comments of that
+    stage (the first comment may arrive buffered with others, so never from it alone)."""
+    marks = [(t, p["step"]) for t, p in seen if p["stage"] == stage]
+    (t1, s1), (t2, s2) = marks[-2], marks[-1]
+    return (t2 - t1) / max(1, s2 - s1)
+
+
+def test_hang_up_in_the_ar_phase_leaves_every_stage(shared_glm_server):
+    server = shared_glm_server
+    before = live(server)
+    # 1024x1024: 1281 tokens (seconds of AR work on a CPU), so the AR phase lasts well past
+    # two progress comments (one per 64 tokens).
+    body = {"prompt": "a lighthouse at dusk", "size": "1024x1024", "seed": 5}
+    rid, seen, inside = stream_until(
+        server, body, lambda s: sum(p["stage"] == "ar" for _, p in s) >= 2
+    )
+    # Mid-stream the AR stage holds it (and vLLM counts it); the DiT never got it.
+    assert holders(inside, rid) == [0], (inside, seen)
+    assert inside[0]["engine_unfinished"] >= 1, inside
+    bound = max(1.0, 2 * step_time(seen, "ar"))
+    gone_s, after = wait_gone(server, rid, bound)
+    assert gone_s <= bound, (gone_s, bound, after)
+    # It never reached the DiT stage: that stage received no Submit meanwhile.
+    assert after[1]["submitted"] == before[1]["submitted"], (before, after)
+
+
+def test_hang_up_in_the_dit_phase_leaves_every_stage(shared_glm_server):
+    server = shared_glm_server
+    # 64x64 (a short AR phase), 60 denoising steps: hang up after the DiT's third step.
+    body = {"prompt": "a lighthouse at dusk", "size": "64x64", "num_inference_steps": 60}
+    rid, seen, inside = stream_until(
+        server, body, lambda s: sum(p["stage"] == "diffusion" for _, p in s) >= 3
+    )
+    assert holders(inside, rid) == [1], inside
+    held = inside[1]["requests"][rid]
+    assert 0 < held["step"] < held["total_steps"] == 60, held
+    bound = max(1.0, 2 * step_time(seen, "diffusion"))
+    gone_s, after = wait_gone(server, rid, bound)
+    assert gone_s <= bound, (gone_s, bound, after)
+    assert after[1]["engine_unfinished"] == 0, after
