@@ -61,7 +61,7 @@ def pipeline_runtime(raw: Any, sink: ProblemSink) -> PipelineRuntime:
                 msg = "unknown key" + did_you_mean(key, PipelineRuntime.model_fields)
             else:
                 msg = err["msg"].removeprefix("Value error, ")
-                key = key or next((n for n in _RAY_ONLY if n in msg.split()[0]), "backend")
+                key = key or next((n for n in _RAY_ONLY if msg.split()[0] == n), "backend")
             sink.add(None, f"runtime.{key}", msg)
         return PipelineRuntime()
 
