@@ -131,3 +131,22 @@ def test_uploads_become_rgb_pngs_and_an_l_mask():
     # A mask without alpha, or of another size, is a 400.
     assert code_of(decode_uploads, [png()], png())[1] == "invalid_mask"
     assert code_of(decode_uploads, [png()], png((8, 8), "RGBA"))[1] == "invalid_mask"
+
+
+def test_edit_params_cross_the_multinode_link():
+    """GenerationParams carries the uploads as PNG bytes so they stay plain data on the
+    msgpack node link too (arrays would not encode there)."""
+    import msgspec
+
+    from vllm_omni_plugin.orchestrator.node_protocol import (
+        StageSubmit,
+        submit_from_wire,
+        submit_to_wire,
+    )
+    from vllm_omni_plugin.stages.messages import GenerationParams, Submit
+
+    images, mask = decode_uploads([png(), png((32, 24), "RGB", (1, 2, 3))], png((32, 24), "RGBA"))
+    params = GenerationParams("x", seed=3, input_images=images, mask=mask)
+    wire = msgspec.msgpack.encode(submit_to_wire(Submit("r", params)))
+    back = submit_from_wire(msgspec.msgpack.decode(wire, type=StageSubmit)).params
+    assert back == params and back.input_images[1] == images[1]
