@@ -24,7 +24,9 @@ export PYTHONPATH=$OURS_PATH PATH=/tmp/ours/bin:/tmp/site/bin:$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The tiny checkpoint is saved in float32; on the GPU both stages run it in bf16 (vLLM's
 # FlashAttention has no fp32 kernels) and at tiny sizes (the 1-GPU config's floor is 512).
-TINY_OVERRIDES='{"0": {"dtype": "bfloat16"}, "1": {"dtype": "bfloat16", "min_height": 64, "min_width": 64}}'
+TINY_OVERRIDES=${TINY_OVERRIDES:-'{"0": {"dtype": "bfloat16"}, "1": {"dtype": "bfloat16", "min_height": 64, "min_width": 64}}'}
+# Extra --stage-overrides for the served full-size phase (`ours`), e.g. '{"1": {"cuda_graphs": false}}'.
+STAGE_OVERRIDES=${STAGE_OVERRIDES:-}
 mkdir -p "$OUT"
 
 while [ $# -gt 0 ]; do
@@ -69,7 +71,7 @@ while [ $# -gt 0 ]; do
             --model "$FULL" --out "$OUT/full" --repeats "$REPEATS"
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full" \
-            --repeats "$REPEATS"
+            --repeats "$REPEATS" ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"}
         fi
         # A phase cut short by a timeout can leave its server behind: never let it share the
         # GPU with the next phase.
