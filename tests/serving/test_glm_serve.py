@@ -179,6 +179,41 @@ def test_glm_image_end_to_end(glm):
     )
 
 
+def _ar_engine_sample(metrics: str, name: str) -> float | None:
+    """A `vllm:` sample of the AR stage's engine as the API server's /metrics shows it, summed
+    over vLLM's own labels (e.g. finished_reason); None when absent."""
+    found = None
+    for line in metrics.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.startswith(name + "{") and 'stage_id="0"' in head and 'stage="ar"' in head:
+            found = (found or 0.0) + float(value)
+    return found
+
+
+def test_ar_engine_metrics_reach_metrics_labelled_by_stage(glm):
+    # vLLM's own engine metrics live in the AR stage's process; the stage sends them every 2 s
+    # and /metrics shows them under vLLM's names with stage_id/stage labels, beside ours.
+    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+
+    def scrape() -> str:
+        return httpx.get(f"{glm.url}/metrics", timeout=10).text
+
+    tokens = "vllm:generation_tokens_total"
+    wait_for(lambda: _ar_engine_sample(scrape(), tokens) is not None, 10, "no vllm: metrics")
+    before = scrape()
+    assert post(glm).status_code == 200
+    # One 64x64 request: the preview and large grids' codes, then EOS.
+    want = _ar_engine_sample(before, tokens) + num_image_tokens(64, 64) + 1
+    wait_for(lambda: _ar_engine_sample(scrape(), tokens) == want, 10, "token count not updated")
+    after = scrape()
+    done = _ar_engine_sample(after, "vllm:request_success_total")
+    assert done is not None and done >= 1
+    assert _ar_engine_sample(after, "vllm:num_requests_running") == 0.0
+    assert "omni_stage_up{" in after  # ours are still there
+    # Only the AR stage runs a vLLM engine: nothing is labelled with the DiT stage.
+    assert not [x for x in after.splitlines() if x.startswith("vllm:") and 'stage_id="1"' in x]
+
+
 def test_official_client_streams_glm_image(glm):
     """The issue's acceptance call on GLM-Image: two previews from the DiT, then the image the
     same request gives without streaming."""

@@ -217,6 +217,16 @@ class Orchestrator:
                 logger.exception("abort of %s in stage %d failed", request_id, sid)
 
     # ---- metrics -----------------------------------------------------------------------
+    def engine_metrics(self) -> list[tuple[int, str, list]]:
+        """(stage id, stage name, the stage's vLLM metric families) for each stage that
+        reports its engine's own metrics (local AR stages)."""
+        out = []
+        for sid, s in self.stages.items():
+            families = getattr(s, "engine_metrics", None)
+            if families:
+                out.append((sid, s.init.stage.name, families))
+        return out
+
     def stage_stats(self) -> list[dict[str, Any]]:
         return [
             {

@@ -27,7 +27,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Abort, Inspect, Inspection, Progress, Pulse, Result, StageInit, Submit
+from ..stages.messages import (
+    Abort,
+    EngineMetrics,
+    Inspect,
+    Inspection,
+    Progress,
+    Pulse,
+    Result,
+    StageInit,
+    Submit,
+)
 from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
@@ -116,6 +126,8 @@ class StageClient:
         self.last_progress = time.monotonic()
         self.stalls = 0
         self.on_pulse: Callable[[Pulse], None] | None = None
+        # An AR stage's latest vLLM metrics (EngineMetrics.families), for /metrics.
+        self.engine_metrics: list = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: asyncio.Task | None = None
@@ -285,7 +297,10 @@ class StageClient:
 
     # ---- callbacks from the process (on this loop) --------------------------------------
     def _on_message(self, msg: Any) -> None:
-        self.last_progress = time.monotonic()  # whatever the stage says, it is not stuck
+        if isinstance(msg, EngineMetrics):  # sent on a timer: no sign of progress
+            self.engine_metrics = msg.families
+            return
+        self.last_progress = time.monotonic()  # whatever else the stage says, it is not stuck
         if isinstance(msg, Pulse):
             if self.on_pulse is not None:
                 self.on_pulse(msg)

@@ -2,13 +2,19 @@
 
 vLLM's names (http_*, process_*, ...) stay as they are; ours carry the `omni_` prefix and a
 `stage_id` label, read from the orchestrator at scrape time (no bookkeeping on the hot path).
+
+An AR stage's own vLLM engine metrics (`vllm:*`: requests, tokens, latency histograms, KV-cache
+use) live in the stage's process; it sends them every few seconds (stages/engine_metrics.py) and
+they appear here under vLLM's names with `stage_id` and `stage` (the stage's name) labels added,
+one family per name across stages. A restarted stage's counters start again from 0, as a
+restarted vLLM server's do.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _STAGE_METRICS = (
     # (name, stats key, help, counter?)
@@ -48,6 +54,7 @@ class OmniCollector:
         for status, count in sorted(self.service.outcomes.items()):
             requests.add_metric([self.pipeline, status], float(count))
         yield requests
+        yield from stage_engine_families(self.orchestrator.engine_metrics())
         yield from self._replica_families()
 
     def _replica_families(self):
@@ -78,6 +85,20 @@ _REPLICA_METRICS = (
     ("omni_replica_requests_completed", "completed", "Requests the replica finished", True),
     ("omni_replica_requests_in_flight", "in_flight", "Requests inside the replica now", False),
 )
+
+
+def stage_engine_families(per_stage: list[tuple[int, str, list]]) -> list[Metric]:
+    """The stages' vLLM metric families, merged by name, each sample labelled by its stage."""
+    merged: dict[str, Metric] = {}
+    for stage_id, stage_name, families in per_stage:
+        for name, kind, doc, samples in families:
+            family = merged.get(name)
+            if family is None:
+                family = merged[name] = Metric(name, doc, kind)
+            for sample_name, labels, value in samples:
+                stage_labels = {**labels, "stage_id": str(stage_id), "stage": stage_name}
+                family.add_sample(sample_name, stage_labels, value)
+    return list(merged.values())
 
 
 _registered: list[tuple[Any, OmniCollector]] = []

@@ -17,10 +17,13 @@ from typing import Any
 
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from ..diffusion.errors import RequestValidationError
+from . import engine_metrics
 from .ar_glue import glue_for
 from .messages import (
+    ENGINE_METRICS_INTERVAL_S,
     PULSE_INTERVAL_S,
     Abort,
+    EngineMetrics,
     Inspect,
     Inspection,
     Progress,
@@ -191,10 +194,13 @@ class ARStageRunner:
         self.loop.add_reader(self.conn.fileno(), self._on_readable)
         watch = self.loop.create_task(self._watch_engine())
         watch.add_done_callback(_log_task_failure)
+        publish = self.loop.create_task(self._publish_metrics())
+        publish.add_done_callback(_log_task_failure)
         try:
             self.loop.run_until_complete(self._done)
         finally:
             watch.cancel()
+            publish.cancel()
             self.loop.remove_reader(self.conn.fileno())
 
     async def _watch_engine(self) -> None:
@@ -203,6 +209,12 @@ class ARStageRunner:
             await asyncio.sleep(ENGINE_CHECK_S)
             if getattr(self.engine, "errored", False):
                 self._engine_died()
+
+    async def _publish_metrics(self) -> None:
+        # vLLM's own metrics live in this process's registry: hand them to the API server.
+        while not self._done.done():
+            self.conn.send(EngineMetrics(self.stage_id, engine_metrics.snapshot()))
+            await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
 
     def _on_readable(self) -> None:
         try:

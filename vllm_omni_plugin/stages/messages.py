@@ -158,3 +158,18 @@ class Pulse:
 # The least time between two Pulses of one stage: a pulse per step would cost a message per
 # millisecond on tiny models, while a watchdog deadline is seconds at least.
 PULSE_INTERVAL_S = 0.25
+
+
+@dataclass
+class EngineMetrics:
+    """An AR stage's own vLLM Prometheus metrics (the `vllm:` families of its process's
+    registry), sent every ENGINE_METRICS_INTERVAL_S; the API server's /metrics shows them with
+    the stage's labels added. Sent on a timer, so it is no sign of progress: the stall
+    watchdog ignores it. `families`: (name, type, help, [(sample name, labels, value)])."""
+
+    stage_id: int
+    families: list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]
+
+
+# Staleness of the AR engines' metrics on /metrics (scrapers poll every 10-60 s).
+ENGINE_METRICS_INTERVAL_S = 2.0
