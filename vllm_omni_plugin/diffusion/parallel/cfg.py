@@ -53,6 +53,8 @@ class RowSplitTransformer:
         self.layout = layout
         self.row_args = ROW_ARGS[class_name]
         self.split = True  # off while whole row groups are spread instead (spread_groups)
+        self.splits = 0  # forwards run split over the CFG ranks, and row groups spread (tests)
+        self.spreads = 0
 
     def __getattr__(self, name: str) -> Any:  # config, dtype, ... of the real transformer
         return getattr(self.inner, name)
@@ -63,6 +65,7 @@ class RowSplitTransformer:
         if not self.split or lay.cfg_degree == 1 or rows < lay.cfg_degree:
             return self.inner(**kwargs)  # one row: every rank runs it (nothing to split)
         sizes = split_sizes(rows, lay.cfg_degree)
+        self.splits += 1
         mine = dict(kwargs)
         for name in self.row_args:
             value = kwargs.get(name)
@@ -88,6 +91,7 @@ def spread_groups(
         if layout.cfg_degree == 1 or len(groups) < layout.cfg_degree:
             return [forward(g) for g in groups]
         outs: list[torch.Tensor | None] = [None] * len(groups)
+        transformer.spreads += 1
         transformer.split = False
         try:
             for i, g in enumerate(groups):

@@ -72,7 +72,9 @@ def rank_config(config: DiffusionEngineConfig, rank: int) -> DiffusionEngineConf
     """Rank r runs on the r-th visible GPU (the stage's `devices`), or on the CPU."""
     device = torch.device(config.device)
     if device.type == "cuda":
-        return dataclasses.replace(config, device=f"cuda:{rank}")
+        # No CUDA graphs across ranks: a capture that falls back on one rank and not another
+        # would leave the ranks in different collectives (not measured with graphs yet).
+        return dataclasses.replace(config, device=f"cuda:{rank}", cuda_graphs=False)
     return config
 
 
