@@ -15,7 +15,7 @@ from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.connectors.stats import all_snapshots
 from vllm_omni_plugin.diffusion.limits import RequestLimits
-from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote
+from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote, remote_stage
 from vllm_omni_plugin.orchestrator.connector_stats import KEY as STATS_KEY
 from vllm_omni_plugin.orchestrator.connector_stats import absorb
 from vllm_omni_plugin.orchestrator.link import AuthenticationError, Link, connect
@@ -26,6 +26,8 @@ from vllm_omni_plugin.orchestrator.node_protocol import (
     Register,
     Rejected,
     StageAbort,
+    StageProgress,
+    StagePulse,
     StageResult,
     StageStatus,
     StageSubmit,
@@ -184,6 +186,59 @@ async def test_missed_heartbeats_drop_a_hung_node(head, monkeypatch):
     with pytest.raises(StageUnavailableError, match="no heartbeat"):
         await asyncio.wait_for(task, 5)
     assert not client.ready
+
+
+async def test_a_heartbeating_node_whose_stage_stops_producing_is_dropped(head, monkeypatch):
+    # The head's backstop behind the node's own stall watchdog: progress is the stage's relayed
+    # Progress/Pulse messages, never the node's heartbeats.
+    monkeypatch.setattr(remote, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(remote_stage, "STALL_GRACE_S", 0.2)
+    h, client = head
+    client.stall_timeout_s = 1.0
+    h._watchdog.cancel()
+    h._watchdog = asyncio.ensure_future(h._watch())  # with the shortened period
+    conn, _ = await register(h.port)
+    await until(lambda: client.ready)
+
+    async def heartbeats() -> None:
+        while True:
+            conn.send(Heartbeat(DIT))
+            await asyncio.sleep(0.1)
+
+    async def routed() -> ToStage:
+        while not isinstance(msg := await recv(conn), ToStage):  # skip the head's Pings
+            pass
+        return msg
+
+    beating = asyncio.ensure_future(heartbeats())
+    try:
+        # Pulses and streaming steps for twice the deadline: not a stall; the steps reach the
+        # request's listener in order.
+        seen = []
+        task = asyncio.ensure_future(client.submit(submit("r1"), on_progress=seen.append))
+        await routed()
+        for step in range(1, 21):
+            conn.send(StagePulse(1))
+            conn.send(StageProgress("r1", 1, "diffusion", step, 20))
+            await asyncio.sleep(0.1)
+        assert not task.done() and client.ready
+        conn.send(StageResult("r1", output=[b"png"]))
+        assert (await asyncio.wait_for(task, 5)).output == [b"png"]
+        assert [(p.stage, p.step, p.total_steps) for p in seen] == [
+            ("diffusion", i, 20) for i in range(1, 21)
+        ]
+
+        # Heartbeats go on, the stage says nothing: 503 after the deadline and the grace.
+        task = asyncio.ensure_future(client.submit(submit("r2")))
+        await routed()
+        t0 = time.monotonic()
+        with pytest.raises(StageUnavailableError, match="made no progress"):
+            await asyncio.wait_for(task, 5)
+        waited = time.monotonic() - t0
+        assert 1.0 <= waited < 1.0 + 0.2 + 0.5, waited  # + the head's check period and slack
+        assert client.stalls == 1 and not client.ready
+    finally:
+        beating.cancel()
 
 
 async def test_head_answers_503_until_nodes_register_then_validates_with_their_limits():
