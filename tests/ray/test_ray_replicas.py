@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 from ray_cluster import TwoNodeRay, free_port, replica_actor_pid, replica_rows
 
@@ -47,6 +48,13 @@ def cluster(tiny_models, tmp_path_factory):
         yield ray, url, str(model)
     finally:
         ray.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def assert_same_images(got: list[dict], want: list[dict]) -> None:
@@ -84,6 +92,8 @@ def test_killing_a_replica_loses_no_request(cluster, reference):
     before = replica_rows(_metrics(ray, url), "omni_replica_requests_completed_total")
     victim = next(i for i, (node, _) in before.items() if node == ray.node_ip)
     pid = replica_actor_pid(ray.node_ns)
+    stage_pids = [p.pid for p in psutil.Process(pid).children()]  # its omni-stage-0 process
+    assert len(stage_pids) == 1, stage_pids
 
     watcher = ray.call_async("wait_busy", url, ray.node_ip, "60")
     load = ray.call_async("generate", url, model, "16", SEED0, STEPS)
@@ -114,6 +124,8 @@ def test_killing_a_replica_loses_no_request(cluster, reference):
     assert up[victim][0] == ray.node_ip
     new_pid = replica_actor_pid(ray.node_ns)
     assert new_pid != pid
+    # The killed actor's stage process read EOF on its control socket and exited: no orphan.
+    assert not _alive(stage_pids[0]), "the dead replica's stage process outlived it"
 
     # Throughput returns: the restarted replica serves its share again.
     mid = replica_rows(_metrics(ray, url), "omni_replica_requests_completed_total")

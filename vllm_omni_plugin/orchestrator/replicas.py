@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -102,8 +103,15 @@ class ReplicaSet:
             raise errors[0]
 
     def shutdown(self) -> None:
-        for r in self.replicas:
-            r.shutdown()
+        """Stop every replica at once (blocking; each may take seconds to stop its stage)."""
+        threads = [
+            threading.Thread(target=r.shutdown, name=f"omni-stop-replica-{i}")
+            for i, r in enumerate(self.replicas)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     # ---- requests ----------------------------------------------------------------------
     async def submit(
