@@ -107,8 +107,7 @@ def test_stream_uses_image_edit_events(edit_server):
     stream = client(edit_server).images.edit(
         model=edit_server.model,
         image=[("source.png", source_png(), "image/png")],  # sent as image[]
-        prompt=PROMPT,
-        size="64x64",
+        prompt=PROMPT,  # no size: the source's 4:3 at the stage's 64x64 area, height >= 64
         stream=True,
         partial_images=1,
         extra_body={"seed": 9, "num_inference_steps": 2},
@@ -116,7 +115,8 @@ def test_stream_uses_image_edit_events(edit_server):
     events = list(stream)
     assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
     assert events[0].partial_image_index == 0
-    assert decode(events[-1].b64_json).shape == (64, 64, 3)
+    assert all(e.size == "80x64" for e in events)
+    assert decode(events[-1].b64_json).shape == (64, 80, 3)
 
 
 def _png(size, mode="RGB") -> bytes:

@@ -150,3 +150,17 @@ def test_edit_params_cross_the_multinode_link():
     wire = msgspec.msgpack.encode(submit_to_wire(Submit("r", params)))
     back = submit_from_wire(msgspec.msgpack.decode(wire, type=StageSubmit)).params
     assert back == params and back.input_images[1] == images[1]
+
+
+def test_auto_size_keeps_the_source_aspect_at_the_default_area():
+    from vllm_omni_plugin.diffusion.limits import RequestLimits
+    from vllm_omni_plugin.serving.edits import auto_size
+    from vllm_omni_plugin.serving.protocol import ImageLimits
+
+    stage = RequestLimits(16, 64, 64, 1024, 1024, 50, 4, 512, 512)
+    limits = ImageLimits.build(stage, None)
+    assert auto_size((512, 512), limits) == (512, 512)
+    assert auto_size((1536, 1024), limits) == (624, 416)  # 3:2 at ~512x512 on the 16 grid
+    assert auto_size((1000, 10), limits) == (1024, 64)  # clamped into the bounds
+    w, h = auto_size((480, 640), limits)
+    assert w % 16 == 0 and h % 16 == 0 and abs(w / h - 0.75) < 0.05

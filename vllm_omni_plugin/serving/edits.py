@@ -18,14 +18,17 @@ where its alpha is 0 (OpenAI: fully transparent = the area to edit).
 Form fields: `image` (one file) or `image[]` (several, as the openai client sends a list),
 `prompt`, `mask`, `model`, `n`, `size`, `response_format`, `output_format`,
 `output_compression`, `stream`, `partial_images`, `user`, and our extensions `seed`,
-`num_inference_steps`, `guidance_scale`, `negative_prompt`. A file under any other name is a
-400; other text fields are ignored, as on the generations route (OpenAI fields we do not use).
+`num_inference_steps`, `guidance_scale`, `negative_prompt`. `size` omitted or "auto": the
+first image's aspect ratio at the stage's default area (`auto_size`). A file under any other
+name is a 400; other text fields are ignored, as on the generations route (OpenAI fields we
+do not use).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import warnings
 from typing import Any
 
@@ -215,7 +218,34 @@ def edit_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
     return validate_request(data, limits)
 
 
-def with_uploads(valid: ValidRequest, images: list[bytes], mask: bytes | None) -> ValidRequest:
+def auto_size(image_size: tuple[int, int], limits: ImageLimits) -> tuple[int, int]:
+    """(width, height) of an edit whose `size` is omitted or "auto": the first source image's
+    aspect ratio at the stage's default area (diffusers' edit pipelines size their output from
+    the input the same way), on the stage's size grid and inside its bounds."""
+    lim = limits.stage
+    g = lim.granularity
+    w, h = image_size
+    area = lim.default_width * lim.default_height
+    out = []
+    for side, low, top in (
+        (math.sqrt(area * w / h), lim.min_width, lim.max_width),
+        (math.sqrt(area * h / w), lim.min_height, lim.max_height),
+    ):
+        lo, hi = -(-low // g) * g, top // g * g  # the grid's first and last sizes in bounds
+        out.append(min(max(round(side / g) * g, lo), hi))
+    return out[0], out[1]
+
+
+def with_uploads(
+    valid: ValidRequest, images: list[bytes], mask: bytes | None, size: tuple[int, int] | None
+) -> ValidRequest:
+    """`valid` carrying its uploads; `size`: (width, height) replacing an "auto" size."""
+    width, height = size or (valid.width, valid.height)
     return dataclasses.replace(
-        valid, input_images=tuple(images), mask=mask, event_prefix="image_edit"
+        valid,
+        input_images=tuple(images),
+        mask=mask,
+        event_prefix="image_edit",
+        width=width,
+        height=height,
     )

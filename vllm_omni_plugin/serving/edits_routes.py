@@ -8,15 +8,18 @@ SSE with `image_edit.*` events).
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
 
 from ..pipelines import get_pipeline
 from .edits import (
     MAX_EDIT_BODY_BYTES,
+    auto_size,
     check_topology,
     decode_uploads,
     edit_request,
@@ -66,22 +69,29 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
         form = await request.form(max_files=32, max_fields=64)
     except Exception as exc:  # python-multipart / Starlette parse errors
         raise invalid(f"malformed multipart body: {exc}", None, "invalid_multipart") from None
-    data, image_files, mask_file = form_fields(list(form.multi_items()))
-    check_topology(get_pipeline(service.pipeline), image_files, mask_file)
-    valid = edit_request(data, service.limits)
-    model = data.get("model")
-    if model is not None and model not in service.served_names:
-        raise APIError(
-            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
-    blobs = [await f.read() for f in image_files]
-    mask = None if mask_file is None else await mask_file.read()
+    try:
+        data, image_files, mask_file = form_fields(list(form.multi_items()))
+        check_topology(get_pipeline(service.pipeline), image_files, mask_file)
+        valid = edit_request(data, service.limits)
+        model = data.get("model")
+        if model is not None and model not in service.served_names:
+            raise APIError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+        blobs = [await f.read() for f in image_files]
+        mask = None if mask_file is None else await mask_file.read()
+    finally:
+        await form.close()  # uploads over 1 MB were spooled to temporary files
     images, mask_png = await asyncio.to_thread(decode_uploads, blobs, mask)
     if not service.orchestrator.healthy():
         raise unavailable(
             f"stage(s) {service.orchestrator.unhealthy_stages()} are restarting; retry shortly"
         )
-    return with_uploads(valid, images, mask_png)
+    size = None
+    if data.get("size") in (None, "auto"):
+        with Image.open(io.BytesIO(images[0])) as first:  # reads the header only
+            size = auto_size(first.size, service.limits)
+    return with_uploads(valid, images, mask_png, size)
 
 
 async def _wait_disconnect(request: Request) -> None:
