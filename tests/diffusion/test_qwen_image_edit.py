@@ -132,11 +132,11 @@ def test_alone_matches_diffusers(engine, pipe, pixel_diff):
 
 
 def test_batched_with_joins_matches_diffusers(engine, pipe, pixel_diff, staggered):
-    first = [req("b0", "turn the cube into a cat", source(1), seed=1, steps=3)]
-    later = [
-        req("b1", "sky", source(2, size=(64, 64)), seed=2, steps=2),  # another condition size
-        req("b2", "make it blue", source(1), seed=3, steps=2, n=2),
+    first = [  # fresh together, with different condition sizes (64x64 and 96x32 here)
+        req("b0", "turn the cube into a cat", source(1), seed=1, steps=3),
+        req("b1", "sky", source(2, size=(64, 32)), seed=2, steps=2),
     ]
+    later = [req("b2", "make it blue", source(1), seed=3, steps=2, n=2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
     for r in first + later:

@@ -84,7 +84,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return tokens + 2 * self.condition_pixels // 256, inner, heads
 
     def batch_key(self, state: RequestState):
-        return (state.req.height, state.req.width, state.do_cfg, state.cond.get("cond_hw"))
+        # From the request itself, not from `prepare`'s results: fresh requests are grouped
+        # in the same step that prepares them.
+        cond_hw = self.condition_size(state.req.input_images[0])
+        return (state.req.height, state.req.width, state.do_cfg, cond_hw)
 
     # ---- prepare -----------------------------------------------------------------------
     def _encode_with_images(self, prompts: list[str], images: list) -> list[torch.Tensor]:
