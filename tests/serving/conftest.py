@@ -43,7 +43,7 @@ def _start_shared(model, config, root, *extra: str) -> Server:
         env=SHARED_ENV,
     )
     try:
-        server.startup_s = server.wait_healthy()
+        server.startup_s = server.wait_healthy(timeout=600)
     except BaseException:
         server.stop()
         raise
