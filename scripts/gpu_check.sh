@@ -82,7 +82,7 @@ while [ $# -gt 0 ]; do
     dit)
       # Step variants, GLM CFG step, served-shape sequence, end to end; random weights built on
       # the GPU. DIT_BUDGET_S bounds the whole run (the script skips what no longer fits).
-      python3 benchmarks/bench_dit_gpu.py --budget-s "${DIT_BUDGET_S:-450}" --out "$OUT/dit" \
+      python3 benchmarks/bench_dit_gpu.py --budget-s "${DIT_BUDGET_S:-460}" --out "$OUT/dit" \
         2>&1 | tee "$OUT/dit.log"
       ;;
     *)
