@@ -16,7 +16,6 @@ class ParallelLayout:
     # Process groups, set by `init_groups` (None where the degree is 1).
     cfg_group: Any = field(default=None, repr=False)
     ulysses_group: Any = field(default=None, repr=False)
-    control_group: Any = field(default=None, repr=False)  # gloo, all ranks: step plans
 
     @property
     def world_size(self) -> int:
@@ -53,7 +52,3 @@ class ParallelLayout:
             self.cfg_group = cfg_groups[self.ulysses_rank]
         if self.ulysses_degree > 1:
             self.ulysses_group = uly_groups[self.cfg_rank]
-        backend = dist.get_backend()
-        self.control_group = (
-            dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        )
