@@ -19,6 +19,8 @@ from omni_server import API_KEY, REPO, Server
 from openai import BadRequestError, OpenAI
 from PIL import Image
 
+from vllm_omni_plugin.serving.edits import MAX_EDIT_BODY_BYTES
+
 pytestmark = pytest.mark.slow
 PROMPT = "make the cube blue"
 TOLERANCE = 1.0  # mean absolute pixel difference, 0-255 scale (fp32 on both sides)
@@ -204,6 +206,14 @@ def test_bad_uploads_are_4xx_before_any_stage(edit_server):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}, (case, err)
         assert err["code"] == code and err["type"] == "invalid_request_error", (case, err)
+    # A body over the route's limit is refused while it is read (413).
+    r = httpx.post(
+        f"{edit_server.url}/v1/images/edits",
+        headers={**headers, "content-type": "multipart/form-data; boundary=x"},
+        content=b"x" * (MAX_EDIT_BODY_BYTES + 1),
+        timeout=60,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     # A JSON body is not an edit; the openai client's own call with a bad file is a 400 too.
     r = httpx.post(f"{edit_server.url}/v1/images/edits", headers=headers, json={"prompt": "x"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
