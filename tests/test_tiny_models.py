@@ -22,7 +22,8 @@ PIPELINE_CLASS = {
 # Families whose builder is checked by their own family test instead of the text-to-image runs
 # below: qwen-image-edit needs a source image (and ~15 s per CPU run at its 1 MP condition
 # area), so tests/diffusion/test_qwen_image_edit.py runs it in diffusers' QwenImageEditPipeline.
-OWN_TESTS = ("qwen-image-edit",)
+# wan makes videos (WanPipeline returns frames, not images): tests/diffusion/test_wan.py runs it.
+OWN_TESTS = ("qwen-image-edit", "wan")
 TEXT_TO_IMAGE_KINDS = tuple(k for k in KINDS if k not in OWN_TESTS)
 
 

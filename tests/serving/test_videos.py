@@ -13,7 +13,9 @@ in RGB) and less than half as far as the video of another seed (seen: 20).
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -105,12 +107,19 @@ def frames_of(mp4: bytes) -> np.ndarray:
         )
 
 
-def reference(model, size: str, frames: int, seed: int) -> list:
-    import torch
+@functools.cache
+def wan_pipeline(model):
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(str(model))
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference(model, size: str, frames: int, seed: int) -> list:
+    import torch
+
+    pipe = wan_pipeline(model)
     width, height = map(int, size.split("x"))
     return pipe(
         PROMPT,
@@ -168,6 +177,15 @@ def test_list_and_delete(server, shared):
     assert gone.deleted and gone.id == extra.id
     with pytest.raises(NotFoundError):
         client(server).videos.retrieve(extra.id)
+    # Deleting a running job cancels it (and aborts it in the stage); the next job still runs.
+    running = create(server, seed=10, steps=200)
+    while client(server).videos.retrieve(running.id).progress < 1:
+        time.sleep(0.05)
+    assert client(server).videos.delete(running.id).deleted
+    after = create(server, seed=11)
+    assert wait(server, after.id)[0].status == "completed"
+    with pytest.raises(NotFoundError):
+        client(server).videos.retrieve(running.id)
 
 
 @pytest.mark.parametrize(
@@ -188,6 +206,15 @@ def test_bad_requests_get_openai_shaped_400s(server, kw, param):
     assert err["param"] == param and err["type"] == "invalid_request_error", err
 
 
+def test_image_route_points_to_the_videos_api(server):
+    r = httpx.post(
+        f"{server.url}/v1/images/generations",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"prompt": PROMPT},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_endpoint"
+
+
 def test_unknown_ids_get_404s(server):
     missing = "video_" + "0" * 32
     for call in (
@@ -198,6 +225,31 @@ def test_unknown_ids_get_404s(server):
         with pytest.raises(NotFoundError) as exc:
             call()
         assert exc.value.body["code"] == "video_not_found"
+
+
+def test_progress_events_follow_the_denoising_steps(server):
+    steps = 24
+    v = create(server, seed=12, steps=steps)
+    events = []
+    with httpx.stream(
+        "GET",
+        f"{server.url}/v1/videos/{v.id}/events",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    ) as r:
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                events.append((kind, json.loads(line[6:])))
+    kinds = [k for k, _ in events]
+    progress = [d["progress"] for _, d in events]
+    assert kinds[-1] == "video.completed" and set(kinds[:-1]) <= {"video.progress"}, kinds
+    assert progress == sorted(progress) and progress[-1] == 100
+    # Each value is a count of finished steps out of steps + 1 (the last unit: decode + MP4).
+    assert set(progress) <= {100 * s // (steps + 1) for s in range(steps + 1)} | {100}
+    assert any(0 < p < 100 for p in progress), progress
 
 
 def test_killed_stage_fails_its_job_and_later_jobs_complete(server, shared):
@@ -219,14 +271,20 @@ def test_killed_stage_fails_its_job_and_later_jobs_complete(server, shared):
     shared["finished"].update(
         {v.id: client(server).videos.download_content(v.id).read() for v in later}
     )
-    # Left running when the server stops: reported failed by the next server.
+    # Left running when the server dies: reported failed by the next server.
     shared["unfinished"] = create(server, seed=8, steps=200).id
     while client(server).videos.retrieve(shared["unfinished"]).status == "queued":
         time.sleep(0.05)
 
 
 def test_restarted_server_keeps_finished_jobs_and_content(server, setup, shared):
-    server.stop()
+    # A crash, not a clean stop: the running job stays "in_progress" in the store, and only
+    # the next server can tell that nothing holds it any more.
+    procs = server.descendants()
+    server.proc.kill()
+    for p in procs:
+        p.kill()
+    server.proc.wait()
     second = start(setup, "second")
     try:
         for video_id, mp4 in shared["finished"].items():

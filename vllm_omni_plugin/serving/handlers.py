@@ -69,6 +69,12 @@ class ImageService:
                 "image",
                 "unsupported_endpoint",
             )
+        if self.pipeline and get_pipeline(self.pipeline).stages[-1].emits == "video":
+            raise invalid(
+                f"the {self.pipeline} pipeline makes videos: use POST /v1/videos",
+                None,
+                "unsupported_endpoint",
+            )
         model = data.get("model")
         if model is not None and model not in self.served_names:
             raise APIError(
