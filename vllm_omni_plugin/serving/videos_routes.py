@@ -5,8 +5,11 @@ Under /v1, so vLLM's --api-key middleware guards them like its own routes.
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from .errors import APIError
 from .validation import MAX_BODY_BYTES
@@ -93,3 +96,46 @@ async def delete_video(video_id: str, request: Request) -> Response:
         return JSONResponse(_service(request).delete(video_id))
     except APIError as exc:
         return _error(exc)
+
+
+# A vendor extension (OpenAI's Videos API has no stream): a job's progress as server-sent events.
+EVENTS_POLL_S = 0.2
+EVENTS_KEEPALIVE_S = 1.0
+
+
+@router.get("/v1/videos/{video_id}/events")
+async def video_events(video_id: str, request: Request) -> Response:
+    """SSE: `event: video.progress` with the video object each time its status or progress
+    changes, then one `video.completed` or `video.failed`, and the stream ends. A `: keep-alive`
+    comment every second while nothing changes."""
+    try:
+        service = _service(request)
+        first = service.get(video_id)
+    except APIError as exc:
+        return _error(exc)
+
+    async def events():
+        job, last, quiet = first, None, 0.0
+        while True:
+            key = (job["status"], job["progress"])
+            if key != last:
+                last, quiet = key, 0.0
+                done = job["status"] in ("completed", "failed")
+                kind = f"video.{job['status']}" if done else "video.progress"
+                yield f"event: {kind}\ndata: {json.dumps(job)}\n\n"
+                if done:
+                    return
+            elif quiet >= EVENTS_KEEPALIVE_S:
+                quiet = 0.0
+                yield ": keep-alive\n\n"
+            await asyncio.sleep(EVENTS_POLL_S)
+            quiet += EVENTS_POLL_S
+            try:
+                job = service.get(video_id)
+            except APIError as exc:  # deleted meanwhile
+                yield f"event: error\ndata: {json.dumps(exc.body())}\n\n"
+                return
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+    )
