@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from omni_server import API_KEY, REPO, Server
 from openai import BadRequestError, NotFoundError, OpenAI
+from PIL import Image
 
 from vllm_omni_plugin.stages.videos_encode import encode_mp4
 
@@ -204,6 +205,16 @@ def test_bad_requests_get_openai_shaped_400s(server, kw, param):
         create(server, **kw)
     err = exc.value.body
     assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_input_reference_upload_is_refused(server):
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(png, format="PNG")
+    with pytest.raises(BadRequestError) as exc:
+        client(server).videos.create(
+            prompt=PROMPT, size="32x32", input_reference=("ref.png", png.getvalue(), "image/png")
+        )
+    assert exc.value.body["param"] == "input_reference"
 
 
 def test_image_route_points_to_the_videos_api(server):

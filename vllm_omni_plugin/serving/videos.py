@@ -343,7 +343,14 @@ def video_object(job: dict[str, Any]) -> dict[str, Any]:
 def parse_create_body(body: bytes, content_type: str, form: dict[str, Any] | None) -> dict:
     """JSON, or the multipart form the official client sends (its values arrive as strings)."""
     if form is not None:
-        return {k: v for k, v in form.items() if not hasattr(v, "read")}
+        for key, value in form.items():
+            if hasattr(value, "read"):  # an uploaded file: only input_reference would be one
+                raise invalid(
+                    f"file uploads ({key}) are not supported yet: image-to-video is not served",
+                    key,
+                    "unsupported_parameter",
+                )
+        return dict(form)
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:

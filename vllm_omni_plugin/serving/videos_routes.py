@@ -11,7 +11,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from .errors import APIError
+from .errors import APIError, invalid
 from .validation import MAX_BODY_BYTES
 from .videos import VideoService, parse_create_body
 
@@ -47,7 +47,12 @@ async def create_video(request: Request) -> Response:
         if content_type.startswith("multipart/form-data") or content_type.startswith(
             "application/x-www-form-urlencoded"
         ):
-            form = await request.form()
+            try:
+                form = await request.form()
+            except Exception as exc:  # a malformed form is the client's error, not ours
+                raise APIError(
+                    400, f"could not parse the form body: {exc}", code="invalid_body"
+                ) from None
             data = parse_create_body(b"", content_type, dict(form))
         else:
             body = await request.body()
@@ -63,10 +68,13 @@ async def create_video(request: Request) -> Response:
 
 @router.get("/v1/videos")
 async def list_videos(
-    request: Request, after: str | None = None, limit: int = 20, order: str = "desc"
+    request: Request, after: str | None = None, limit: str = "20", order: str = "desc"
 ) -> Response:
+    # `limit` arrives as text and is checked here: FastAPI's own 422 is not OpenAI-shaped.
     try:
-        return JSONResponse(_service(request).list(after, limit, order))
+        if not limit.isascii() or not limit.isdigit():
+            raise invalid(f"limit must be an integer, got {limit!r}", "limit")
+        return JSONResponse(_service(request).list(after, int(limit), order))
     except APIError as exc:
         return _error(exc)
 
