@@ -39,5 +39,7 @@ GLM_IMAGE = PipelineTopology(
     hf_architectures=("GlmImageForConditionalGeneration", "GlmImagePipeline"),
     # VAE scale 8 x DiT patch 2 x the AR grid's 2x upsampling.
     size_granularity=32,
+    # Edits: one source image, tokenized by the AR's vision tokenizer and conditioning the DiT.
+    max_input_images=1,
     description="GLM-Image: AR (vLLM) -> DiT (diffusion)",
 )

@@ -11,7 +11,10 @@ from .messages import GenerationParams
 
 
 class GlmImageGlue:
-    """GLM-Image text-to-image (team D's helpers): exact image-token budget, then prior ids."""
+    """GLM-Image: exact image-token budget, then prior ids. Text-to-image: a token prompt.
+    Image-to-image (`params.input_images`): the source images go to vLLM as multimodal data
+    next to a prompt with one `<|image|>` per image (vLLM's processor expands it), the AR
+    writes the large grid only; the DiT stage conditions on the same images itself."""
 
     def __init__(self, stage: Any):
         from vllm_omni_plugin.models.glm_image import processing
@@ -30,20 +33,44 @@ class GlmImageGlue:
             self.processing.target_grids(h, w)
         except ValueError as exc:  # every ValueError of target_grids is about the size
             raise RequestValidationError("size", str(exc)) from None
-        prompt_ids = self.processing.build_t2i_prompt(self.processor_dir, params.prompt, h, w)
+        edit = bool(params.input_images)
+        if edit:
+            prompt = self._i2i_prompt(params, h, w)
+        else:
+            prompt_ids = self.processing.build_t2i_prompt(self.processor_dir, params.prompt, h, w)
+            prompt = {"prompt_token_ids": prompt_ids}
         kwargs = dict(self.defaults)
-        overrides = self.processing.t2i_sampling_overrides(self.model_dir, h, w)
+        overrides = self.processing.t2i_sampling_overrides(self.model_dir, h, w, preview=not edit)
         extra = {**kwargs.pop("extra_args", {}), **overrides.pop("extra_args", {})}
         kwargs.update(overrides)
         kwargs["extra_args"] = extra
         kwargs["n"] = 1  # one prior per prompt; the DiT repeats it for n images, as diffusers
         if params.seed is not None:
             kwargs["seed"] = int(params.seed)
-        return prompt_ids, SamplingParams(**kwargs)
+        return prompt, SamplingParams(**kwargs)
+
+    def _i2i_prompt(self, params: GenerationParams, h: int, w: int) -> dict:
+        import io
+
+        from PIL import Image
+
+        processor = self.processing.load_processor(self.processor_dir)
+        bounds = self.processing.source_pixel_bounds(processor)
+        images = []
+        for data in params.input_images:
+            try:
+                images.append(
+                    self.processing.fit_source_image(Image.open(io.BytesIO(data)), *bounds)
+                )
+            except ValueError as exc:  # aspect ratio the vision tokenizer refuses
+                raise RequestValidationError("image", str(exc)) from None
+        ids = self.processing.build_i2i_prompt(processor, params.prompt, images, h, w)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def to_payload(self, token_ids: list[int], params: GenerationParams):
         h, w = self._size(params)
-        return self.processing.tokens_to_prior_token_ids(token_ids, h, w)
+        preview = not params.input_images
+        return self.processing.tokens_to_prior_token_ids(token_ids, h, w, preview=preview)
 
     @staticmethod
     def _size(params: GenerationParams) -> tuple[int, int]:

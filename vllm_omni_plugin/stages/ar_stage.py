@@ -262,11 +262,11 @@ class ARStageRunner:
         t0 = time.perf_counter()
         rid = msg.request_id
         try:
-            prompt_ids, params = self.glue.prepare(msg.params)
+            prompt, params = self.glue.prepare(msg.params)  # token ids (+ multimodal data)
             final = None
             total = int(params.max_tokens or 0)
             sent = 0
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
+            async for out in self.engine.generate(prompt, params, rid):
                 final = out
                 self._pulse()
                 if msg.params.stream:

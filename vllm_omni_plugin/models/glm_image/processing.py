@@ -166,8 +166,8 @@ def build_t2i_prompt(processor_dir_or_obj: Any, prompt: str, height: int, width:
         raise ValueError("prompt must not be empty")
     if processor.image_token in prompt:
         raise ValueError(
-            f"the prompt must not contain the image token {processor.image_token!r} "
-            "(source images are passed as images)"
+            "image-to-image takes source images as images, not the image token "
+            f"{processor.image_token!r} in the prompt"
         )
     messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}]]
     inputs = processor.apply_chat_template(
