@@ -125,11 +125,13 @@ class _LeaderRunner:
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         sched = self.engine.scheduler
+        with self.engine._lock:  # other threads may add or abort meanwhile
+            live = {s.request_id for s in (*sched.running, *sched.waiting)}
         plan = StepPlan(
             new=[(s.req, s.seed, s.do_cfg) for s in batch.prefill],
             prefill=[s.request_id for s in batch.prefill],
             denoise=[(s.request_id, s.step) for s in batch.denoise],
-            live={s.request_id for s in (*sched.running, *sched.waiting)},
+            live=live,
         )
         self.ranks.send(plan)
         return self.inner.run(batch)

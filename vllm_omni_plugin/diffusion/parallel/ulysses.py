@@ -34,6 +34,7 @@ class ShardState:
     group: Any
     lengths: dict[str, int] = field(default_factory=dict)
     attention_calls: int = 0  # all-to-all attentions run (tests check the split happened)
+    calls_at_start: int = 0
 
     def sizes(self, stream: str, length: int) -> list[int]:
         known = self.lengths.setdefault(stream, length)
@@ -100,6 +101,10 @@ def _cut_kwargs(state: ShardState, cuts: dict[str, tuple[str, int]]) -> Callable
 
 def _gather_output(state: ShardState, stream: str, dim: int) -> Callable:
     def hook(module, args, output):
+        if state.attention_calls == state.calls_at_start:
+            # An attention kernel other than F.scaled_dot_product_attention ran: each rank
+            # attended over its own tokens only. Refuse rather than return wrong images.
+            raise RuntimeError("Ulysses: the forward's attention bypassed the all-to-all SDPA")
         sizes = state.sizes(stream, state.lengths[stream])
         return gather_pieces(output.contiguous(), dim, sizes, state.group, state.index)
 
@@ -109,6 +114,7 @@ def _gather_output(state: ShardState, stream: str, dim: int) -> Callable:
 def _reset(state: ShardState) -> Callable:
     def hook(module, args, kwargs):
         state.lengths.clear()
+        state.calls_at_start = state.attention_calls
         return None
 
     return hook
@@ -187,6 +193,13 @@ def enable_ulysses(tr: torch.nn.Module, degree: int, index: int, group: Any) -> 
         raise ValueError(
             f"ulysses_degree={degree} does not divide {name}'s {heads} attention heads"
         )
+    for attn in _attention_modules(tr):
+        backend = getattr(attn.processor, "_attention_backend", None)
+        if backend not in (None, "native"):
+            raise ValueError(
+                f"ulysses_degree > 1 needs diffusers' native attention (torch SDPA), "
+                f"not {backend!r}"
+            )
     state = ShardState(degree, index, group)
     tr.register_forward_pre_hook(_reset(state), with_kwargs=True)
     plan(tr, state)
