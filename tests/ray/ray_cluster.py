@@ -89,7 +89,15 @@ class TwoNodeRay:
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        common = ["--num-cpus", "2", "--disable-usage-stats"]
+        # 2 logical CPUs a node: room for one replica each (the bundles ask 1 CPU); a small
+        # object store (requests and images are small) keeps /dev/shm free for the stages.
+        common = [
+            "--num-cpus",
+            "2",
+            "--object-store-memory",
+            str(200 << 20),
+            "--disable-usage-stats",
+        ]
         self._ray(
             self.head_ns,
             ["start", "--head", "--node-ip-address", self.head_ip, "--port", str(RAY_PORT)]

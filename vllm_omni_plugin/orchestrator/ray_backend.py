@@ -32,6 +32,7 @@ logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
 
 RAY_NAMESPACE = "vllm-omni"
 FIRST_BACKOFF_S = 1.0
+RESTARTING_POLL_S = 0.5
 MAX_BACKOFF_S = 30.0
 PLACEMENT_TIMEOUT_S = 120.0
 
@@ -224,6 +225,11 @@ class RayReplicaClient:
         )
 
     async def _recover(self) -> None:
+        """Call `start` until the restarted actor has its stage ready. While Ray is still
+        restarting the actor, calls fail at once: ask again soon; a start that failed (the
+        stage did not come up) is retried with backoff."""
+        from ray.exceptions import ActorUnavailableError
+
         backoff = FIRST_BACKOFF_S
         while self.state == "restarting":
             try:
@@ -232,6 +238,8 @@ class RayReplicaClient:
                 return
             except asyncio.CancelledError:
                 raise
+            except ActorUnavailableError:
+                await asyncio.sleep(RESTARTING_POLL_S)
             except Exception as exc:
                 if self.state == "closed":
                     return
