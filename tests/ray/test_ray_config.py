@@ -49,6 +49,8 @@ def test_replicas_are_refused_without_ray(tmp_path):
 
 
 def test_replicas_load_with_ray(tmp_path):
+    short = QWEN_REPLICAS.replace("num_replicas", "replicas") + "runtime: {backend: ray}\n"
+    assert load_deploy_config(write(tmp_path, short)).stage(0).num_replicas == 2  # the alias
     cfg = load_deploy_config(
         write(tmp_path, QWEN_REPLICAS + "runtime: {backend: ray, max_restarts: 3}\n")
     )

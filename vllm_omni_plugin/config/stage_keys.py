@@ -47,7 +47,7 @@ TOPOLOGY_OWNED = frozenset(
 )
 
 # Renamed keys: vLLM-Omni / legacy name -> our name.
-ALIASES = {"model_class_name": "pipeline_class"}
+ALIASES = {"model_class_name": "pipeline_class", "replicas": "num_replicas"}
 
 AR_OWNERS: dict[str, type[Owner]] = {
     "model": ModelOwner,
