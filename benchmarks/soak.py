@@ -133,15 +133,31 @@ def one_request(client, t: Target, rng: random.Random, hang_up: bool, limit_s: f
     }
     if rng.random() < 0.2:  # streamed
         kw["extra_body"]["partial_images"] = rng.randint(0, 2)
+        # The client's timeout is per read, and the server's keep-alive comments reset it:
+        # a timer closes the stream at the end of the grace period.
+        ends = time.monotonic() + limit_s
         stream = client.images.generate(**kw, stream=True, timeout=limit_s)
+        timer = threading.Timer(limit_s, stream.response.close)
+        timer.start()
         completed = 0
-        for event in stream:
-            if hang_up:
-                stream.response.close()  # leave after the first event
-                raise HungUp
-            if event.type == "image_generation.completed":
-                assert base64.b64decode(event.b64_json)
-                completed += 1
+        try:
+            for event in stream:
+                if hang_up:
+                    stream.response.close()  # leave after the first event
+                    raise HungUp
+                if event.type == "image_generation.completed":
+                    assert base64.b64decode(event.b64_json)
+                    completed += 1
+        except HungUp:
+            raise
+        except Exception:
+            if time.monotonic() >= ends - 0.1:
+                raise Cut from None
+            raise
+        finally:
+            timer.cancel()
+        if completed < kw["n"] and time.monotonic() >= ends - 0.1:
+            raise Cut
         assert completed == kw["n"], completed
         return
     fmt = rng.choice(["b64_json", "url"])
@@ -164,6 +180,10 @@ class HungUp(Exception):
     """A deliberate disconnect."""
 
 
+class Cut(Exception):
+    """Still running at the end of the grace period: the client left."""
+
+
 def client_loop(
     t: Target, seed: int, deadline: float, grace_s: float, disconnects: bool, tally: Tally
 ) -> None:
@@ -181,6 +201,10 @@ def client_loop(
         except HungUp:
             with tally.lock:
                 tally.disconnects += 1
+            continue
+        except Cut:
+            with tally.lock:
+                tally.cut += 1
             continue
         except openai.APITimeoutError:
             if hang_up or time.monotonic() >= deadline + grace_s - 0.5:
