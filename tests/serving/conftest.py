@@ -27,12 +27,14 @@ def qwen_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-# ---- Shared by test_fuzz.py, test_soak.py and test_stream_disconnect.py (issues 11 and 12) ---
+# ---- Shared by test_fuzz.py, test_soak.py, test_stream_disconnect.py (issues 11 and 12) and
+# test_glm_edits_serve.py (issue 13) ---
 # Session scope: two start-ups serve all three modules. Both expose the live stage-inspection
 # route (VLLM_OMNI_DESCRIBE_STAGES=1), which the tests read stage-side counters from.
 SHARED_ENV = {"VLLM_OMNI_DESCRIBE_STAGES": "1"}
 # Qwen-Image with small limits, so whatever valid request the fuzzer finds costs little:
 # up to 128x128, 4 steps, 2 images (the rest gets a 400 before any stage).
+GREEDY_GLM_OVERRIDES = '{"0": {"default_sampling_params": {"temperature": 0.0}}}'
 SMALL_QWEN_OVERRIDES = '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4}}'
 
 
@@ -71,7 +73,11 @@ def small_qwen_server(tiny_models, tmp_path_factory):
 def shared_glm_server(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("shared-glm-server")
     config = REPO / "stage_configs" / "glm_image_tiny.yaml"
-    server = _start_shared(tiny_models("glm-image"), config, root)
+    # The AR stage greedy, so that test_glm_edits_serve.py can compare served images with
+    # transformers' greedy AR + diffusers' DiT (sampling in vLLM and transformers differs).
+    server = _start_shared(
+        tiny_models("glm-image"), config, root, "--stage-overrides", GREEDY_GLM_OVERRIDES
+    )
     try:
         yield server
     finally:
