@@ -289,7 +289,8 @@ class RayReplicaClient:
             ) from None
         except StageUnavailableError as exc:  # its stage process died: the actor follows it
             self.failed += 1
-            raise ReplicaLostError(f"{self.name} on {self.node_ip}: {exc}") from None
+            why = getattr(exc, "cause", None) or exc  # Ray's wrapper adds the remote traceback
+            raise ReplicaLostError(f"{self.name} on {self.node_ip}: {why}") from None
         finally:
             self.pending.pop(msg.request_id, None)
         self.busy_s += result.stage_s
