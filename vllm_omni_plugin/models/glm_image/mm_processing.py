@@ -51,7 +51,9 @@ class SourceImageProcessor:
             index = 0
             expanded = []
             for sample in texts:
-                parts = sample.split(self.image_token)
+                # Text alone (vLLM 0.26-0.28 tokenize its dummy "<|image|>" this way at start-up):
+                # placeholders stay unexpanded, as GlmImageProcessor leaves them without images.
+                parts = sample.split(self.image_token) if grids is not None else [sample]
                 pieces = [parts[0]]
                 for part in parts[1:]:
                     if grids is None or index >= len(grids):
