@@ -15,7 +15,7 @@ import pytest
 
 from vllm_omni_plugin.testing import full_glm_image as full
 from vllm_omni_plugin.testing import tiny_glm_image as tiny
-from vllm_omni_plugin.testing.glm_image_placeholders import check, main
+from vllm_omni_plugin.testing.glm_image_placeholders import _runs, check, main
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,27 @@ def test_cli_entry_reports_ok(full_processor_checkpoint, capsys):
     out = capsys.readouterr().out
     assert "chat_template: ok" in out and "prompt_token: ok" in out
     assert json.loads(out.strip().splitlines()[-1]) == {"ok": True}
+
+
+@pytest.mark.parametrize("which", ["tiny", "full"])
+def test_plugin_vllm_processor_expands_real_images(which, tiny_models, full_processor_checkpoint):
+    """Our model's vLLM-side processor (what vLLM calls for image-to-image requests) expands each
+    `<|image|>` of a prompt to one contiguous run of the image's grid length, for real uploads
+    (non-square, two images), exactly as GlmImageProcessor's own expansion does."""
+    from PIL import Image
+    from transformers import GlmImageProcessor
+
+    from vllm_omni_plugin.models.glm_image.mm_processing import SourceImageProcessor
+
+    root = tiny_models("glm-image") if which == "tiny" else full_processor_checkpoint
+    hf = GlmImageProcessor.from_pretrained(root / "processor")
+    ours = SourceImageProcessor(hf)
+    images = [Image.new("RGB", (768, 512), (1, 2, 3)), Image.new("RGB", (300, 900), (4, 5, 6))]
+    out = ours(text=f"{hf.image_token}a{hf.image_token}b", images=images, return_tensors="pt")
+    grids = out["image_grid_thw"].tolist()
+    assert len(grids) == 2 and out["pixel_values"].shape[0] == sum(t * h * w for t, h, w in grids)
+    ids = out["input_ids"][0].tolist()
+    assert _runs(ids, hf.image_token_id) == [t * h * w for t, h, w in grids]
+    # The same expansion as the real processor's chat template path gives for these images.
+    ref = hf(text=f"{hf.image_token}a{hf.image_token}b", images=images, return_tensors="pt")
+    assert _runs(ref["input_ids"][0].tolist(), hf.image_token_id) == _runs(ids, hf.image_token_id)

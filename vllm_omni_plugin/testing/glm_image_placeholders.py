@@ -100,26 +100,57 @@ def check(checkpoint_dir: str | Path, processor=None) -> list[PlaceholderReport]
 
 
 def _vllm_profile(root: Path) -> str:
-    """vLLM's own profiling dummy through vLLM-Omni's GLM-Image processor (vLLM 0.26 API)."""
+    """vLLM's own profiling dummy and a real non-square image through vLLM-Omni's GLM-Image
+    processor (vLLM 0.26 API).
+
+    Also runs on a CPU box without installing either into the project's environment:
+    `pip install --no-deps --target DIR vllm-omni==0.26.0` (plus its pure-Python needs, e.g.
+    aenum and prettytable, into the same kind of folder), then put DIR and vLLM 0.26's sources
+    (`.venv/vllm-seam-sources/0.26.0`, pure Python) first on PYTHONPATH.
+    """
     try:
-        import vllm_omni  # noqa: F401  registers vLLM-Omni's models
         from vllm.config import ModelConfig
         from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.processing import ProcessorInputs
+        from vllm.multimodal.processing.context import TimingContext
+        from vllm_omni.engine.arg_utils import register_omni_models_to_vllm
     except ImportError as exc:
         return f"skipped: {exc}"
     if not hasattr(MULTIMODAL_REGISTRY, "get_dummy_mm_inputs"):
         return "skipped: this vLLM has no MULTIMODAL_REGISTRY.get_dummy_mm_inputs (0.26 API)"
+    # vLLM-Omni's models reach vLLM's registry through its general plugin; without this the
+    # registry answers with vLLM's generic processor and the check proves nothing.
+    register_omni_models_to_vllm()
     config = ModelConfig(
         model=str(root / "vision_language_encoder"),
         tokenizer=str(root / "processor"),
         trust_remote_code=True,
     )
     try:
+        processor = MULTIMODAL_REGISTRY.create_processor(config)
         out = MULTIMODAL_REGISTRY.get_dummy_mm_inputs(config, {"image": 1})
     except Exception as exc:  # the start-up failure this module is about
         return f"FAILED: {type(exc).__name__}: {exc}"
-    ranges = {m: [(r.offset, r.length) for r in v] for m, v in out["mm_placeholders"].items()}
-    return f"ok: placeholders {ranges}"
+    found = [f"processor {type(processor).__name__}", f"dummy {_ranges(out)}"]
+    from PIL import Image
+
+    image = Image.new("RGB", (96 * 8, 64 * 8), (40, 90, 200))  # non-square, a real upload
+    items = processor.info.parse_mm_data({"image": [image]})
+    tokenizer = processor.info.ctx.tokenizer
+    text = "<|image|>" + DUMMY_TEXT
+    for label, prompt in (("text", text), ("tokens", tokenizer.encode(text))):
+        try:
+            res = processor.apply(
+                ProcessorInputs(prompt=prompt, mm_data_items=items), TimingContext()
+            )
+        except Exception as exc:
+            return f"FAILED on a real image ({label} prompt): {type(exc).__name__}: {exc}"
+        found.append(f"{image.size[0]}x{image.size[1]} image, {label} prompt {_ranges(res)}")
+    return "ok: placeholders " + "; ".join(found)
+
+
+def _ranges(out) -> dict:
+    return {m: [(r.offset, r.length) for r in v] for m, v in out["mm_placeholders"].items()}
 
 
 def main(argv: list[str] | None = None) -> int:
