@@ -105,6 +105,15 @@ class GlmImageAdapter(DiffusionAdapter):
             from transformers import AutoProcessor
 
             root = Path(self.pipe.name_or_path)
+            if not root.is_dir():  # a hub id: the AR stage has fetched the same snapshot
+                from huggingface_hub import snapshot_download
+
+                root = Path(
+                    snapshot_download(
+                        str(self.pipe.name_or_path),
+                        allow_patterns=["processor/*", "vision_language_encoder/*"],
+                    )
+                )
             processor = AutoProcessor.from_pretrained(root / "processor")
             visual, vq = load_vision_tokenizer(
                 root / "vision_language_encoder", device=self.device, dtype=self.pipe.dtype
