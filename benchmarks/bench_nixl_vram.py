@@ -93,8 +93,15 @@ def bench_nixl(
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(there, consumer_device))
     proc.start()
+    there.close()  # a consumer that dies then reads as EOF here, not as a hang
+
+    def reply(timeout_s: float = 60) -> bytes:
+        if not here.poll(timeout_s):
+            raise TimeoutError(f"consumer silent for {timeout_s} s (alive: {proc.is_alive()})")
+        return here.recv_bytes()
+
     try:
-        assert here.recv_bytes() == b"ready"
+        assert reply(120) == b"ready"
         times = []
         for i in range(iters + warmup):
             payload = torch.full((nbytes,), i % 251, dtype=torch.uint8, device=source)
@@ -103,9 +110,9 @@ def bench_nixl(
             t = time.perf_counter()
             desc = producer.put("bench", 0, 1, payload)
             here.send_bytes(pickle.dumps((desc, checksum)))
-            reply = here.recv_bytes()
+            answer = reply()
             times.append(time.perf_counter() - t)
-            if reply != b"ok":
+            if answer != b"ok":
                 raise RuntimeError(f"consumer saw wrong bytes or device at handoff {i}")
             del payload
         here.send_bytes(b"stop")
