@@ -1,0 +1,39 @@
+"""What the two halves of the NIXL connector share: the READ location a descriptor carries, the
+producer's record of a payload it keeps alive (a lease), and the slot-header layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_omni_plugin.connectors.staging import ALIGN
+
+HEADER = ALIGN  # tag in the first 8 bytes; the payload after it stays aligned
+RELEASE_PREFIX = b"omni-rel:"
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class NixlLocation:
+    agent_name: str
+    incarnation: str
+    agent_md: bytes
+    region_md: bytes | None  # partial metadata of a payload registered on its own
+    addr: int
+    length: int  # bytes to READ (header + payload for pool slots)
+    dev_id: int
+    mem_type: str  # DRAM | VRAM
+    tag: int  # 0: no header
+
+
+@dataclass
+class Lease:
+    nbytes: int
+    t0: float
+    until: float
+    offset: int | None = None  # send-pool slot
+    tensor: torch.Tensor | None = None  # payload registered in place, or an empty() payload
+    reg: Any = None
+    tag_offset: int | None = None  # empty() payload: its slot's tag, cleared at release
