@@ -21,7 +21,6 @@ reaper), `nixl_consumer.py` (get, release), `nixl_types.py` (the location and th
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import secrets
 import socket
@@ -39,7 +38,6 @@ from vllm_omni_plugin.connectors.nixl_types import Lease, MiB, NixlLocation
 from vllm_omni_plugin.connectors.staging import StagingPool
 
 __all__ = ["NixlConnector", "NixlLocation"]
-logger = logging.getLogger(__name__)
 
 
 class NixlConnector(NixlProducer, NixlConsumer, StageConnector):
