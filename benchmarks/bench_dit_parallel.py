@@ -8,8 +8,8 @@ every rank loads the same checkpoint; no downloads, no vLLM):
   * FLUX.1-dev-size pipeline (benchmarks/diffusion_models.py: 19 + 38 blocks, 24 heads x 128,
     small random text encoders, FLUX-size VAE), guidance-distilled: no CFG, so its ranks are
     Ulysses only (2: ulysses 2; 4: ulysses 4).
-  * GLM-Image DiT stage at its real size (30 layers, 64 heads x 40) with CFG (guidance 1.5) and
-    random prior ids: 2 ranks = cfg_parallel, 4 = cfg_parallel x ulysses 2 (and ulysses 4).
+  * GLM-Image DiT stage at the published size (30 layers, 32 heads x 128, 6.9B) with CFG
+    (guidance 1.5) and random prior ids: 2 ranks = cfg_parallel, 4 = cfg_parallel x ulysses 2 (and ulysses 4).
 Both at 1024x1024, one image per request (latency: batching gains nothing at this size).
 
 Per layout: the engine (diffusion/parallel.build_engine, the stage's own code) serves a warm-up,
@@ -56,7 +56,7 @@ LAYOUTS = {
 }
 
 
-def build_models(root: Path, tiny: bool, families: list[str]) -> dict[str, Path]:
+def build_models(root: Path, tiny: bool, families: list[str], smoke: bool) -> dict[str, Path]:
     out = {}
     for fam in families:
         path = root / fam
@@ -71,13 +71,36 @@ def build_models(root: Path, tiny: bool, families: list[str]) -> dict[str, Path]
         else:
             from diffusion_models import flux_pipe, glm_pipe
 
-            device, dtype = torch.device("cuda", 0), torch.bfloat16
-            pipe = flux_pipe("full", device, dtype) if fam == "flux" else glm_pipe(device, dtype)
+            gpu = torch.cuda.is_available()
+            device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+            dtype = torch.bfloat16 if gpu else torch.float32
+            if fam == "flux":
+                pipe = flux_pipe("full", device, dtype, smoke=smoke)
+            else:
+                pipe = glm_pipe(device, dtype, smoke=True)  # its DiT is replaced just below
+                pipe.register_modules(transformer=served_glm_dit(device, dtype, smoke))
             pipe.save_pretrained(path)
             del pipe
             torch.cuda.empty_cache()
         print(f"built {fam} in {time.perf_counter() - t0:.0f} s -> {path}", flush=True)
     return out
+
+
+def served_glm_dit(device: torch.device, dtype: torch.dtype, smoke: bool = False):
+    """GLM-Image's DiT at the published size (32 heads x 128, 6.9B; testing/full_glm_image.py),
+    not diffusers' default config (64 x 40, 2.4B) that glm_pipe builds."""
+    from diffusers import GlmImageTransformer2DModel
+
+    from vllm_omni_plugin.testing.full_glm_image import DIT
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            return GlmImageTransformer2DModel(**{**DIT, **({"num_layers": 1} if smoke else {})})
+    finally:
+        torch.set_default_dtype(prev)
 
 
 def request(engine, fam: str, rid: str, size: int, steps: int) -> GenerationRequest:
@@ -126,6 +149,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", type=Path, default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU (gloo)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="full shapes, one block each (checks the full path)"
+    )
     ap.add_argument("--families", default="flux,glm")
     ap.add_argument("--max-ranks", type=int, default=None, help="skip layouts above this")
     ap.add_argument("--size", type=int, default=None)
@@ -135,23 +161,24 @@ def main() -> None:
     args.size = args.size or (64 if args.tiny else 1024)
     args.steps = args.steps or (6 if args.tiny else 28)
     gpus = torch.cuda.device_count()
-    max_ranks = args.max_ranks or (4 if args.tiny else gpus)
+    max_ranks = args.max_ranks or (gpus if gpus and not args.tiny else 4)
     args.out.mkdir(parents=True, exist_ok=True)
     families = args.families.split(",")
-    models = build_models(args.models or args.out / "models", args.tiny, families)
+    models = build_models(args.models or args.out / "models", args.tiny, families, args.smoke)
+    on_gpu = torch.cuda.is_available() and not args.tiny
     rows = []
     for fam in families:
         base = DiffusionEngineConfig(
             model=str(models[fam]),
-            device="cpu" if args.tiny else "cuda",
-            dtype="float32" if args.tiny else "bfloat16",
+            device="cuda" if on_gpu else "cpu",
+            dtype="bfloat16" if on_gpu else "float32",
             max_batch_size=1,
             max_height=args.size,
             max_width=args.size,
         )
         for label, cfg, uly, graphs in LAYOUTS[fam]:
             config = dataclasses.replace(
-                base, cfg_parallel=cfg, ulysses_degree=uly, cuda_graphs=graphs and not args.tiny
+                base, cfg_parallel=cfg, ulysses_degree=uly, cuda_graphs=graphs and on_gpu
             )
             if config.world_size > max_ranks:
                 print(f"skip {fam} {label}: {config.world_size} ranks > {max_ranks}", flush=True)
