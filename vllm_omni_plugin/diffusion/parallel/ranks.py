@@ -123,6 +123,9 @@ class _LeaderRunner:
         self.ranks = ranks
         self.adapter = inner.adapter
 
+    def __getattr__(self, name: str) -> Any:  # the rest of ModelRunner, unchanged
+        return getattr(self.inner, name)
+
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         sched = self.engine.scheduler
         with self.engine._lock:  # other threads may add or abort meanwhile
