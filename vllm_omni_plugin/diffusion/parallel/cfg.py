@@ -60,6 +60,10 @@ class RowSplitTransformer:
         return getattr(self.inner, name)
 
     def __call__(self, **kwargs: Any) -> Any:
+        if kwargs.get("kv_caches") is not None:
+            # GLM-Image edits attend to cached source-image keys, which neither the row split
+            # nor the Ulysses token split cuts yet: fail the request rather than its image.
+            raise NotImplementedError("image edits do not run with cfg_parallel/ulysses_degree")
         rows = kwargs["hidden_states"].shape[0]
         lay = self.layout
         if not self.split or lay.cfg_degree == 1 or rows < lay.cfg_degree:
