@@ -188,3 +188,54 @@ def test_the_source_image_conditions_the_tokens(llm, glm_tiny, fitted):
     a = llm.generate([_i2i(glm_tiny, fitted, 64, 64)[0]], [_i2i(glm_tiny, fitted, 64, 64)[1]])
     b = llm.generate([_i2i(glm_tiny, other, 64, 64)[0]], [_i2i(glm_tiny, other, 64, 64)[1]])
     assert list(a[0].outputs[0].token_ids) != list(b[0].outputs[0].token_ids)
+
+
+# vLLM 0.26 (the GPU machine's) processes images alone through a different path than the CPU
+# venv's 0.32 (`call_hf_processor_mm_only`, up to 0.28): our processor must serve both.
+PROBE_026 = """
+import json, sys
+from PIL import Image
+import vllm
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.config import ModelConfig
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.processing import ProcessorInputs
+from vllm.multimodal.processing.context import TimingContext
+root = sys.argv[1]
+cfg = ModelConfig(model=root + "/vision_language_encoder", tokenizer=root + "/processor")
+proc = MULTIMODAL_REGISTRY.create_processor(cfg)
+dummy = MULTIMODAL_REGISTRY.get_dummy_mm_inputs(cfg, {"image": 1})
+items = proc.info.parse_mm_data({"image": [Image.new("RGB", (768, 512), (40, 90, 200))]})
+ids = proc.info.ctx.tokenizer.encode("<|image|>make it blue", add_special_tokens=False)
+res = proc.apply(ProcessorInputs(prompt=ids, mm_data_items=items), TimingContext())
+ranges = lambda out: [[r.offset, r.length] for r in out["mm_placeholders"]["image"]]
+print(json.dumps({"vllm": vllm.__version__, "processor": type(proc).__name__,
+                  "dummy": ranges(dummy), "image": ranges(res)}))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_026_processes_real_images(glm_tiny):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    source = Path(sys.prefix) / "vllm-seam-sources" / "0.26.0"
+    assert source.is_dir(), f"{source} missing: run `make setup`"
+    env = {**os.environ, "PYTHONPATH": str(source), "VLLM_TARGET_DEVICE": "cpu"}
+    root = str(Path(glm_tiny.ar).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_026, root],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["vllm"] == "0.26.0" and out["processor"] == "GlmImageMultiModalProcessor"
+    # 256 px dummy -> 8x8; a 768x512 upload -> 8x5 (the tiny processor's 256 px bound, halved).
+    assert out == {**out, "dummy": [[0, 64]], "image": [[0, 40]]}

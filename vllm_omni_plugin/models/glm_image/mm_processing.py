@@ -39,6 +39,12 @@ class SourceImageProcessor:
         self.image_token = processor.image_token
         self.image_token_id = processor.image_token_id
 
+    def _merge_kwargs(self, kwargs_type=None, **kwargs) -> dict[str, dict]:
+        """vLLM 0.26-0.28 process images alone through `call_hf_processor_mm_only`, which asks
+        the processor to split its kwargs by modality and then calls `image_processor` itself;
+        the image processor needs nothing beyond the checkpoint's own settings."""
+        return {k: {} for k in ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs")}
+
     def __call__(self, text=None, images=None, return_tensors=None, **kwargs) -> BatchFeature:
         data: dict[str, Any] = {}
         grids = None
