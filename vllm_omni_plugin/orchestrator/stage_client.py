@@ -331,13 +331,19 @@ class StageClient:
         self.deaths += 1
         assert self._loop is not None
         try:
-            code = await self._loop.run_in_executor(None, _wait_code, proc)
+            in_flight = len(self.pending)
+            code = await self._loop.run_in_executor(None, _wait_code, proc, FIRST_EXIT_WAIT_S)
+            if code is None:
+                # Its control socket can close well before a busy host lets the interpreter
+                # finish: fail the requests now, and give the exit code (for the log) longer.
+                self._fail_all(f"stage {self.stage_id} ({self.kind}) died")
+                code = await self._loop.run_in_executor(None, _wait_code, proc, EXIT_WAIT_S)
             logger.error(
                 "stage %d (%s) died with exit code %s; failing %d in-flight request(s)%s",
                 self.stage_id,
                 self.kind,
                 code,
-                len(self.pending),
+                in_flight,
                 ", restarting" if self.restart_enabled else "",
             )
             self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
@@ -398,9 +404,16 @@ class StageClient:
         self.failed += len(pending)
 
 
-def _wait_code(proc: StageProcess) -> int | None:
+# How long a dead stage's process gets to finish exiting: first with its requests still
+# waiting (their 503 then names the exit code), then after they failed, before it is killed
+# (its exit code then reads None in the log).
+FIRST_EXIT_WAIT_S = 2.0
+EXIT_WAIT_S = 10.0
+
+
+def _wait_code(proc: StageProcess, timeout_s: float) -> int | None:
     assert proc.proc is not None
     try:
-        return proc.proc.wait(2.0)
+        return proc.proc.wait(timeout_s)
     except Exception:
         return proc.returncode()
