@@ -42,6 +42,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # bounded on a slow machine): the generation route, the one that can reach a stage, gets most.
 EXAMPLES = {"generates": 60, "other": 15}
 BUDGET_S = {"generates": 20.0, "other": 3.0}
+MIN_EXAMPLES = 5  # sent whatever the budget (a loaded machine must not make the test vacuous)
 # URL text: any character a client can encode (no lone surrogates).
 URL_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
 # A path parameter: no "/" either, which would address another path (vLLM's own 404).
@@ -184,7 +185,7 @@ def test_fuzz_route(fuzz_target, method, path):
         query=st.dictionaries(st.sampled_from(["live", "limit", "after", "x"]), URL_TEXT),
     )
     def one(body: bytes, param: str, query: dict[str, str]) -> None:
-        if time.monotonic() - started > BUDGET_S[kind]:
+        if sum(seen.values()) >= MIN_EXAMPLES and time.monotonic() - started > BUDGET_S[kind]:
             return  # the budget is spent: later examples are not sent
         # Generations: the stages' Submit count around each request (the one route that
         # may reach a stage); other routes: once for the whole run, below.
@@ -215,7 +216,7 @@ def test_fuzz_route(fuzz_target, method, path):
                 failures.append(f"{reached} stage submit(s) for: {note}")
 
     one()
-    assert seen, "no example was sent within the budget"
+    assert sum(seen.values()) >= MIN_EXAMPLES, seen
     assert not failures, f"{len(failures)} failing of {sum(seen.values())}:\n" + "\n".join(
         failures[:8]
     )

@@ -7,7 +7,9 @@ stage answers between two steps (the loop that steps answers), with the requests
 vLLM's own count of unfinished requests. Each test first sees its request inside the stage it
 hangs up in (so it cannot pass vacuously), then closes the connection and polls until the
 request is gone from every stage. Bound: max(1 s, 2 step times), a step time measured from the
-request's own progress comments (one per denoising step; AR: tokens between two comments).
+request's own progress comments (one per denoising step; AR: tokens between two comments), the
+time taken by the stages' own clocks (each answer says when the stage gave it; the HTTP reply
+can lag behind on a busy machine).
 
 Tiny GLM-Image (AR + DiT), so both stage kinds are covered: a hang-up during the AR phase (the
 request must never reach the DiT) and during the DiT phase.
@@ -39,10 +41,10 @@ def holders(stages: dict[int, dict], rid: str) -> list[int]:
     return [sid for sid, s in stages.items() if rid in s["requests"]]
 
 
-def stream_until(server, body: dict, enough) -> tuple[str, list[tuple[float, dict]], dict]:
+def stream_until(server, body: dict, enough) -> tuple[str, list[tuple[float, dict]], dict, float]:
     """Stream `body`, collecting (time, progress) until `enough(progress list)` is true; then,
-    with the connection still open, ask the stages what they hold; then hang up (the time of
-    the hang-up is when this returns)."""
+    with the connection still open, ask the stages what they hold; then hang up. Returns the
+    request id, the progress seen, the stages' answer and the wall-clock time of the hang-up."""
     seen: list[tuple[float, dict]] = []
     with httpx.stream(
         "POST",
@@ -61,23 +63,25 @@ def stream_until(server, body: dict, enough) -> tuple[str, list[tuple[float, dic
                     # connection at once (httpcore closes its stream on GeneratorExit), so a
                     # look after `break` already races the abort.
                     inside = live(server)
+                    hung_up = time.time()
                     break
             assert not line.startswith("event: image_generation.completed"), "finished first"
         else:
             raise AssertionError(f"the stream ended early: {seen}")
-    return rid, seen, inside
+    return rid, seen, inside, hung_up
 
 
-def wait_gone(server, rid: str, bound: float) -> tuple[float, dict]:
-    """Seconds from the hang-up until no stage holds `rid` and no engine counts it (looking
-    past the bound, to report how late it was), and the stages' last answer."""
-    hung_up = time.monotonic()
+def wait_gone(server, rid: str, hung_up: float, bound: float) -> tuple[float, dict]:
+    """Seconds from the hang-up (wall clock) until no stage holds `rid` and no engine counts
+    it, by the stages' own clocks (each Inspection says when the stage answered; the HTTP reply
+    comes later, by however busy the API server is), and the stages' last answer. Looks past
+    the bound, to report how late it was."""
     while True:
         stages = live(server)
         ar_busy = stages[0]["engine_unfinished"]
         if not holders(stages, rid) and (ar_busy is None or ar_busy == 0):
-            return time.monotonic() - hung_up, stages
-        if time.monotonic() - hung_up > bound + 10:
+            return max(s["at"] for s in stages.values()) - hung_up, stages
+        if time.time() - hung_up > bound + 10:
             return float("inf"), stages
 
 
@@ -95,14 +99,14 @@ def test_hang_up_in_the_ar_phase_leaves_every_stage(shared_glm_server):
     # 1024x1024: 1281 tokens (seconds of AR work on a CPU), so the AR phase lasts well past
     # two progress comments (one per 64 tokens).
     body = {"prompt": "a lighthouse at dusk", "size": "1024x1024", "seed": 5}
-    rid, seen, inside = stream_until(
+    rid, seen, inside, hung_up = stream_until(
         server, body, lambda s: sum(p["stage"] == "ar" for _, p in s) >= 2
     )
     # Mid-stream the AR stage holds it (and vLLM counts it); the DiT never got it.
     assert holders(inside, rid) == [0], (inside, seen)
     assert inside[0]["engine_unfinished"] >= 1, inside
     bound = max(1.0, 2 * step_time(seen, "ar"))
-    gone_s, after = wait_gone(server, rid, bound)
+    gone_s, after = wait_gone(server, rid, hung_up, bound)
     assert gone_s <= bound, (gone_s, bound, after)
     # It never reached the DiT stage: that stage received no Submit meanwhile.
     assert after[1]["submitted"] == before[1]["submitted"], (before, after)
@@ -112,13 +116,13 @@ def test_hang_up_in_the_dit_phase_leaves_every_stage(shared_glm_server):
     server = shared_glm_server
     # 64x64 (a short AR phase), 60 denoising steps: hang up after the DiT's third step.
     body = {"prompt": "a lighthouse at dusk", "size": "64x64", "num_inference_steps": 60}
-    rid, seen, inside = stream_until(
+    rid, seen, inside, hung_up = stream_until(
         server, body, lambda s: sum(p["stage"] == "diffusion" for _, p in s) >= 3
     )
     assert holders(inside, rid) == [1], inside
     held = inside[1]["requests"][rid]
     assert 0 < held["step"] < held["total_steps"] == 60, held
     bound = max(1.0, 2 * step_time(seen, "diffusion"))
-    gone_s, after = wait_gone(server, rid, bound)
+    gone_s, after = wait_gone(server, rid, hung_up, bound)
     assert gone_s <= bound, (gone_s, bound, after)
     assert after[1]["engine_unfinished"] == 0, after

@@ -248,6 +248,7 @@ class ARStageRunner:
                     {rid: {} for rid in self.tasks},
                     engine_unfinished=self._engine_unfinished(),
                     submitted=self.submitted,
+                    at=time.time(),
                 )
             )
 

@@ -182,6 +182,7 @@ class DiffusionStageRunner:
                     {r: {"step": s, "total_steps": t} for r, (s, t) in held.items()},
                     engine_unfinished=len(held),
                     submitted=self.submitted,
+                    at=time.time(),
                 )
             )
 

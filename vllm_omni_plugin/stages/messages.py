@@ -106,13 +106,15 @@ class Inspection:
     `requests`: the requests the stage holds now (a diffusion engine: waiting or running, with
     {"step", "total_steps"}; an AR stage: its running generations). `engine_unfinished`: the
     engine's own count of unfinished requests (vLLM's, for an AR stage); None if unknown.
-    `submitted`: Submits this process received since it started, valid or not."""
+    `submitted`: Submits this process received since it started, valid or not. `at`: when the
+    stage answered (the API server's reply comes later, by however busy it is)."""
 
     token: int
     stage_id: int
     requests: dict[str, dict[str, int]] = field(default_factory=dict)
     engine_unfinished: int | None = None
     submitted: int = 0
+    at: float = 0.0  # the stage's wall clock (time.time()) when it answered: when this was true
 
 
 @dataclass
