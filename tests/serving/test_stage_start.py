@@ -68,3 +68,17 @@ def test_spawn_oserror_is_retried_then_given_up_leaving_nothing(init, caplog, mo
     assert any(f"start of {name} failed (attempt 1), retrying in 0.1 s" in m for m in lines), lines
     last = stage_client.STARTUP_ATTEMPTS
     assert any(f"start of {name} failed (attempt {last}), giving up" in m for m in lines), lines
+
+
+def test_only_work_messages_count_as_progress_for_the_stall_watchdog(init):
+    # An AR stage's control loop answers inspections and sends metrics even while its engine is
+    # stuck: neither may reset the stall clock; a Pulse from the engine loop does.
+    from vllm_omni_plugin.stages.messages import EngineMetrics, Inspection, Pulse
+
+    client = StageClient(init, startup_timeout_s=5)
+    client.last_progress = 0.0
+    client._on_message(Inspection(token=1, stage_id=client.stage_id))
+    client._on_message(EngineMetrics(stage_id=client.stage_id, families=[]))
+    assert client.last_progress == 0.0
+    client._on_message(Pulse(stage_id=client.stage_id))
+    assert client.last_progress > 0.0

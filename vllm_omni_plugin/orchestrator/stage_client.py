@@ -297,10 +297,17 @@ class StageClient:
 
     # ---- callbacks from the process (on this loop) --------------------------------------
     def _on_message(self, msg: Any) -> None:
-        if isinstance(msg, EngineMetrics):  # sent on a timer: no sign of progress
+        # Metrics (a timer) and inspections (answered by the stage's control loop, even while its
+        # engine is stuck) are no sign of progress; everything else the stage sends is.
+        if isinstance(msg, EngineMetrics):
             self.engine_metrics = msg.families
             return
-        self.last_progress = time.monotonic()  # whatever else the stage says, it is not stuck
+        if isinstance(msg, Inspection):
+            waiting = self.inspections.get(msg.token)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(msg)
+            return
+        self.last_progress = time.monotonic()
         if isinstance(msg, Pulse):
             if self.on_pulse is not None:
                 self.on_pulse(msg)
@@ -308,10 +315,6 @@ class StageClient:
             fut = self.pending.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, Inspection):
-            waiting = self.inspections.get(msg.token)
-            if waiting is not None and not waiting.done():
-                waiting.set_result(msg)
         elif isinstance(msg, Progress):
             listener = self.listeners.get(msg.request_id)
             if listener is not None:

@@ -151,7 +151,7 @@ class Pulse:
     """A stage's engine loop made progress (a diffusion step ran, an AR engine produced
     tokens). Sent from the loop that does the work, never from a side thread, at most every
     PULSE_INTERVAL_S, and only while the stage has work: the orchestrator's stall watchdog
-    (runtime.stall_timeout_s) reads any message from the stage as progress, and this one keeps
+    (runtime.stall_timeout_s) reads work messages (Result, Progress, Pulse) as progress; this one keeps
     non-streaming requests, which get no Progress, visible to it."""
 
     stage_id: int
