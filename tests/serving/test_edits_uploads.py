@@ -164,3 +164,15 @@ def test_auto_size_keeps_the_source_aspect_at_the_default_area():
     assert auto_size((1000, 10), limits) == (1024, 64)  # clamped into the bounds
     w, h = auto_size((480, 640), limits)
     assert w % 16 == 0 and h % 16 == 0 and abs(w / h - 0.75) < 0.05
+
+
+def test_a_source_beyond_the_pipelines_aspect_bound_is_a_400():
+    # GLM-Image's vision tokenizer refuses sources over 4:1: the route says so, not the AR stage.
+    bound = get_pipeline("glm_image").max_input_aspect_ratio
+    assert bound == 4.0
+    images, _ = decode_uploads([png((128, 32))], None, bound)  # 4:1 is fine
+    assert len(images) == 1
+    with pytest.raises(APIError) as err:
+        decode_uploads([png((32, 33)), png((165, 32))], None, bound)
+    assert err.value.status == 400 and err.value.param == "image[1]"
+    assert decode_uploads([png((165, 32))], None, None)[0]  # no bound: accepted

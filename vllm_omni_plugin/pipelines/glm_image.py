@@ -41,5 +41,6 @@ GLM_IMAGE = PipelineTopology(
     size_granularity=32,
     # Edits: one source image, tokenized by the AR's vision tokenizer and conditioning the DiT.
     max_input_images=1,
+    max_input_aspect_ratio=4.0,  # the vision tokenizer's (GlmImageProcessor's) own bound
     description="GLM-Image: AR (vLLM) -> DiT (diffusion)",
 )

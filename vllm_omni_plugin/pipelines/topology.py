@@ -65,6 +65,8 @@ class PipelineTopology:
     """Every request must carry a source image (edit-only pipelines, e.g. Qwen-Image-Edit)."""
     accepts_mask: bool = False
     """Whether an edit may carry a `mask` (inpainting); otherwise a mask is a 400."""
+    max_input_aspect_ratio: float | None = None
+    """Longest over shortest side a source image may have (a 400 otherwise); None: no bound."""
     description: str = ""
 
     def stage(self, stage_id: int) -> StageSpec:

@@ -199,12 +199,21 @@ def mask_png(mask: Image.Image, size: tuple[int, int]) -> bytes:
     return out.getvalue()
 
 
-def decode_uploads(images: list[bytes], mask: bytes | None) -> tuple[list[bytes], bytes | None]:
+def decode_uploads(
+    images: list[bytes], mask: bytes | None, max_aspect_ratio: float | None = None
+) -> tuple[list[bytes], bytes | None]:
     """Check and convert the uploads (CPU work: the caller runs it off the event loop)."""
-    opened = [
-        open_checked(data, "image" if len(images) == 1 else f"image[{i}]")
-        for i, data in enumerate(images)
-    ]
+    params = ["image" if len(images) == 1 else f"image[{i}]" for i in range(len(images))]
+    opened = [open_checked(data, param) for data, param in zip(images, params, strict=True)]
+    for im, param in zip(opened, params, strict=True):
+        w, h = im.size
+        if max_aspect_ratio is not None and max(w, h) > max_aspect_ratio * min(w, h):
+            raise invalid(
+                f"'{param}' is {w}x{h}: this pipeline takes source images with an aspect "
+                f"ratio of at most {max_aspect_ratio:g}",
+                param,
+                "invalid_image_size",
+            )
     out_mask = None
     if mask is not None:
         out_mask = mask_png(open_checked(mask, "mask", ("PNG",)), opened[0].size)

@@ -71,7 +71,8 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
         raise invalid(f"malformed multipart body: {exc}", None, "invalid_multipart") from None
     try:
         data, image_files, mask_file = form_fields(list(form.multi_items()))
-        check_topology(get_pipeline(service.pipeline), image_files, mask_file)
+        topology = get_pipeline(service.pipeline)
+        check_topology(topology, image_files, mask_file)
         valid = edit_request(data, service.limits)
         model = data.get("model")
         if model is not None and model not in service.served_names:
@@ -82,7 +83,9 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
         mask = None if mask_file is None else await mask_file.read()
     finally:
         await form.close()  # uploads over 1 MB were spooled to temporary files
-    images, mask_png = await asyncio.to_thread(decode_uploads, blobs, mask)
+    images, mask_png = await asyncio.to_thread(
+        decode_uploads, blobs, mask, topology.max_input_aspect_ratio
+    )
     if not service.orchestrator.healthy():
         raise unavailable(
             f"stage(s) {service.orchestrator.unhealthy_stages()} are restarting; retry shortly"
