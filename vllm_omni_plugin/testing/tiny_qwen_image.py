@@ -46,6 +46,7 @@ SPECIAL_TOKENS = [
 ]
 VOCAB_SIZE = 512
 TEMPLATE_PREFIX_TOKENS = 34  # QwenImagePipeline.prompt_template_encode_start_idx
+TEXT_HIDDEN = 32
 
 # Words of QwenImagePipeline's system prompt ("Ġ" = a leading space in byte-level BPE), each
 # merged into one token like the real vocabulary does, plus a few common prompt words.
@@ -55,23 +56,24 @@ _MERGED_WORDS = (
 ).split()
 
 
-def _token_id(name: str) -> int:
-    return SPECIAL_OFFSET + SPECIAL_TOKENS.index(name)
+def token_id(name: str, special_offset: int = SPECIAL_OFFSET) -> int:
+    return special_offset + SPECIAL_TOKENS.index(name)
 
 
-def build_tokenizer():
-    """Qwen2Tokenizer over the tiny vocabulary above (the class builds its own pre-tokenizer)."""
+def tokenizer_from_words(merged_words, special_offset: int, label: str):
+    """Qwen2Tokenizer over byte-level tokens, one merge chain per word of `merged_words` and
+    the special tokens from `special_offset` on (the class builds its own pre-tokenizer)."""
     from transformers import Qwen2Tokenizer
 
     from vllm_omni_plugin.testing.tiny_tokenizers import byte_alphabet, small_merges
 
     vocab = {ch: i for i, ch in enumerate(byte_alphabet())}
-    merges = small_merges(_MERGED_WORDS)
+    merges = small_merges(list(merged_words))
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
-    if len(vocab) > SPECIAL_OFFSET:
-        raise AssertionError(f"tiny Qwen vocab overflows into special ids: {len(vocab)}")
-    vocab.update({name: _token_id(name) for name in SPECIAL_TOKENS})
+    if len(vocab) > special_offset:
+        raise AssertionError(f"tiny {label} vocab overflows into special ids: {len(vocab)}")
+    vocab.update({name: token_id(name, special_offset) for name in SPECIAL_TOKENS})
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -80,29 +82,37 @@ def build_tokenizer():
     )
 
 
-def build(out_dir: Path, seed: int) -> Path:
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def build_tokenizer():
+    """Qwen2Tokenizer over the tiny vocabulary above (the class builds its own pre-tokenizer)."""
+    return tokenizer_from_words(_MERGED_WORDS, SPECIAL_OFFSET, "Qwen")
+
+
+def build_text_encoder(
+    seed: int,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    special_offset: int = SPECIAL_OFFSET,
+    hidden_size: int = TEXT_HIDDEN,
+    max_position_embeddings: int = 4096,
+    vision_geometry: dict | None = None,
+):
+    """Qwen2_5_VLForConditionalGeneration (2 text layers, a 1-block vision tower), seeded with
+    `seed`; `vision_geometry` adds vision_config entries (patch/merge sizes)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text_hidden = 32
     torch.manual_seed(seed)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(
+    return Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config={
-                "vocab_size": VOCAB_SIZE,
-                "hidden_size": text_hidden,
+                "vocab_size": vocab_size,
+                "hidden_size": hidden_size,
                 "intermediate_size": 64,
                 "num_hidden_layers": 2,
                 "num_attention_heads": 2,
                 "num_key_value_heads": 1,
-                "max_position_embeddings": 4096,
-                "bos_token_id": _token_id("<|endoftext|>"),
-                "eos_token_id": _token_id("<|im_end|>"),
+                "max_position_embeddings": max_position_embeddings,
+                "bos_token_id": token_id("<|endoftext|>", special_offset),
+                "eos_token_id": token_id("<|im_end|>", special_offset),
                 # sum(mrope_section) = head_dim / 2 (head_dim 16 here; real [16, 24, 24] for 128)
                 "rope_parameters": {
                     "rope_type": "default",
@@ -115,18 +125,24 @@ def build(out_dir: Path, seed: int) -> Path:
                 "hidden_size": 32,
                 "intermediate_size": 64,
                 "num_heads": 2,
-                "out_hidden_size": text_hidden,
+                "out_hidden_size": hidden_size,
+                **(vision_geometry or {}),
                 "fullatt_block_indexes": [0],
             },
-            image_token_id=_token_id("<|image_pad|>"),
-            video_token_id=_token_id("<|video_pad|>"),
-            vision_start_token_id=_token_id("<|vision_start|>"),
-            vision_end_token_id=_token_id("<|vision_end|>"),
+            image_token_id=token_id("<|image_pad|>", special_offset),
+            video_token_id=token_id("<|video_pad|>", special_offset),
+            vision_start_token_id=token_id("<|vision_start|>", special_offset),
+            vision_end_token_id=token_id("<|vision_end|>", special_offset),
         )
     ).eval()
 
+
+def build_transformer(seed: int, text_hidden: int = TEXT_HIDDEN):
+    """QwenImageTransformer2DModel (2 layers), seeded with `seed + 1`."""
+    from diffusers import QwenImageTransformer2DModel
+
     torch.manual_seed(seed + 1)
-    transformer = QwenImageTransformer2DModel(
+    return QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=64,  # 16 latent channels packed 2x2
         out_channels=16,
@@ -138,9 +154,14 @@ def build(out_dir: Path, seed: int) -> Path:
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim (real: 16, 56, 56)
     )
 
+
+def build_vae(seed: int):
+    """AutoencoderKLQwenImage (z_dim 16), seeded with `seed + 2`; latent stats from `seed`."""
+    from diffusers import AutoencoderKLQwenImage
+
     torch.manual_seed(seed + 2)
     gen = torch.Generator().manual_seed(seed)
-    vae = AutoencoderKLQwenImage(
+    return AutoencoderKLQwenImage(
         base_dim=8,
         z_dim=16,
         dim_mult=[1, 2, 4, 4],
@@ -150,7 +171,12 @@ def build(out_dir: Path, seed: int) -> Path:
         latents_std=(1.0 + torch.rand(16, generator=gen) * 2.0).tolist(),
     )
 
-    scheduler = FlowMatchEulerDiscreteScheduler(
+
+def build_scheduler():
+    """FlowMatchEulerDiscreteScheduler with the real checkpoint's dynamic shifting."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=1.0,
         use_dynamic_shifting=True,
@@ -162,8 +188,15 @@ def build(out_dir: Path, seed: int) -> Path:
         time_shift_type="exponential",
     )
 
+
+def build(out_dir: Path, seed: int) -> Path:
+    from diffusers import QwenImagePipeline
+
+    text_encoder = build_text_encoder(seed)
+    transformer = build_transformer(seed)
+    vae = build_vae(seed)
     pipe = QwenImagePipeline(
-        scheduler=scheduler,
+        scheduler=build_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=build_tokenizer(),

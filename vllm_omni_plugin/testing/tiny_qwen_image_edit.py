@@ -30,9 +30,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from vllm_omni_plugin.testing.tiny_qwen_image import SPECIAL_TOKENS
+from vllm_omni_plugin.testing.tiny_qwen_image import (
+    build_scheduler,
+    build_text_encoder,
+    build_transformer,
+    build_vae,
+    tokenizer_from_words,
+)
 
 SPECIAL_OFFSET = 1000
 VOCAB_SIZE = 1024
@@ -62,29 +66,9 @@ IMAGE_PROCESSOR = {
 }
 
 
-def _token_id(name: str) -> int:
-    return SPECIAL_OFFSET + SPECIAL_TOKENS.index(name)
-
-
 def build_tokenizer():
     """Qwen2Tokenizer over the tiny vocabulary above (the class builds its own pre-tokenizer)."""
-    from transformers import Qwen2Tokenizer
-
-    from vllm_omni_plugin.testing.tiny_tokenizers import byte_alphabet, small_merges
-
-    vocab = {ch: i for i, ch in enumerate(byte_alphabet())}
-    merges = small_merges(list(_MERGED_WORDS))
-    for left, right in merges:
-        vocab.setdefault(left + right, len(vocab))
-    if len(vocab) > SPECIAL_OFFSET:
-        raise AssertionError(f"tiny Qwen-Image-Edit vocab overflows into special ids: {len(vocab)}")
-    vocab.update({name: _token_id(name) for name in SPECIAL_TOKENS})
-    return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        extra_special_tokens=SPECIAL_TOKENS[1:],
-        clean_up_tokenization_spaces=False,
-    )
+    return tokenizer_from_words(_MERGED_WORDS, SPECIAL_OFFSET, "Qwen-Image-Edit")
 
 
 def write_processor(folder: Path) -> None:
@@ -104,102 +88,25 @@ def write_processor(folder: Path) -> None:
     )
 
 
-def _text_encoder(seed: int):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(
-            text_config={
-                "vocab_size": VOCAB_SIZE,
-                "hidden_size": TEXT_HIDDEN,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "max_position_embeddings": 8192,
-                "bos_token_id": _token_id("<|endoftext|>"),
-                "eos_token_id": _token_id("<|im_end|>"),
-                # sum(mrope_section) = head_dim / 2 (head_dim 16 here; real [16, 24, 24] for 128)
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 1000000.0,
-                    "mrope_section": [2, 3, 3],
-                },
-            },
-            # The real tower's geometry (14 px patches, 2x2 merge, 2 frames), 1 block of width 32.
-            vision_config={
-                "depth": 1,
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_heads": 2,
-                "out_hidden_size": TEXT_HIDDEN,
-                "patch_size": 14,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "fullatt_block_indexes": [0],
-            },
-            image_token_id=_token_id("<|image_pad|>"),
-            video_token_id=_token_id("<|video_pad|>"),
-            vision_start_token_id=_token_id("<|vision_start|>"),
-            vision_end_token_id=_token_id("<|vision_end|>"),
-        )
-    ).eval()
-
-
 def build(out_dir: Path, seed: int) -> Path:
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageEditPipeline,
-        QwenImageTransformer2DModel,
+    from diffusers import QwenImageEditPipeline
+
+    # The real tower's geometry (14 px patches, 2x2 merge, 2 frames), 1 block of width 32.
+    text_encoder = build_text_encoder(
+        seed,
+        vocab_size=VOCAB_SIZE,
+        special_offset=SPECIAL_OFFSET,
+        hidden_size=TEXT_HIDDEN,
+        max_position_embeddings=8192,
+        vision_geometry={"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
     )
-
-    text_encoder = _text_encoder(seed)
-
-    torch.manual_seed(seed + 1)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=64,  # 16 latent channels packed 2x2
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=TEXT_HIDDEN,
-        guidance_embeds=False,
-        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim (real: 16, 56, 56)
-    )
-
-    torch.manual_seed(seed + 2)
-    gen = torch.Generator().manual_seed(seed)
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=(torch.randn(16, generator=gen) * 0.5).tolist(),
-        latents_std=(1.0 + torch.rand(16, generator=gen) * 2.0).tolist(),
-    )
-
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
-
-    tokenizer = build_tokenizer()
+    transformer = build_transformer(seed, TEXT_HIDDEN)
+    vae = build_vae(seed)
     pipe = QwenImageEditPipeline(
-        scheduler=scheduler,
+        scheduler=build_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=tokenizer,
+        tokenizer=build_tokenizer(),
         processor=None,  # written below
         transformer=transformer,
     )
