@@ -69,13 +69,17 @@ class QwenImageAdapter(DiffusionAdapter):
         channels = self.pipe.transformer.config.in_channels // 4
         for s, emb in zip(states, embeds, strict=True):
             s.cond["embeds"] = emb
-            h = 2 * (s.req.height // (self.vae_scale_factor * 2))
-            w = 2 * (s.req.width // (self.vae_scale_factor * 2))
-            noise = randn_tensor(
-                (s.n, 1, channels, h, w), generator=s.generator, device=self.device, dtype=emb.dtype
-            )
-            s.latents = self.pipe._pack_latents(noise, s.n, channels, h, w)
-            self._schedule(s)
+            self._init_latents(s, channels, emb.dtype)
+
+    def _init_latents(self, s: RequestState, channels: int, dtype: torch.dtype) -> None:
+        """Draw the request's packed noise latents with its generator; set its schedule."""
+        h = 2 * (s.req.height // (self.vae_scale_factor * 2))
+        w = 2 * (s.req.width // (self.vae_scale_factor * 2))
+        noise = randn_tensor(
+            (s.n, 1, channels, h, w), generator=s.generator, device=self.device, dtype=dtype
+        )
+        s.latents = self.pipe._pack_latents(noise, s.n, channels, h, w)
+        self._schedule(s)
 
     def _schedule(self, s: RequestState) -> None:
         steps = s.total_steps
@@ -105,35 +109,44 @@ class QwenImageAdapter(DiffusionAdapter):
             mask = torch.zeros(1, longest, dtype=torch.long, device=t.device)
             mask[:, : t.shape[1]] = 1
             masks.append(mask.expand(s.n, -1))
-        embeds_t = torch.cat(embeds)
         # diffusers drops an all-ones mask; do the same so unpadded batches take its exact path.
         mask_t = torch.cat(masks)
         mask_t = None if bool(mask_t.all()) else mask_t
         latents = torch.cat([s.latents for s in rows])
+        hidden = self._hidden_states(rows, latents)
         t = torch.cat([s.timesteps[s.step].expand(s.n) for s in rows]).to(latents.dtype)
-        req0 = states[0].req
-        g = self.vae_scale_factor * 2
-        img_shapes = [[(1, req0.height // g, req0.width // g)]] * latents.shape[0]
+        img_shapes = [self._img_shapes(states)] * latents.shape[0]
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.cat(
                 [torch.full([s.n], s.req.guidance_scale, dtype=torch.float32) for s in rows]
             ).to(self.device)
         pred = self.transformer(
-            hidden_states=latents,
+            hidden_states=hidden,
             timestep=t / 1000,
             guidance=guidance,
             encoder_hidden_states_mask=mask_t,
-            encoder_hidden_states=embeds_t,
+            encoder_hidden_states=torch.cat(embeds),
             img_shapes=img_shapes,
             attention_kwargs={},
             return_dict=False,
         )[0]
+        if hidden is not latents:
+            pred = pred[:, : latents.shape[1]]  # the noisy latents' part only
         n_cond = sum(s.n for s in states)
         cond, uncond = pred[:n_cond], pred[n_cond:]
         if cfg_states:
             cond = self._apply_cfg(states, cond, uncond)
         self.euler_update(states, cond)
+
+    def _hidden_states(self, rows: list[RequestState], latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's image sequence of the rows: here their noisy latents alone."""
+        return latents
+
+    def _img_shapes(self, states: list[RequestState]) -> list[tuple[int, int, int]]:
+        """RoPE frames of one row's image sequence, (frames, height, width) in patches."""
+        req0, g = states[0].req, self.vae_scale_factor * 2
+        return [(1, req0.height // g, req0.width // g)]
 
     @staticmethod
     def _apply_cfg(states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ from typing import ClassVar
 
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-from diffusers.utils.torch_utils import randn_tensor
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
 from ..errors import RequestValidationError
@@ -121,57 +120,17 @@ class QwenImageEditAdapter(QwenImageAdapter):
             lh, lw = latents.shape[3:]
             packed = self.pipe._pack_latents(latents, 1, channels, lh, lw)
             s.cond["image_latents"] = packed.expand(s.n, -1, -1)
-            h = 2 * (s.req.height // (self.vae_scale_factor * 2))
-            w = 2 * (s.req.width // (self.vae_scale_factor * 2))
-            noise = randn_tensor(
-                (s.n, 1, channels, h, w), generator=s.generator, device=self.device, dtype=emb.dtype
-            )
-            s.latents = self.pipe._pack_latents(noise, s.n, channels, h, w)
-            self._schedule(s)
+            self._init_latents(s, channels, emb.dtype)
 
-    # ---- denoise -----------------------------------------------------------------------
-    def denoise(self, states: list[RequestState]) -> None:
-        cfg_states = [s for s in states if s.do_cfg]
-        rows = states + cfg_states  # cond rows, then uncond rows of the CFG requests
-        texts = [s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states]
-        longest = max(t.shape[1] for t in texts)
-        embeds, masks = [], []
-        for s, t in zip(rows, texts, strict=True):
-            pad = longest - t.shape[1]
-            padded = torch.cat([t, t.new_zeros(1, pad, t.shape[2])], dim=1) if pad else t
-            embeds.append(padded.expand(s.n, -1, -1))
-            mask = torch.zeros(1, longest, dtype=torch.long, device=t.device)
-            mask[:, : t.shape[1]] = 1
-            masks.append(mask.expand(s.n, -1))
-        mask_t = torch.cat(masks)
-        # diffusers drops an all-ones mask; do the same so unpadded batches take its exact path.
-        mask_t = None if bool(mask_t.all()) else mask_t
-        noisy = torch.cat([s.latents for s in rows])
-        hidden = torch.cat(
+    # ---- denoise (the parent's step; these two hooks add the condition image) ----------
+    def _hidden_states(self, rows: list[RequestState], latents: torch.Tensor) -> torch.Tensor:
+        """Each row's noisy latents followed by its condition image's latents."""
+        return torch.cat(
             [torch.cat([s.latents, s.cond["image_latents"]], dim=1) for s in rows], dim=0
         )
-        t = torch.cat([s.timesteps[s.step].expand(s.n) for s in rows]).to(noisy.dtype)
-        req0, g = states[0].req, self.vae_scale_factor * 2
+
+    def _img_shapes(self, states: list[RequestState]) -> list[tuple[int, int, int]]:
+        """The output frame, then the condition image's own RoPE frame."""
         ch, cw = states[0].cond["cond_hw"]
-        img_shapes = [[(1, req0.height // g, req0.width // g), (1, ch // g, cw // g)]] * len(hidden)
-        guidance = None
-        if self.pipe.transformer.config.guidance_embeds:
-            guidance = torch.cat(
-                [torch.full([s.n], s.req.guidance_scale, dtype=torch.float32) for s in rows]
-            ).to(self.device)
-        pred = self.transformer(
-            hidden_states=hidden,
-            timestep=t / 1000,
-            guidance=guidance,
-            encoder_hidden_states_mask=mask_t,
-            encoder_hidden_states=torch.cat(embeds),
-            img_shapes=img_shapes,
-            attention_kwargs={},
-            return_dict=False,
-        )[0]
-        pred = pred[:, : noisy.shape[1]]
-        n_cond = sum(s.n for s in states)
-        cond, uncond = pred[:n_cond], pred[n_cond:]
-        if cfg_states:
-            cond = self._apply_cfg(states, cond, uncond)
-        self.euler_update(states, cond)
+        g = self.vae_scale_factor * 2
+        return [*super()._img_shapes(states), (1, ch // g, cw // g)]
