@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 import torch
-from bench_step_variants import rel_err, step_variants
-from diffusion_models import PROMPTS, flux_pipe, glm_pipe, sync, tiny_flux_pipe
+from bench_step_variants import step_variants
+from diffusion_models import PROMPTS, flux_pipe, glm_pipe, rel_err, sync, tiny_flux_pipe
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.flux import FluxAdapter

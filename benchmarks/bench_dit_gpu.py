@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_diffusion import flux_pipe, pixel_diff, rel_err  # noqa: E402
+from diffusion_models import kernel_times, sync, time_ms  # noqa: E402
 
 from vllm_omni_plugin.diffusion.acceleration import (  # noqa: E402
     accelerate_transformer,
@@ -56,34 +56,9 @@ def left_s(budget: float) -> float:
     return budget - (time.perf_counter() - T0)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def note(msg: str) -> None:
     NOTES.append(msg)
     print(f"  note: {msg}", flush=True)
-
-
-def time_ms(fn, device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
-    """(median, min) ms of `fn`: CUDA events on the GPU, wall clock on the CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times), min(times)
 
 
 def timed_s(fn, device: torch.device):
@@ -103,20 +78,7 @@ def dit_flops(layers: int, inner: int, tokens: int, batch: int = 1) -> float:
 
 def top_kernels(fn, device: torch.device, n: int = 12) -> list[tuple[str, float]]:
     """Device time by kernel over one call (the names show what inductor fused)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync(device)
-    rows = []
-    for ev in prof.key_averages():
-        if device.type == "cuda":
-            us = ev.self_device_time_total if str(ev.device_type).endswith("CUDA") else 0
-        else:
-            us = ev.self_cpu_time_total if ev.key.startswith("aten::") else 0
-        if us > 0:
-            rows.append((ev.key[:90], us / 1000))
+    rows = [(key[:90], ms) for key, ms in kernel_times(fn, device)]
     rows.sort(key=lambda r: -r[1])
     for key, ms in rows[:n]:
         print(f"    {ms:8.2f} ms  {key}", flush=True)

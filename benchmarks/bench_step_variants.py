@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 
 import torch
-from diffusion_models import PROMPTS, flux_pipe, sync
+from diffusion_models import PROMPTS, flux_pipe, kernel_times, rel_err, sync, time_ms
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.flux import FluxAdapter
@@ -86,56 +85,19 @@ def flux_step_flops(cfg, image_tokens: int, text_tokens: int = 512) -> float:
     return layers * (24 * inner * inner * n + 4 * n * n * inner)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
-def time_ms(fn, device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
-    """(median, min) ms of `fn`, device events on CUDA."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times), min(times)
-
-
 def kernel_split(fn, device: torch.device) -> dict[str, float]:
     """Share of device time by kernel kind over one call: gemm / attention / other (ms)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync(device)
     split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     top: list[tuple[float, str]] = []
-    for ev in prof.key_averages():
-        if device.type == "cuda":  # kernels only (ops would count their kernels twice)
-            us = ev.self_device_time_total if str(ev.device_type).endswith("CUDA") else 0
-        else:
-            us = ev.self_cpu_time_total if ev.key.startswith("aten::") else 0
-        if us <= 0:
-            continue
-        k = ev.key.lower()
+    for key, ms in kernel_times(fn, device):
+        k = key.lower()
         if any(w in k for w in ("flash", "fmha", "cudnn", "attention", "sdpa")):
-            split["attention"] += us / 1000
+            split["attention"] += ms
         elif any(w in k for w in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "mm", "linear")):
-            split["gemm"] += us / 1000
+            split["gemm"] += ms
         else:
-            split["other"] += us / 1000
-        top.append((us / 1000, ev.key[:70]))
+            split["other"] += ms
+        top.append((ms, key[:70]))
     for ms, key in sorted(top, reverse=True)[:6]:
         print(f"    {ms:8.2f} ms  {key}", flush=True)
     return split

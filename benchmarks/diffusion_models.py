@@ -2,13 +2,16 @@
 
 FLUX ("small" for the CPU, "full" at FLUX.1-dev size), the GLM-Image DiT pipeline at full size,
 and the tiny FLUX from make-tiny-model; `smoke` keeps a full architecture's shapes with one
-block each, to check a code path on the CPU. Used by bench_diffusion.py, bench_step_variants.py
-and bench_dit_gpu.py.
+block each, to check a code path on the CPU; and the timing helpers the step benchmarks share
+(`time_ms`, `kernel_times`, `rel_err`). Used by bench_diffusion.py, bench_step_variants.py and
+bench_dit_gpu.py.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +22,51 @@ PROMPTS = ["a red cube", "a photo of a cat", "a cat and a cube", "red", "the cat
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def time_ms(fn, device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
+    """(median, min) ms of `fn`: CUDA events on the GPU, wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times), min(times)
+
+
+def kernel_times(fn, device: torch.device) -> list[tuple[str, float]]:
+    """(name, ms) of each kernel with device time over one call of `fn`, in the profiler's order:
+    CUDA kernels on the GPU (ops would count their kernels twice), aten ops on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    rows = []
+    for ev in prof.key_averages():
+        if device.type == "cuda":
+            us = ev.self_device_time_total if str(ev.device_type).endswith("CUDA") else 0
+        else:
+            us = ev.self_cpu_time_total if ev.key.startswith("aten::") else 0
+        if us > 0:
+            rows.append((ev.key, us / 1000))
+    return rows
 
 
 def flux_pipe(kind: str, device: torch.device, dtype: torch.dtype, smoke: bool = False):
