@@ -2,6 +2,7 @@
 # Build the GPU kit on this machine: vLLM for the lent H200's torch (2.11 + CUDA 13 -> vLLM 0.26.0),
 # diffusers and the project's other pure-Python needs, packed and split into parts that fit one call.
 # transformers 5.19.0 replaces the image's 5.17: the same GLM-Image classes as CPU CI (the checkpoint builder and diffusers' AR).
+# pycountry: mistral_common (vLLM) imports pydantic_extra_types.language_code, which needs it.
 #   scripts/gpu_kit/build_kit.sh [KIT_DIR] [EXTRA_REQUIREMENT...]      (KIT_DIR default: .gpukit)
 # Then carry one part per call (README.md: "Reproducing the GPU runs"). Re-running reuses the download cache.
 set -euo pipefail
@@ -11,7 +12,7 @@ cache=${GPU_KIT_CACHE:-/tmp/gpu-kit-wheels}
 mkdir -p "$cache" "$kit"
 python3 -m pip install -q packaging 2>/dev/null || true
 python3 "$here/resolve_kit.py" "$cache" vllm==0.26.0 diffusers==0.42.1 transformers==5.19.0 omegaconf==2.4.0 \
-  antlr4-python3-runtime==4.13.2 importlib_metadata pydantic "$@" >/dev/null
+  antlr4-python3-runtime==4.13.2 importlib_metadata pydantic pycountry "$@" >/dev/null
 rm -f "$kit"/part_*
 tar cf - -C "$cache" . | split -b 58M -d - "$kit/part_"
 grep -qx "/$(basename "$kit")/" .git/info/exclude 2>/dev/null || echo "/$(basename "$kit")/" >> .git/info/exclude
