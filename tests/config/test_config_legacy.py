@@ -59,22 +59,24 @@ def test_vllm_omni_030_stages_files_load():
     assert (ar.scheduler.scheduler_cls, ar.scheduler.async_scheduling) == (ASYNC_SCHEDULER, True)
     assert ar.sampling.max_tokens == 4353 and cfg.stage(1).diffusion.max_batch_size == 1
     # the npu section applies only on npu; there it changes devices and TP, and asks for
-    # sequence parallelism, which does not exist here: refused, naming the fields
+    # sequence_parallel_size, which does not exist here: refused, naming the field (its
+    # ulysses_degree 4 is the diffusion stage's Ulysses knob, issue 17: accepted)
     lines = problems(
         FIXTURES / "vo30_glm_image.yaml",
         platform="npu",
         stage_overrides={"0": {"scheduler_cls": None}},
     )
     assert any("stage 1: sequence_parallel_size: 4 is not supported" in x for x in lines), lines
-    assert any("stage 1: ulysses_degree: 4 is not supported" in x for x in lines), lines
+    assert not any("ulysses_degree" in x for x in lines), lines
     npu = load_deploy_config(
         FIXTURES / "vo30_glm_image.yaml",
         platform="npu",
         stage_overrides={
             "0": {"scheduler_cls": None},
-            "1": {"sequence_parallel_size": 1, "ulysses_degree": 1},
+            "1": {"sequence_parallel_size": 1},
         },
     )
+    assert npu.stage(1).diffusion.ulysses_degree == 4
     assert npu.stage(0).parallel.tensor_parallel_size == 4 and npu.stage(0).devices == "0,1,2,3"
     assert npu.stage(0).env["HCCL_IF_BASE_PORT"] == "23000"
     assert npu.stage(0).provenance["devices"] == "platform:npu"
