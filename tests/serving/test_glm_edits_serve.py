@@ -41,9 +41,9 @@ def decode(b64: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def server(shared_glm_server, tiny_models):
-    # conftest's session GLM server (its AR stage greedy): no start-up of our own.
-    shared_glm_server.model = tiny_models("glm-image")
+def server(shared_glm_server):
+    # conftest's session GLM server (its AR stage greedy): no start-up of our own. Shared with
+    # other modules: read it, never change its attributes.
     return shared_glm_server
 
 

@@ -199,12 +199,28 @@ def test_ar_engine_metrics_reach_metrics_labelled_by_stage(glm):
         return httpx.get(f"{glm.url}/metrics", timeout=10).text
 
     tokens = "vllm:generation_tokens_total"
-    wait_for(lambda: _ar_engine_sample(scrape(), tokens) is not None, 10, "no vllm: metrics")
-    before = scrape()
+
+    def count() -> float | None:
+        return _ar_engine_sample(scrape(), tokens)
+
+    def settled() -> float:
+        # Earlier tests' tokens may still be on their way (the stage sends every 2 s): wait
+        # until two readings one interval apart agree.
+        previous = count()
+        while True:
+            time.sleep(2.5)
+            now = count()
+            if now == previous:
+                return now
+            previous = now
+
+    wait_for(lambda: count() is not None, 30, "no vllm: metrics")
+    before = settled()
     assert post(glm).status_code == 200
     # One 64x64 request: the preview and large grids' codes, then EOS.
-    want = _ar_engine_sample(before, tokens) + num_image_tokens(64, 64) + 1
-    wait_for(lambda: _ar_engine_sample(scrape(), tokens) == want, 10, "token count not updated")
+    want = before + num_image_tokens(64, 64) + 1
+    wait_for(lambda: count() >= want, 30, "token count not updated")
+    assert settled() == want
     after = scrape()
     done = _ar_engine_sample(after, "vllm:request_success_total")
     assert done is not None and done >= 1
