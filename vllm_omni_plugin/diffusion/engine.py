@@ -273,20 +273,22 @@ class DiffusionEngine:
             batch = self.scheduler.schedule()
         out = self.runner.run(batch)
         with self._lock:
-            self._previews.update(out.previews)
             outputs = self.scheduler.update(batch, out)
-            for s in (*batch.prefill, *batch.denoise):
-                self._progress[s.request_id] = (s.step, s.total_steps)
-            if batch.whole is not None:
-                s = batch.whole
-                self._progress[s.request_id] = (s.step, s.total_steps)
-            for o in outputs:
-                done = o.metrics.get("steps", 0)
-                self._progress[o.request_id] = (done, o.metrics.get("total_steps", done))
-            # Keep progress of finished requests readable, but bounded.
-            while len(self._progress) > 4096:
-                self._progress.pop(next(iter(self._progress)))
+            self._note_progress(batch, out, outputs)
         return outputs
+
+    def _note_progress(self, batch, out, outputs: list[GenerationOutput]) -> None:
+        """What a step leaves for readers between steps: previews and per-request progress."""
+        self._previews.update(out.previews)
+        running = [*batch.prefill, *batch.denoise, *([batch.whole] if batch.whole else [])]
+        for s in running:
+            self._progress[s.request_id] = (s.step, s.total_steps)
+        for o in outputs:
+            done = o.metrics.get("steps", 0)
+            self._progress[o.request_id] = (done, o.metrics.get("total_steps", done))
+        # Keep progress of finished requests readable, but bounded.
+        while len(self._progress) > 4096:
+            self._progress.pop(next(iter(self._progress)))
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run requests to completion (all validated before any starts); outputs in order."""
