@@ -31,8 +31,12 @@ pytestmark = pytest.mark.slow
 STALL_TIMEOUT_S = 3.0
 # The supervisor checks every 0.5 s; the rest is scheduling slack on a loaded 2-core box.
 ANSWER_WITHIN_S = STALL_TIMEOUT_S + 2.0
-# 64x64 images: a tiny Qwen-Image step takes milliseconds, so a long request needs many steps.
+# A tiny Qwen-Image step takes milliseconds, so a long request needs many steps, and how long
+# it runs depends on the machine's load: the first test grows the size until one request runs
+# for twice the deadline, and the SIGSTOP test reuses that size (so it is surely mid-request).
 LONG_STEPS = 200
+LONG_SIZES = ("128x128", "256x256", "384x384", "512x512", "768x768")
+long_request: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +94,16 @@ def wait_for(cond, timeout: float, what: str) -> float:
 
 def test_idle_and_progressing_stages_are_not_flagged(server):
     time.sleep(STALL_TIMEOUT_S + 1.0)  # idle for longer than the deadline
-    t0 = time.monotonic()
-    r = post(server, steps=LONG_STEPS, size="128x128")
-    took = time.monotonic() - t0
-    assert r.status_code == 200, r.text
+    for size in LONG_SIZES:
+        t0 = time.monotonic()
+        r = post(server, steps=LONG_STEPS, size=size)
+        took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        if took > 2 * STALL_TIMEOUT_S:
+            break
     # The request must outlast the deadline, or it proves nothing about pulses.
-    assert took > STALL_TIMEOUT_S, f"request took only {took:.1f} s; make it longer"
+    assert took > STALL_TIMEOUT_S, f"request took only {took:.1f} s at {size}; make it longer"
+    long_request["size"] = size
     assert metric(server, "omni_stage_stalls_total") == 0.0
     assert healthy(server)
 
@@ -105,7 +113,9 @@ def test_sigstopped_stage_fails_its_request_503_and_restarts(server):
     family = [stage, *stage.children(recursive=True)]
     result: dict[str, httpx.Response] = {}
     thread = threading.Thread(
-        target=lambda: result.update(r=post(server, steps=LONG_STEPS, size="128x128"))
+        target=lambda: result.update(
+            r=post(server, steps=LONG_STEPS, size=long_request.get("size", LONG_SIZES[-1]))
+        )
     )
     thread.start()
     wait_for(
