@@ -105,6 +105,28 @@ def test_openai_client_edit_matches_diffusers(edit_server, tiny_models, tmp_path
     assert np.abs(got - want).mean() <= TOLERANCE
 
 
+def test_an_edit_batched_with_others_equals_it_alone(edit_server):
+    # Three edits at once share the stage's steps (step-level batching); each must be the
+    # image it is alone: the same seed gives the same picture, other seeds other pictures.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(seed: int) -> np.ndarray:
+        res = client(edit_server).images.edit(
+            model=edit_server.model,
+            image=("source.png", source_png(), "image/png"),
+            prompt=PROMPT,
+            size="64x64",
+            extra_body={"seed": seed, "num_inference_steps": 2},
+        )
+        return decode(res.data[0].b64_json)
+
+    alone = one(6)
+    with ThreadPoolExecutor(3) as pool:
+        batched = list(pool.map(one, (5, 6, 7)))
+    assert np.abs(batched[1] - alone).mean() <= TOLERANCE
+    assert np.abs(batched[0] - batched[2]).mean() > 0
+
+
 def test_stream_uses_image_edit_events(edit_server):
     stream = client(edit_server).images.edit(
         model=edit_server.model,
