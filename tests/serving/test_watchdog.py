@@ -31,12 +31,16 @@ pytestmark = pytest.mark.slow
 STALL_TIMEOUT_S = 3.0
 # The supervisor checks every 0.5 s; the rest is scheduling slack on a loaded 2-core box.
 ANSWER_WITHIN_S = STALL_TIMEOUT_S + 2.0
-# A tiny Qwen-Image step takes milliseconds, so a long request needs many steps, and how long
-# it runs depends on the machine's load: the first test grows the size until one request runs
-# for twice the deadline, and the SIGSTOP test reuses that size (so it is surely mid-request).
-LONG_STEPS = 200
-LONG_SIZES = ("128x128", "256x256", "384x384", "512x512", "768x768")
-long_request: dict[str, str] = {}
+# A tiny Qwen-Image step at 128x128 takes milliseconds, so a long request needs many steps,
+# and how long it runs depends on the machine's load: the first test grows the step count until
+# one request runs for twice the deadline, and the SIGSTOP test reuses it (so it is surely
+# mid-request). Steps, not sizes: a large image's VAE decode is one silent stretch that can
+# outlast a 3 s deadline by itself (a real limit of the watchdog: the deadline must exceed
+# the longest stretch without a step, which the 300 s default does).
+SIZE = "128x128"
+LONG_STEPS = (200, 800, 3200)
+MAX_STEPS = LONG_STEPS[-1]
+long_request: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,7 @@ def server(tiny_models, tmp_path_factory):
     config.write_text(
         f"base_config: {REPO / 'stage_configs' / 'qwen_image_tiny.yaml'}\n"
         f"stages:\n  - stage_id: 0\n    stall_timeout_s: {STALL_TIMEOUT_S}\n"
+        f"    max_num_inference_steps: {MAX_STEPS}\n"
     )
     srv = Server([str(model), "--stage-config", str(config), "--api-key", API_KEY], root / "log")
     try:
@@ -94,16 +99,16 @@ def wait_for(cond, timeout: float, what: str) -> float:
 
 def test_idle_and_progressing_stages_are_not_flagged(server):
     time.sleep(STALL_TIMEOUT_S + 1.0)  # idle for longer than the deadline
-    for size in LONG_SIZES:
+    for steps in LONG_STEPS:
         t0 = time.monotonic()
-        r = post(server, steps=LONG_STEPS, size=size)
+        r = post(server, steps=steps, size=SIZE)
         took = time.monotonic() - t0
         assert r.status_code == 200, r.text
         if took > 2 * STALL_TIMEOUT_S:
             break
     # The request must outlast the deadline, or it proves nothing about pulses.
-    assert took > STALL_TIMEOUT_S, f"request took only {took:.1f} s at {size}; make it longer"
-    long_request["size"] = size
+    assert took > STALL_TIMEOUT_S, f"request took only {took:.1f} s at {steps} steps"
+    long_request["steps"] = steps
     assert metric(server, "omni_stage_stalls_total") == 0.0
     assert healthy(server)
 
@@ -114,7 +119,7 @@ def test_sigstopped_stage_fails_its_request_503_and_restarts(server):
     result: dict[str, httpx.Response] = {}
     thread = threading.Thread(
         target=lambda: result.update(
-            r=post(server, steps=LONG_STEPS, size=long_request.get("size", LONG_SIZES[-1]))
+            r=post(server, steps=long_request.get("steps", MAX_STEPS), size=SIZE)
         )
     )
     thread.start()
