@@ -22,6 +22,11 @@ _SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 def parse_body(body: bytes) -> dict[str, Any]:
     if len(body) > MAX_BODY_BYTES:
         raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+    return json_object(body)
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or an OpenAI-shaped 400."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -11,7 +11,6 @@ and MP4 encoding are the last unit, so 100 means the file is stored.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import re
@@ -21,6 +20,7 @@ from typing import Any
 from ..orchestrator import StageRequestError, StageUnavailableError
 from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid
+from .validation import json_object
 from .videos_store import VideoStore
 
 logger = logging.getLogger("vllm_omni_plugin.serving.videos")
@@ -351,13 +351,7 @@ def parse_create_body(body: bytes, content_type: str, form: dict[str, Any] | Non
                     "unsupported_parameter",
                 )
         return dict(form)
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("request body must be a JSON object", None, "invalid_json")
-    return data
+    return json_object(body)
 
 
 def _int(name: str, value: Any) -> int | None:
