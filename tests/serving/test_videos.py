@@ -239,7 +239,9 @@ def test_unknown_ids_get_404s(server):
 
 
 def test_progress_events_follow_the_denoising_steps(server):
-    steps = 24
+    # Long enough that the stream attaches mid-job on a fast machine (24 steps once finished
+    # before it did, leaving only 0 and 100).
+    steps = 200
     v = create(server, seed=12, steps=steps)
     events = []
     with httpx.stream(
