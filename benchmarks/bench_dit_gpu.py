@@ -553,6 +553,8 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
         ("diffusers + regional compile", 30 if tiny else 40),
         ("ours (regional compile + CUDA graphs)", 30 if tiny else 35),
     ]
+    if device.type == "cuda":  # fp8 GEMMs are refused on the CPU
+        systems.append(("ours fp8 (regional compile + CUDA graphs)", 40))
     for name, cost in systems:
         if cost > left_s(budget):
             note(f"end to end {name}: skipped, needs ~{cost}s, {left_s(budget):.0f}s left")
@@ -568,6 +570,7 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
                     max_batch_size=1,
                     compile_transformer=True,
                     compile_regional=True,
+                    fp8_linear="fp8" in name,
                 )
                 cfg.dtype = str(dtype).split(".")[-1]
                 engine = DiffusionEngine(cfg, adapter=adapter)
@@ -589,6 +592,10 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
             mine = images.get((name, steps_list[0]))
             if ref is not None and mine is not None:
                 row["mean_pixel_diff_vs_diffusers_eager"] = pixel_diff(ref, mine)
+            bf16 = images.get(("ours (regional compile + CUDA graphs)", steps_list[0]))
+            if "fp8" in name and bf16 is not None and mine is not None:
+                row["mean_pixel_diff_vs_ours_bf16"] = pixel_diff(bf16, mine)
+                row["ssim_vs_ours_bf16"] = ssim(bf16, mine)
             rows.append(row)
             print(json.dumps(row), flush=True)
         except Exception as exc:
@@ -599,6 +606,17 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
             reset_transformer(pipe.transformer)
             torch._dynamo.reset()
     return rows
+
+
+def ssim(a, b) -> float | None:
+    """Structural similarity of two RGB images (scikit-image's; None where it is not installed)."""
+    try:
+        from skimage.metrics import structural_similarity
+    except ImportError:
+        return None
+    import numpy as np
+
+    return float(structural_similarity(np.asarray(a), np.asarray(b), channel_axis=2))
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -651,8 +669,9 @@ def markdown(result: dict) -> str:
         lines += [
             "End to end, FLUX.1-dev size:",
             "",
-            "| system | warm-up (2 steps) s | per image s | pixel diff vs diffusers |",
-            "|---|---|---|---|",
+            "| system | warm-up (2 steps) s | per image s | pixel diff vs diffusers "
+            "| pixel diff / SSIM vs ours bf16 |",
+            "|---|---|---|---|---|",
         ]
         for r in result["end_to_end"]:
             per = ", ".join(
@@ -662,7 +681,9 @@ def markdown(result: dict) -> str:
             )
             lines.append(
                 f"| {r['system']} | {r['warmup_2_steps_s']:.1f} | {per} "
-                f"| {fmt(r.get('mean_pixel_diff_vs_diffusers_eager'), '.2f')} |"
+                f"| {fmt(r.get('mean_pixel_diff_vs_diffusers_eager'), '.2f')} "
+                f"| {fmt(r.get('mean_pixel_diff_vs_ours_bf16'), '.2f')} / "
+                f"{fmt(r.get('ssim_vs_ours_bf16'), '.4f')} |"
             )
         lines.append("")
     if result["notes"]:

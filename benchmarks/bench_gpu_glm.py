@@ -181,17 +181,19 @@ async def _serve_load(server: Server, args, extra: dict) -> dict:
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=3600, max_retries=0)
     await _one(client, args, 99, extra)
     singles = [await _one(client, args, i, extra) for i in range(args.repeats)]
+    # Printed now, so that a run cut short at concurrency 8 still leaves its concurrency-1 figures.
+    print("c1:", [(round(r["s"], 2), r["timings"]) for r in singles], flush=True)
     t0 = time.perf_counter()
     many = await asyncio.gather(*[_one(client, args, i, extra) for i in range(args.concurrency)])
     wall = time.perf_counter() - t0
     out = {
-        "c1_s_per_image": round(statistics.median(r["s"] for r in singles), 2),
+        "c1_s_per_image": round(statistics.median(r["s"] for r in singles), 2) if singles else None,
         "c1_runs_s": [round(r["s"], 2) for r in singles],
         f"c{args.concurrency}_images": len(many),
         f"c{args.concurrency}_wall_s": round(wall, 1),
         f"c{args.concurrency}_images_per_min": round(len(many) * 60 / wall, 2),
     }
-    if singles[0]["timings"]:
+    if singles and singles[0]["timings"]:
         keys = singles[0]["timings"].keys()
         out["c1_split_s"] = {
             k: round(statistics.median(r["timings"][k] for r in singles) / 1e3, 2) for k in keys
@@ -231,7 +233,10 @@ def _serve_phase(args, phase: str, argv: list[str]) -> None:
         with PeakMemory() as mem:
             ready = server.wait_ready(args.start_timeout)
             load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
-        _record(args, phase, {"ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
+        config = {"stage_config": args.stage_config} if phase == "ours" else {}
+        _record(
+            args, phase, {**config, "ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib}
+        )
     finally:
         server.stop()
         _keep_log_lines(server.log, args.out / f"{phase}_log_lines.txt")
@@ -413,7 +418,9 @@ def phase_ar(args) -> None:
         log.write_text(proc.stdout + proc.stderr)
         if proc.returncode:
             raise RuntimeError(f"AR run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        # vLLM logs to stdout too (its shutdown lines come after the result).
+        line = [x for x in proc.stdout.splitlines() if x.startswith('{"b1"')][-1]
+        results[name] = json.loads(line)
         _keep_log_lines(log, args.out / f"ar_{name}_log_lines.txt")
     ratio = {
         f"b{b}": round(results["omni_async"][f"b{b}"] / results["vllm_default"][f"b{b}"], 3)
@@ -423,7 +430,7 @@ def phase_ar(args) -> None:
 
 
 def phase_ar_one(args) -> None:
-    """tokens/s of one engine at batch 1 and 8 (prints one JSON line last)."""
+    """tokens/s of one engine at batch 1 and 8 (prints one JSON line, `{"b1": ...}`)."""
     from vllm import LLM, SamplingParams
 
     from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR

@@ -18,6 +18,8 @@ TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
 SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
 REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
+CONCURRENCY=${CONCURRENCY:-8}  # then this many at once
+STAGE_CONFIG=${STAGE_CONFIG:-glm_image_1gpu}  # the served full-size phase (`ours`)
 # scripts/gpu_kit/install_kit.sh puts each system in its own folder; a phase sees only its own.
 OURS_PATH=/tmp/ours:/tmp/site
 export PYTHONPATH=$OURS_PATH PATH=/tmp/ours/bin:/tmp/site/bin:$PATH
@@ -45,7 +47,15 @@ while [ $# -gt 0 ]; do
     nixl-vram)
       # The handoff figures; when both GPU-memory rows ran, later smoke runs serve the tiny
       # checkpoint through glm_image_1gpu_nixl (NIXL into the DiT's GPU memory) instead.
-      python3 benchmarks/bench_nixl_vram.py | tee "$OUT/nixl_vram.txt" || true
+      timeout 180 python3 benchmarks/bench_nixl_vram.py | tee "$OUT/nixl_vram.txt" || true
+      # Which UCX transports carried the 64 MiB READ (UCX_PROTO_INFO prints the protocol UCX
+      # selected), and the same READ with UCX restricted to its CUDA transports.
+      for tls in default cuda_ipc,cuda_copy,sm,self cuda_ipc,cuda_copy,tcp,self; do
+        echo "== UCX_TLS=$tls" >> "$OUT/nixl_ucx.txt"
+        ( [ "$tls" = default ] || export UCX_TLS=$tls
+          UCX_PROTO_INFO=y timeout 120 python3 benchmarks/bench_nixl_vram.py --sizes 64M --iters 3 ) \
+          >> "$OUT/nixl_ucx.txt" 2>&1 || true
+      done
       if tail -1 "$OUT/nixl_vram.txt" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read())["results"]; sys.exit(any("error" in x for row in r.values() for x in row.values()))'; then
         SMOKE_CONFIG=glm_image_1gpu_nixl
       fi
@@ -71,7 +81,8 @@ while [ $# -gt 0 ]; do
             --model "$FULL" --out "$OUT/full" --repeats "$REPEATS"
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full" \
-            --repeats "$REPEATS" ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"}
+            --repeats "$REPEATS" --concurrency "$CONCURRENCY" --stage-config "$STAGE_CONFIG" \
+            ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"}
         fi
         # A phase cut short by a timeout can leave its server behind: never let it share the
         # GPU with the next phase.
