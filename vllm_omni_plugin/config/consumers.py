@@ -174,6 +174,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "compile_transformer",
             "compile_regional",
             "compile_dynamic",
+            "compile_cache_dir",
             "cuda_graphs",
             "cuda_graph_max_graphs",
             "fp8_linear",

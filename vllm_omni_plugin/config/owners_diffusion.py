@@ -60,6 +60,10 @@ class DiffusionOwner(Owner):
     compile_dynamic: bool | None = None
     """torch.compile with dynamic shapes (None: on for families whose text length varies per
     prompt, GLM-Image and Qwen-Image, so new prompts never recompile; torch's choice otherwise)."""
+    compile_cache_dir: str | None = None
+    """Where torch.compile keeps compiled graphs and kernels, so a restarted stage loads them
+    instead of compiling again (None: $TORCHINDUCTOR_CACHE_DIR, else
+    $VLLM_CACHE_ROOT/omni_inductor, default ~/.cache/vllm/omni_inductor)."""
     cuda_graphs: bool | None = None
     """Replay the transformer forward from CUDA graphs captured per recurring input shape
     (None: on for CUDA devices; lossless)."""

@@ -11,7 +11,8 @@ Each option keeps the model's function: no caching across steps, no lower precis
     CUDA only (on CPU it only costs memory).
   * `compile`: torch.compile, either the whole forward or, with `regional`, each repeated
     block (diffusers' `_repeated_blocks`): the blocks are identical, so one compiled graph per
-    block type serves them all and the compile takes seconds instead of minutes.
+    block type serves them all and the compile takes seconds instead of minutes. What inductor
+    compiled is kept on disk (compile_cache.py), so a restarted stage loads it.
   * `dynamic`: torch.compile's `dynamic`. Left to torch (None), dynamo compiles the first shape
     statically, recompiles when a dimension changes (then with that dimension symbolic), and
     specialises sizes 0 and 1, so the first requests of a server each pay a compile (seconds
@@ -37,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8 as fp8_gemm
 from . import glm_image_sync_free
+from .compile_cache import use_compile_cache
 from .cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
@@ -97,12 +99,14 @@ def accelerate_transformer(
     max_graphs: int = 8,
     fp8: bool = False,
     reversible: bool = True,
+    compile_cache_dir: str | None = None,
 ) -> Callable[..., Any]:
     """Apply the options to `transformer` (fusion, fp8, GLM's sync-free modules and regional
     compile are in place; `reset_transformer` undoes them) and return what the denoising loop
     should call. `dynamic=None`: dynamic for VARIABLE_TEXT_MODELS, else torch's default.
     `cuda_graphs=None`: on for CUDA devices. `reversible=False` (serving) frees what only
-    `reset_transformer` would need (fp8: the model-dtype weights of the swapped linears)."""
+    `reset_transformer` would need (fp8: the model-dtype weights of the swapped linears).
+    `compile_cache_dir`: inductor's on-disk cache (compile_cache.py; None: its default)."""
     cuda = device.type == "cuda"
     name = type(transformer).__name__
     undo: list[Callable[[], None]] = transformer.__dict__.setdefault("_omni_undo", [])
@@ -126,6 +130,7 @@ def accelerate_transformer(
         undo.append(sync_free)
     fn: Callable[..., Any] = transformer
     if compile:
+        logger.info("torch.compile cache: %s", use_compile_cache(compile_cache_dir))
         if dynamic is None and name in VARIABLE_TEXT_MODELS:
             dynamic = True
         kwargs: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}

@@ -55,6 +55,8 @@ class DiffusionEngineConfig:
     # torch.compile's `dynamic` for the transformer (None: dynamic for families whose text
     # length changes per prompt, GLM-Image and Qwen-Image; torch's automatic choice otherwise).
     compile_dynamic: bool | None = None
+    # Inductor's on-disk cache, kept across restarts (None: compile_cache.py's default).
+    compile_cache_dir: str | None = None
     # CUDA graphs over the transformer forward, one per recurring input shape (None: on CUDA).
     cuda_graphs: bool | None = None
     # Most CUDA graphs kept (least recently used evicted); they share one memory pool.

@@ -58,6 +58,7 @@ class DiffusionEngine:
                 max_graphs=config.cuda_graph_max_graphs,
                 fp8=config.fp8_linear,
                 reversible=False,
+                compile_cache_dir=config.compile_cache_dir,
             )
         except AccelerationError as exc:
             raise DiffusionEngineError(str(exc)) from exc
