@@ -179,7 +179,8 @@ async def _serve_load(server: Server, args, extra: dict) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=3600, max_retries=0)
-    await _one(client, args, 99, extra)
+    first = await _one(client, args, 99, extra)  # the first request after start-up
+    print("first request:", round(first["s"], 2), flush=True)
     singles = [await _one(client, args, i, extra) for i in range(args.repeats)]
     # Printed now, so that a run cut short at concurrency 8 still leaves its concurrency-1 figures.
     print("c1:", [(round(r["s"], 2), r["timings"]) for r in singles], flush=True)
@@ -187,6 +188,7 @@ async def _serve_load(server: Server, args, extra: dict) -> dict:
     many = await asyncio.gather(*[_one(client, args, i, extra) for i in range(args.concurrency)])
     wall = time.perf_counter() - t0
     out = {
+        "first_request_s": round(first["s"], 2),
         "c1_s_per_image": round(statistics.median(r["s"] for r in singles), 2) if singles else None,
         "c1_runs_s": [round(r["s"], 2) for r in singles],
         f"c{args.concurrency}_images": len(many),
