@@ -236,3 +236,35 @@ def test_idle_connector_does_not_spin(consumer):
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert consumer.health()
     assert cpu < 0.3, f"an idle NIXL connector used {cpu:.2f} s of CPU in 1 s"
+
+
+def test_region_reregistered_at_a_loaded_address_reloads_the_peer(producer, consumer, monkeypatch):
+    """A device payload re-registered where an earlier one lay gets a new key (CUDA memory; host
+    memory keeps its key, so this machine cannot make the clash itself): NIXL then refuses the
+    region with NIXL_ERR_NOT_ALLOWED, as it did at the 64 MiB handoff on an H200. That refusal
+    is injected here, once, into the real agent; the consumer must reload the peer and read the
+    exact bytes."""
+    from nixl._bindings import nixlNotAllowedError
+
+    warm = producer.call("put_pattern", "clash-warm", 3 * MiB, 20)
+    assert torch.equal(consumer.get(warm, timeout=10), pattern(3 * MiB, 20))
+    consumer.release(warm)
+    nixl = consumer.agent.agent
+    real_add, calls = nixl.add_remote_agent, []
+
+    def refuse_region_once(metadata):
+        calls.append(metadata)
+        if len(calls) == 1:
+            raise nixlNotAllowedError("NIXL_ERR_NOT_ALLOWED")
+        return real_add(metadata)
+
+    monkeypatch.setattr(nixl, "add_remote_agent", refuse_region_once)
+    desc = producer.call("put_pattern", "clash", 3 * MiB, 21)
+    assert torch.equal(consumer.get(desc, timeout=10), pattern(3 * MiB, 21))
+    consumer.release(desc)
+    # refused region, the peer's full metadata, the region again
+    assert len(calls) == 3 and calls[1] == desc.location.agent_md
+    monkeypatch.undo()
+    after = producer.call("put_pattern", "clash-after", 3 * MiB, 22)
+    assert torch.equal(consumer.get(after, timeout=10), pattern(3 * MiB, 22))
+    consumer.release(after)

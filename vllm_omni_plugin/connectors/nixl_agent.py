@@ -182,9 +182,28 @@ class NixlAgent:
                 )
             self._peers[name] = incarnation
 
-    def load_partial(self, metadata: bytes) -> None:
-        """Add the descriptors of one more registered region of an already loaded peer."""
-        self.guard("add_remote_agent (partial metadata)", self.agent.add_remote_agent, metadata)
+    def load_partial(self, name: str, incarnation: str, agent_md: bytes, region_md: bytes) -> None:
+        """Add the descriptors of one more registered region of an already loaded peer.
+
+        A producer registers device payloads where they lie, and torch's caching allocator hands
+        the same block out again, so a later region can have the address and length of one
+        loaded before but a new key (CUDA memory gets a new one per registration; host memory
+        keeps its key). NIXL cannot update a loaded descriptor and refuses with
+        NIXL_ERR_NOT_ALLOWED (seen on an H200 at the 64 MiB handoff). Its only way to
+        drop one is to drop the peer: so the peer is loaded afresh, then the region.
+        """
+        try:
+            self.agent.add_remote_agent(region_md)
+            return
+        except Exception as e:
+            if type(e).__name__ != "nixlNotAllowedError":
+                raise ConnectorError(
+                    f"NIXL add_remote_agent (partial metadata) failed: {e!r}"
+                ) from e
+        logger.info("NIXL peer %s re-registered a region at a loaded address: reloading it", name)
+        self.forget_peer(name)
+        self.ensure_peer(name, incarnation, agent_md)
+        self.guard("add_remote_agent (partial metadata)", self.agent.add_remote_agent, region_md)
 
     def forget_peer(self, name: str) -> None:
         """Drop a peer after a failure so the next descriptor from it handshakes afresh."""

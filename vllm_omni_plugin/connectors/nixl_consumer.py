@@ -49,7 +49,7 @@ class NixlConsumer:
             return self._fetch_own(desc)
         self.agent.ensure_peer(loc.agent_name, loc.incarnation, loc.agent_md)
         if loc.region_md is not None:
-            self.agent.load_partial(loc.region_md)
+            self.agent.load_partial(loc.agent_name, loc.incarnation, loc.agent_md, loc.region_md)
         offset = self.recv_pool.alloc(loc.length) if self.recv_pool is not None else None
         fresh: torch.Tensor | None = None
         reg = None
