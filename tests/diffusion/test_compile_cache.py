@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner
 from vllm_omni_plugin.diffusion import DiffusionEngineConfig
@@ -20,27 +21,13 @@ from vllm_omni_plugin.diffusion.compile_cache import default_compile_cache_dir
 CHILD = r"""
 import json, sys, time
 import torch
-from diffusers import GlmImageTransformer2DModel
+sys.path.insert(0, sys.argv[2])
+from tiny_glm_dit import glm_inputs, reference, tiny_glm_dit
 from vllm_omni_plugin.diffusion.acceleration import accelerate_transformer
 
-torch.manual_seed(0)
-tr = GlmImageTransformer2DModel(
-    num_layers=2, attention_head_dim=16, num_attention_heads=2, text_embed_dim=32,
-    time_embed_dim=32, condition_dim=16, prior_vq_quantizer_codebook_size=64,
-).eval()
-g = torch.Generator().manual_seed(1)
-kw = dict(
-    hidden_states=torch.randn(2, 16, 8, 8, generator=g),
-    encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
-    prior_token_id=torch.randint(0, 64, (2, 16), generator=g),
-    prior_token_drop=torch.tensor([[False] * 16, [True] * 16]),
-    timestep=torch.tensor([500.0, 500.0]),
-    target_size=torch.tensor([[64.0, 64.0]] * 2),
-    crop_coords=torch.zeros(2, 2),
-    return_dict=False,
-)
+tr, kw = tiny_glm_dit(), glm_inputs(5)
 with torch.inference_mode():
-    ref = tr(**{**kw, "prior_token_drop": kw["prior_token_drop"].clone()})[0]
+    ref = reference(tr, kw)
     fn = accelerate_transformer(
         tr, torch.device("cpu"), compile=True, regional=True, compile_cache_dir=sys.argv[1]
     )
@@ -56,7 +43,10 @@ print(json.dumps({"hits": c["fxgraph_cache_hit"], "misses": c["fxgraph_cache_mis
 
 def run_child(cache_dir) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(cache_dir)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", CHILD, str(cache_dir), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
