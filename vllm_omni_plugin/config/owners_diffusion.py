@@ -63,7 +63,8 @@ class DiffusionOwner(Owner):
     compile_cache_dir: str | None = None
     """Where torch.compile keeps compiled graphs and kernels, so a restarted stage loads them
     instead of compiling again (None: $TORCHINDUCTOR_CACHE_DIR, else
-    $VLLM_CACHE_ROOT/omni_inductor, default ~/.cache/vllm/omni_inductor)."""
+    $VLLM_CACHE_ROOT/omni_inductor, default ~/.cache/vllm/omni_inductor); only with
+    compile_transformer."""
     cuda_graphs: bool | None = None
     """Replay the transformer forward from CUDA graphs captured per recurring input shape
     (None: on for CUDA devices; lossless)."""
