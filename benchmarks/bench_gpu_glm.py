@@ -14,8 +14,9 @@ PHASE (each appends one JSON line to OUT/results.jsonl, so phases can run in sep
              (the checkpoint's sequence_bias, as transformers applies it for diffusers; see
              _omni_deploy_yaml): the same requests. Our package is on its path for that class
              only; VLLM_PLUGINS=vllm_omni_register_models keeps our general plugin out
-  diffusers  GlmImagePipeline (transformers AR + DiT), one request at a time; then our diffusion
-             engine on the same pipeline and prior tokens vs diffusers (image difference)
+  diffusers  GlmImagePipeline (transformers AR + DiT), one request at a time; then (unless
+             --no-engine-parity) our diffusion engine on the same pipeline and prior tokens vs
+             diffusers (image difference)
   parity     the served pipeline (greedy AR via --stage-overrides) against diffusers with a greedy
              AR, same prompt and seed: AR tokens compared, mean pixel difference
   report     the three-way table from OUT/results.jsonl (markdown)
@@ -355,7 +356,8 @@ def phase_diffusers(args) -> None:
             "peak_gib": mem.peak_gib,
         },
     )
-    _engine_vs_diffusers(args, pipe)
+    if args.engine_parity:
+        _engine_vs_diffusers(args, pipe)
 
 
 def _engine_vs_diffusers(args, pipe) -> None:
@@ -556,6 +558,12 @@ def main() -> None:
     parser.add_argument("--stage-overrides", default=None)
     parser.add_argument("--scheduler", default="omni_async")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument(
+        "--engine-parity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="diffusers phase: also compare our engine's image with diffusers' (one more image)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "ar-one":

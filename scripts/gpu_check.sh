@@ -29,6 +29,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZ
 TINY_OVERRIDES=${TINY_OVERRIDES:-'{"0": {"dtype": "bfloat16"}, "1": {"dtype": "bfloat16", "min_height": 64, "min_width": 64}}'}
 # Extra --stage-overrides for the served full-size phase (`ours`), e.g. '{"1": {"cuda_graphs": false}}'.
 STAGE_OVERRIDES=${STAGE_OVERRIDES:-}
+# ENGINE_PARITY=0: the diffusers phase skips its engine-vs-diffusers image (one more full image).
 mkdir -p "$OUT"
 
 while [ $# -gt 0 ]; do
@@ -78,7 +79,8 @@ while [ $# -gt 0 ]; do
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full" \
             --repeats "$REPEATS" --concurrency "$CONCURRENCY" --stage-config "$STAGE_CONFIG" \
-            ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"}
+            ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
+            $([ "${ENGINE_PARITY:-1}" = 0 ] && echo --no-engine-parity)
         fi
         # A phase cut short by a timeout can leave its server behind: never let it share the
         # GPU with the next phase.
