@@ -70,7 +70,11 @@ class ImageGridLogitsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
         self.device = device
+        self.pin_memory = is_pin_memory
         self.rules: dict[int, _Rule] = {}
+        # The masks for the last classification of rows (see apply), kept on the device.
+        self._masks_key: tuple | None = None
+        self._masks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bias_ids: torch.Tensor | None = None
         self.bias_values: torch.Tensor | None = None
         self.forced_eos: int | None = None
@@ -142,29 +146,43 @@ class ImageGridLogitsProcessor(LogitsProcessor):
             logits[:, self.bias_ids] += self.bias_values.to(logits.dtype)
         if not self.rules:
             return logits
-        # The output list holds every token sampled so far (async scheduling keeps a -1
-        # placeholder for the one in flight), so its length is the index being sampled now.
-        code_rows: list[int] = []
-        code_limits: list[int] = []
-        eos_rows: list[int] = []
-        eos_ids: list[int] = []
+        key = (logits.shape[-1], *self._classify())
+        if key != self._masks_key:
+            self._masks, self._masks_key = self._build_masks(*key), key
+        for rows, banned in self._masks:
+            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+        return logits
+
+    def _classify(self) -> tuple[tuple, tuple]:
+        """((row, num_codes) for rows held to image codes, (row, eos id) for rows held to EOS).
+
+        The output list holds every token sampled so far (async scheduling keeps a -1
+        placeholder for the one in flight), so its length is the index being sampled now. The
+        answer changes only when the batch does or a row crosses a boundary (once per request).
+        """
+        codes, eos = [], []
         for row, rule in self.rules.items():
             j = len(rule.output_ids)
             if j >= rule.eos_from:
-                eos_rows.append(row)
-                eos_ids.append(rule.eos_id)
+                eos.append((row, rule.eos_id))
             elif j < rule.codes_until:
-                code_rows.append(row)
-                code_limits.append(rule.num_codes)
-        vocab = torch.arange(logits.shape[-1], device=logits.device)
-        if code_rows:
-            rows = torch.tensor(code_rows, device=logits.device)
-            limits = torch.tensor(code_limits, device=logits.device)
-            banned = vocab.unsqueeze(0) >= limits.unsqueeze(1)
-            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
-        if eos_rows:
-            rows = torch.tensor(eos_rows, device=logits.device)
-            keep = torch.tensor(eos_ids, device=logits.device)
-            banned = vocab.unsqueeze(0) != keep.unsqueeze(1)
-            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
-        return logits
+                codes.append((row, rule.num_codes))
+        return tuple(codes), tuple(eos)
+
+    def _build_masks(self, vocab_size: int, codes: tuple, eos: tuple) -> list:
+        # Rebuilt only when the classification changes, from pinned memory without blocking:
+        # a per-step host-to-device copy from pageable memory would synchronise with the GPU
+        # every step and undo the overlap that async scheduling exists for.
+        vocab = torch.arange(vocab_size, device=self.device)
+        masks = []
+        if codes:
+            rows, limits = self._upload(codes)
+            masks.append((rows, vocab.unsqueeze(0) >= limits.unsqueeze(1)))
+        if eos:
+            rows, keep = self._upload(eos)
+            masks.append((rows, vocab.unsqueeze(0) != keep.unsqueeze(1)))
+        return masks
+
+    def _upload(self, pairs: tuple) -> tuple[torch.Tensor, ...]:
+        host = torch.tensor(pairs, dtype=torch.long, pin_memory=self.pin_memory)
+        return host.to(self.device, non_blocking=True).unbind(1)
