@@ -24,7 +24,8 @@ budget left is smaller):
      syncs) and ours; per call: time (compiles included), graphs compiled so far.
   4. End to end, FLUX.1-dev-size pipeline (small random text encoders, FLUX-size VAE) at
      1024x1024, 28 and 50 steps: diffusers eager, diffusers + regional compile, our engine
-     (regional compile + CUDA graphs), text encoding + denoising + VAE decode.
+     (regional compile + CUDA graphs), text encoding + denoising + VAE decode; and how often a
+     warm engine step makes the host wait for the GPU (torch's sync debug mode; goal 0).
 """
 
 from __future__ import annotations
@@ -588,6 +589,8 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
                 dt, img = timed_s(lambda run=run, steps=steps: run(steps), device)
                 row[f"{steps}_steps_s"] = dt
                 images[(name, steps)] = img
+            if device.type == "cuda" and name == "ours (regional compile + CUDA graphs)":
+                row["host_syncs_per_step"] = syncs_per_step(run)
             ref = images.get(("diffusers eager", steps_list[0]))
             mine = images.get((name, steps_list[0]))
             if ref is not None and mine is not None:
@@ -606,6 +609,28 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
             reset_transformer(pipe.transformer)
             torch._dynamo.reset()
     return rows
+
+
+def host_syncs(fn) -> int:
+    """How many times `fn` made the host wait for the GPU (torch's sync debug mode warns once
+    per synchronising call: .item(), a blocking upload, nonzero, ...)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def syncs_per_step(run) -> float:
+    """Host syncs per denoising step of a warm engine: what 8 steps make beyond 4, over 4
+    (a request's own syncs, at admission and decode, cancel out)."""
+    return (host_syncs(lambda: run(8)) - host_syncs(lambda: run(4))) / 4
 
 
 def ssim(a, b) -> float | None:
@@ -670,8 +695,8 @@ def markdown(result: dict) -> str:
             "End to end, FLUX.1-dev size:",
             "",
             "| system | warm-up (2 steps) s | per image s | pixel diff vs diffusers "
-            "| pixel diff / SSIM vs ours bf16 |",
-            "|---|---|---|---|---|",
+            "| pixel diff / SSIM vs ours bf16 | host syncs per step |",
+            "|---|---|---|---|---|---|",
         ]
         for r in result["end_to_end"]:
             per = ", ".join(
@@ -683,7 +708,8 @@ def markdown(result: dict) -> str:
                 f"| {r['system']} | {r['warmup_2_steps_s']:.1f} | {per} "
                 f"| {fmt(r.get('mean_pixel_diff_vs_diffusers_eager'), '.2f')} "
                 f"| {fmt(r.get('mean_pixel_diff_vs_ours_bf16'), '.2f')} / "
-                f"{fmt(r.get('ssim_vs_ours_bf16'), '.4f')} |"
+                f"{fmt(r.get('ssim_vs_ours_bf16'), '.4f')} "
+                f"| {fmt(r.get('host_syncs_per_step'), '.2f')} |"
             )
         lines.append("")
     if result["notes"]:

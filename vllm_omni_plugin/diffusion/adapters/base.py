@@ -144,8 +144,7 @@ class DiffusionAdapter(ABC):
         for s in states:
             dt = s.sigmas[s.step + 1] - s.sigmas[s.step]
             dts.append(dt.expand(s.n))
-        dt = torch.cat(dts).to(noise_pred.device)
-        dt = dt.view(-1, *([1] * (noise_pred.dim() - 1)))
+        dt = torch.cat(dts).view(-1, *([1] * (noise_pred.dim() - 1)))
         sample = torch.cat([s.latents for s in states]).to(torch.float32)
         prev = (sample + dt * noise_pred).to(noise_pred.dtype)
         sizes = [s.n for s in states]
@@ -156,12 +155,16 @@ class DiffusionAdapter(ABC):
                 # model's current estimate of the clean latents is x_t - sigma * v.
                 lo = sum(sizes[:i])
                 v = noise_pred[lo : lo + s.n].to(torch.float32)
-                s.x0 = (sample[lo : lo + s.n] - s.sigmas[s.step].to(v.device) * v).to(chunk.dtype)
+                s.x0 = (sample[lo : lo + s.n] - s.sigmas[s.step] * v).to(chunk.dtype)
 
     def set_schedule(self, state: RequestState, timesteps: torch.Tensor) -> None:
-        """Copy the scheduler's freshly computed schedule into the request (per-request state)."""
-        state.timesteps = timesteps.clone()
-        state.sigmas = self.pipe.scheduler.sigmas.clone()
+        """Copy the scheduler's freshly computed schedule into the request (per-request state).
+
+        Both on the adapter's device (diffusers keeps sigmas on the CPU): the per-step update
+        then reads no host data, which on a GPU would be a blocking copy every step.
+        """
+        state.timesteps = timesteps.to(self.device, copy=True)
+        state.sigmas = self.pipe.scheduler.sigmas.to(self.device, copy=True)
 
     def postprocess(self, images: torch.Tensor) -> list[Image.Image]:
         return self.pipe.image_processor.postprocess(images, output_type="pil")

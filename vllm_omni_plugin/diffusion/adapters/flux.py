@@ -118,8 +118,11 @@ class FluxAdapter(DiffusionAdapter):
         t = per_row([s.timesteps[s.step].reshape(1) for s in rows]).to(latents.dtype)
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
-            g = [torch.full([1], s.req.guidance_scale, dtype=torch.float32) for s in rows]
-            guidance = per_row(g).to(self.device)
+            g = [
+                torch.full([1], s.req.guidance_scale, dtype=torch.float32, device=self.device)
+                for s in rows
+            ]
+            guidance = per_row(g)
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self._text_ids_dtype())
         req0 = states[0].req
         img_ids = self._image_ids_for(req0.height, req0.width, self._text_ids_dtype())

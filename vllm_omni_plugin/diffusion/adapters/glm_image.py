@@ -276,7 +276,11 @@ class GlmImageAdapter(DiffusionAdapter):
         t = torch.cat([s.timesteps[s.step].expand(s.n) for s, _, _ in rows]) - 1
         req0 = rows[0][0].req
         dtype = embeds.dtype
-        size = torch.tensor([[req0.height, req0.width]], dtype=dtype, device=self.device)
+        # On the device from Python numbers without a host copy (torch.tensor(...) would be a
+        # blocking upload every step).
+        size = torch.stack(
+            [torch.full((), v, dtype=dtype, device=self.device) for v in (req0.height, req0.width)]
+        ).unsqueeze(0)
         crop = torch.zeros(1, 2, dtype=dtype, device=self.device)
         b = latents.shape[0]
         caches = None

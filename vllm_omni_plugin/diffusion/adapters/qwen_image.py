@@ -109,9 +109,9 @@ class QwenImageAdapter(DiffusionAdapter):
             mask = torch.zeros(1, longest, dtype=torch.long, device=t.device)
             mask[:, : t.shape[1]] = 1
             masks.append(mask.expand(s.n, -1))
-        # diffusers drops an all-ones mask; do the same so unpadded batches take its exact path.
-        mask_t = torch.cat(masks)
-        mask_t = None if bool(mask_t.all()) else mask_t
+        # diffusers drops an all-ones mask; do the same so unpadded batches take its exact path
+        # (decided from the lengths: reading the mask back would sync with the GPU every step).
+        mask_t = None if all(t.shape[1] == longest for t in texts) else torch.cat(masks)
         latents = torch.cat([s.latents for s in rows])
         hidden = self._hidden_states(rows, latents)
         t = torch.cat([s.timesteps[s.step].expand(s.n) for s in rows]).to(latents.dtype)
@@ -119,8 +119,11 @@ class QwenImageAdapter(DiffusionAdapter):
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.cat(
-                [torch.full([s.n], s.req.guidance_scale, dtype=torch.float32) for s in rows]
-            ).to(self.device)
+                [
+                    torch.full([s.n], s.req.guidance_scale, dtype=torch.float32, device=self.device)
+                    for s in rows
+                ]
+            )
         pred = self.transformer(
             hidden_states=hidden,
             timestep=t / 1000,
