@@ -26,6 +26,8 @@ the source declares (its dist-info or vllm/_version.py):
 * plugin groups, `ModelRegistry.register_model` / `get_supported_archs`,
   `KVConnectorFactory.register_connector` / `_registry`, `SchedulerConfig` fields;
 * the worker process title (`VLLM_PROCESS_NAME_PREFIX` + "::" + "Worker");
+* `Worker.determine_available_memory` returns early, before its free-memory profiling, when
+  `kv_cache_memory_bytes` is set (stages sharing a GPU start together on that, orchestrator.py);
 * `engine_fields(minor)` equals the wheel's EngineArgs/AsyncEngineArgs fields, both ways, with
   matching coarse types where the annotation is a plain type.
 
@@ -901,6 +903,37 @@ def check_worker_title(r: Report) -> None:
     )
 
 
+def check_fixed_kv_cache_skips_profiling(r: Report) -> None:
+    found = resolve_def(r.src, "vllm.v1.worker.gpu_worker", "Worker")
+    fn = class_method(found[1], "determine_available_memory") if found else None
+    r.check(
+        fn is not None, "memory: vllm.v1.worker.gpu_worker.Worker has no determine_available_memory"
+    )
+    if fn is None:
+        return
+
+    def profiles(node: ast.AST) -> bool:
+        return any(
+            isinstance(n, ast.Call) and ast.unparse(n.func).endswith("memory_profiling")
+            for n in ast.walk(node)
+        )
+
+    early = [
+        n
+        for n in fn.body
+        if isinstance(n, ast.If)
+        and "kv_cache_memory_bytes" in ast.unparse(n.test)
+        and any(isinstance(x, ast.Return) for x in ast.walk(n))
+        and not profiles(n)
+    ]
+    first_profile = next((i for i, n in enumerate(fn.body) if profiles(n)), len(fn.body))
+    r.check(
+        bool(early) and fn.body.index(early[0]) < first_profile,
+        "memory: determine_available_memory no longer returns before memory_profiling when "
+        "kv_cache_memory_bytes is set",
+    )
+
+
 def check_engine_fields(r: Report) -> None:
     if r.src.minor not in engine_fields_mod.SUPPORTED_MINORS:
         return
@@ -934,6 +967,7 @@ CHECKS = (
     check_cli_seams,
     check_registration,
     check_worker_title,
+    check_fixed_kv_cache_skips_profiling,
     check_engine_fields,
 )
 

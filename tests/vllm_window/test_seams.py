@@ -206,6 +206,13 @@ def test_worker_title_change_fails(files):
     assert any("no longer sets" in p for p in problems)
 
 
+def test_fixed_kv_cache_profiling_anyway_fails(files):
+    rel = "vllm/v1/worker/gpu_worker.py"
+    old = "if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes:"
+    problems = _moved(files, rel, old, "if False:")
+    assert any("kv_cache_memory_bytes is set" in p for p in problems), problems
+
+
 def test_scheduler_constructor_change_fails(files):
     rel = "vllm/v1/core/sched/scheduler.py"
     problems = _moved(

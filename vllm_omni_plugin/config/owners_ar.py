@@ -15,7 +15,9 @@ class CacheOwner(Owner):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """Fraction of device memory the engine may use, in (0, 1]."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    """Exact KV cache size in bytes (instead of a memory fraction)."""
+    """Exact KV cache size in bytes: vLLM then skips its free-memory profiling at start-up
+    (gpu_memory_utilization is still checked against the free memory), so stages sharing the
+    GPU with stated shares start together."""
     enable_prefix_caching: bool | None = None
     """Reuse KV cache across requests sharing a prefix."""
     block_size: int | None = Field(None, ge=1)

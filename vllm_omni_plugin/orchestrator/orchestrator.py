@@ -90,15 +90,17 @@ class Orchestrator:
     async def start(self) -> None:
         """Start the stages; if one fails, stop the others and re-raise.
 
-        Stages on disjoint devices start concurrently. Stages that share a GPU start one after
-        another in topological order: a vLLM engine measures the device's free memory while it
-        profiles, and another stage loading onto the same GPU at that moment skews that
-        measurement or fails it ("Error in memory profiling").
+        Stages on disjoint devices start concurrently, and so do stages that share a GPU when
+        each holds itself to a stated share of it without measuring the device (see
+        `_start_apart`). Other stages on one GPU start one after another in topological order:
+        a vLLM engine measures the device's free memory while it profiles, and another stage
+        loading onto the same GPU at that moment skews that measurement or fails it ("Error in
+        memory profiling").
         """
         t0 = time.monotonic()
         starts: dict[int, asyncio.Future] = {}
         for sid, stage in self.stages.items():
-            before = [starts[o] for o in starts if self._share_device(sid, o)]
+            before = [starts[o] for o in starts if self._start_apart(sid, o)]
             starts[sid] = asyncio.ensure_future(self._start_after(stage, before))
         results = await asyncio.gather(*starts.values(), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -148,6 +150,28 @@ class Orchestrator:
     def _share_device(self, a: int, b: int) -> bool:
         devices = [set((self.cfg.stage(sid).devices or "").split(",")) - {""} for sid in (a, b)]
         return bool(devices[0] & devices[1])
+
+    def _start_apart(self, a: int, b: int) -> bool:
+        """Stages on one GPU may start together only if neither measures the device while it
+        starts and their stated shares of it fit side by side."""
+        if not self._share_device(a, b):
+            return False
+        shares = [self._memory_share(sid) for sid in (a, b)]
+        return None in shares or sum(shares) > 1
+
+    def _memory_share(self, sid: int) -> float | None:
+        """The fraction of its GPU a stage holds itself to without measuring free memory at
+        start-up; None when it measures or takes what it finds. A vLLM engine profiles unless
+        `kv_cache_memory_bytes` sizes its KV cache (then `gpu_memory_utilization` is only
+        checked against the free memory, once, at start); a diffusion stage's share is its
+        allocator cap."""
+        stage = self.cfg.stage(sid)
+        if stage.kind == "ar":
+            cache = stage.cache
+            if cache is None or cache.kv_cache_memory_bytes is None:
+                return None
+            return cache.gpu_memory_utilization
+        return stage.diffusion.gpu_memory_utilization if stage.diffusion else None
 
     @staticmethod
     async def _start_after(stage: Any, before: list[asyncio.Future]) -> None:
