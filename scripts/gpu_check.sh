@@ -9,6 +9,8 @@
 #   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_dit_gpu.py, ~8 min, no vLLM
 #   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
 #                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
+#   scripts/gpu_check.sh smoke-nixl         tiny GLM-Image served through glm_image_1gpu_nixl, both stages
+#                                           eager (the connector path, not speed: ~1.5 min, no compiles)
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
 set -euo pipefail
@@ -43,6 +45,13 @@ while [ $# -gt 0 ]; do
       echo "smoke: --stage-config $SMOKE_CONFIG"
       python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny" --size 256 \
         --steps 20 --stage-config "$SMOKE_CONFIG" --stage-overrides "$TINY_OVERRIDES"
+      pkill -f "vllm serve" || true; sleep 2
+      ;;
+    smoke-nixl)
+      [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
+      eager='{"0": {"dtype": "bfloat16", "enforce_eager": true}, "1": {"dtype": "bfloat16", "min_height": 64, "min_width": 64, "compile_transformer": false, "compile_regional": false, "cuda_graphs": false}}'
+      python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny_nixl" --size 256 \
+        --steps 20 --stage-config glm_image_1gpu_nixl --stage-overrides "$eager"
       pkill -f "vllm serve" || true; sleep 2
       ;;
     nixl-vram)
