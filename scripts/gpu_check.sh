@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
 #   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
 #   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
-#   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_dit_gpu.py, ~8 min, no vLLM
+#   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_attention_gpu.py + bench_dit_gpu.py,
+#                                           ~8.5 min, no vLLM
 #   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
 #                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
 #   scripts/gpu_check.sh smoke-nixl         tiny GLM-Image served through glm_image_1gpu_nixl, both stages
@@ -98,8 +99,10 @@ while [ $# -gt 0 ]; do
       shift $#
       ;;
     dit)
-      # Step variants, GLM CFG step, served-shape sequence, end to end; random weights built on
-      # the GPU. DIT_BUDGET_S bounds the whole run (the script skips what no longer fits).
+      # Attention kernels at the served shapes (~30 s), then step variants, GLM CFG step,
+      # served-shape sequence, end to end; random weights built on the GPU. DIT_BUDGET_S bounds
+      # bench_dit_gpu.py (it skips what no longer fits).
+      timeout 120 python3 benchmarks/bench_attention_gpu.py --out "$OUT/dit" || true
       python3 benchmarks/bench_dit_gpu.py --budget-s "${DIT_BUDGET_S:-460}" --out "$OUT/dit" \
         2>&1 | tee "$OUT/dit.log"
       ;;
