@@ -102,6 +102,27 @@ class StageConfig(BaseModel):
         return self.runtime.devices
 
     @property
+    def device_ids(self) -> set[str]:
+        """The GPUs `devices` names (none: CPU, or whatever a node makes visible)."""
+        return set((self.devices or "").split(",")) - {""}
+
+    @property
+    def gpu_share(self) -> float | None:
+        """The fraction of its GPU the stage asks for: `gpu_memory_utilization` (vLLM's budget,
+        the diffusion engine's allocator cap); None where unset."""
+        owner = self.cache if self.kind == "ar" else self.diffusion
+        return owner.gpu_memory_utilization if owner is not None else None
+
+    @property
+    def profiles_gpu_at_start(self) -> bool:
+        """A vLLM engine measures the GPU's free memory while it starts, unless
+        `kv_cache_memory_bytes` fixes its KV cache (then the share is only checked against the
+        free memory, once)."""
+        return self.kind == "ar" and (
+            self.cache is None or self.cache.kv_cache_memory_bytes is None
+        )
+
+    @property
     def num_replicas(self) -> int:
         return self.runtime.num_replicas
 

@@ -147,31 +147,15 @@ class Orchestrator:
     def final_info(self) -> dict[str, Any]:
         return self.stages[self.final_ids[0]].info
 
-    def _share_device(self, a: int, b: int) -> bool:
-        devices = [set((self.cfg.stage(sid).devices or "").split(",")) - {""} for sid in (a, b)]
-        return bool(devices[0] & devices[1])
-
     def _start_apart(self, a: int, b: int) -> bool:
         """Stages on one GPU may start together only if neither measures the device while it
         starts and their stated shares of it fit side by side."""
-        if not self._share_device(a, b):
+        sa, sb = self.cfg.stage(a), self.cfg.stage(b)
+        if not sa.device_ids & sb.device_ids:
             return False
-        shares = [self._memory_share(sid) for sid in (a, b)]
-        return None in shares or sum(shares) > 1
-
-    def _memory_share(self, sid: int) -> float | None:
-        """The fraction of its GPU a stage holds itself to without measuring free memory at
-        start-up; None when it measures or takes what it finds. A vLLM engine profiles unless
-        `kv_cache_memory_bytes` sizes its KV cache (then `gpu_memory_utilization` is only
-        checked against the free memory, once, at start); a diffusion stage's share is its
-        allocator cap."""
-        stage = self.cfg.stage(sid)
-        if stage.kind == "ar":
-            cache = stage.cache
-            if cache is None or cache.kv_cache_memory_bytes is None:
-                return None
-            return cache.gpu_memory_utilization
-        return stage.diffusion.gpu_memory_utilization if stage.diffusion else None
+        if sa.profiles_gpu_at_start or sb.profiles_gpu_at_start:
+            return True
+        return sa.gpu_share is None or sb.gpu_share is None or sa.gpu_share + sb.gpu_share > 1
 
     @staticmethod
     async def _start_after(stage: Any, before: list[asyncio.Future]) -> None:
