@@ -3,8 +3,8 @@
 On a GPU each such read (`.item()`, `bool(t.all())`, `nonzero`, ...) makes the host wait for
 the step's kernels, so the next step's Python work no longer overlaps the current step's GPU
 work. The transformer's own forward is diffusers' and is left out here (GLM-Image's runs
-sync-free, tests/diffusion/test_acceleration_speed.py). Uploads from the host cannot be told apart on a CPU;
-`benchmarks/bench_dit_gpu.py` counts every kind of sync per step on the GPU.
+sync-free, tests/diffusion/test_acceleration_speed.py). Uploads from the host cannot be told
+apart on a CPU; `benchmarks/bench_dit_gpu.py` counts every kind of sync per step on the GPU.
 """
 
 from __future__ import annotations
