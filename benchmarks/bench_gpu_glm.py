@@ -18,7 +18,9 @@ PHASE (each appends one JSON line to OUT/results.jsonl, so phases can run in sep
              --no-engine-parity) our diffusion engine on the same pipeline and prior tokens vs
              diffusers (image difference)
   parity     the served pipeline (greedy AR via --stage-overrides) against diffusers with a greedy
-             AR, same prompt and seed: AR tokens compared, mean pixel difference
+             AR, same prompt and seed: mean pixel difference; and vLLM's greedy AR tokens
+             (offline, the AR stage's dtype and eager setting: sub-phase ar-tokens) against
+             transformers', the first index where they differ
   report     the three-way table from OUT/results.jsonl (markdown)
 
 Peak GPU memory is the device's used memory, sampled every 0.2 s by NVML while a phase runs
@@ -477,6 +479,65 @@ def phase_ar_one(args) -> None:
     print(json.dumps(out), flush=True)
 
 
+def phase_ar_tokens(args) -> None:
+    """vLLM's greedy AR tokens for the parity prompt (prints one JSON list): the AR stage's
+    dtype and enforce_eager from --stage-overrides' stage 0, top_k 1 as the served parity run."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
+    from vllm_omni_plugin.models.glm_image.processing import (
+        build_t2i_prompt,
+        t2i_sampling_overrides,
+    )
+
+    stage = (json.loads(args.stage_overrides) if args.stage_overrides else {}).get("0", {})
+    ar, proc = str(args.model / "vision_language_encoder"), str(args.model / "processor")
+    llm = LLM(
+        model=ar,
+        tokenizer=proc,
+        dtype=stage.get("dtype", "auto"),
+        enforce_eager=bool(stage.get("enforce_eager", False)),
+        logits_processors=[LOGITS_PROCESSOR],
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.3,
+    )
+    prompt = {"prompt_token_ids": build_t2i_prompt(proc, PROMPTS[0], args.size, args.size)}
+    params = SamplingParams(top_k=1, **t2i_sampling_overrides(ar, args.size, args.size))
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    print(json.dumps({"ar_tokens": list(out)}), flush=True)
+
+
+def _hf_greedy_tokens(pipe, size: int) -> list[int]:
+    """transformers' greedy AR tokens for the parity prompt, as diffusers' pipeline calls
+    `generate` (the processor's ids and grids; the checkpoint's sequence_bias applies)."""
+    import torch
+
+    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+
+    messages = [[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}]]
+    inputs = pipe.processor.apply_chat_template(
+        messages,
+        tokenize=True,
+        target_h=size,
+        target_w=size,
+        return_dict=True,
+        return_tensors="pt",
+    ).to(pipe.vision_language_encoder.device)
+    with torch.no_grad():
+        out = pipe.vision_language_encoder.generate(
+            **inputs, max_new_tokens=num_image_tokens(size, size) + 1, do_sample=False
+        )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def phase_parity(args) -> None:
     """Served (greedy AR) vs diffusers (greedy AR) on one prompt and seed."""
     import numpy as np
@@ -498,7 +559,25 @@ def phase_parity(args) -> None:
     finally:
         server.stop()
         _keep_log_lines(server.log, args.out / "parity_log_lines.txt")
+    # The served image's difference has two sources: the AR's greedy tokens (bf16 can flip a
+    # near-tie of a random-weight model, which changes the whole image) and the DiT. vLLM's
+    # greedy tokens (the stage's dtype and eager setting) against transformers' tell them apart.
+    cmd = [
+        sys.executable,
+        __file__,
+        "ar-tokens",
+        "--model",
+        str(args.model),
+        "--out",
+        str(args.out),
+    ]
+    cmd += ["--size", str(args.size), "--stage-overrides", json.dumps(overrides)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (args.out / "parity_ar_tokens.log").write_text(proc.stdout + proc.stderr)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith('{"ar_tokens"')]
+    vllm_tokens = json.loads(lines[-1])["ar_tokens"] if lines else None
     pipe = _load_diffusers(args.model)
+    hf_tokens = _hf_greedy_tokens(pipe, args.size)
     pipe.vision_language_encoder.generation_config.top_k = 1  # greedy, as the served AR
     ref = pipe(
         PROMPTS[0],
@@ -517,6 +596,13 @@ def phase_parity(args) -> None:
             "model": str(args.model),
             "served_images": len(served),
             "mean_abs_pixel_diff": round(float(diff), 3),
+            # None: vLLM's greedy AR tokens equal transformers' (the image difference is the DiT's)
+            "ar_tokens": len(hf_tokens),
+            "ar_first_difference": (
+                "ar-tokens failed: see parity_ar_tokens.log"
+                if vllm_tokens is None
+                else _first_difference(vllm_tokens, hf_tokens)
+            ),
         },
     )
 
@@ -550,7 +636,8 @@ def phase_report(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "phase", choices=["ar", "ar-one", "ours", "omni", "diffusers", "parity", "report"]
+        "phase",
+        choices=["ar", "ar-one", "ar-tokens", "ours", "omni", "diffusers", "parity", "report"],
     )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench-gpu")))
@@ -570,11 +657,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase != "ar-one":
+    if args.phase not in ("ar-one", "ar-tokens"):
         print("versions:", _versions(), flush=True)
     {
         "ar": phase_ar,
         "ar-one": phase_ar_one,
+        "ar-tokens": phase_ar_tokens,
         "ours": phase_ours,
         "omni": phase_omni,
         "diffusers": phase_diffusers,
