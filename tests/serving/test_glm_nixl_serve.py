@@ -1,8 +1,8 @@
 """GLM-Image served with its AR -> DiT payload over NIXL paints the same image as over shared memory.
 
-`vllm serve TINY_GLM` with glm_image_tiny.yaml whose edge 0 -> 1 uses a NIXL connector into CPU
-memory (UCX over loopback), against conftest's session server (the same config over the
-shared-memory connector). Both run the AR stage greedy (GREEDY_GLM_OVERRIDES) and get the same
+`vllm serve TINY_GLM --stage-config glm_image_tiny_nixl` (glm_image_tiny.yaml with its edge 0 -> 1
+over a NIXL connector into CPU memory, UCX over loopback), against conftest's session server
+(glm_image_tiny.yaml, the shared-memory connector). Both run the AR stage greedy (GREEDY_GLM_OVERRIDES) and get the same
 request (same seed, size and steps), so the connector is the only difference: it must deliver
 the prior token ids unchanged, and the image must be the same. That it is NIXL that carried them
 is read from the stages: both stage processes have NIXL loaded, and the connector counters they
@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 from conftest import GREEDY_GLM_OVERRIDES, SHARED_ENV
-from omni_server import API_KEY, REPO, Server
+from omni_server import API_KEY, Server
 from openai import OpenAI
 from PIL import Image
 
@@ -33,27 +33,14 @@ CONCURRENT = 4
 # only difference is how the (integer) prior token ids cross, so the images are bit-equal
 # (measured: 0.0); any difference means the payload changed on the way.
 TOLERANCE = 0.0
-NIXL_CONFIG = f"""\
-base_config: {REPO / "stage_configs" / "glm_image_tiny.yaml"}
-connectors:
-  nixl:
-    type: nixl
-    options:
-      device: cpu
-      backends: [UCX]
-edges:  # replaces the base's list (base_config merges only `connectors` and `platforms`)
-  - {{from: 0, to: 1, connector: nixl}}
-"""
 
 
 @pytest.fixture(scope="module")
 def nixl_server(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("glm-nixl-server")
-    config = root / "glm_image_tiny_nixl_cpu.yaml"
-    config.write_text(NIXL_CONFIG)
     model = tiny_models("glm-image")
     server = Server(
-        [str(model), "--stage-config", str(config), "--api-key", API_KEY]
+        [str(model), "--stage-config", "glm_image_tiny_nixl", "--api-key", API_KEY]
         + ["--stage-overrides", GREEDY_GLM_OVERRIDES],
         root / "server.log",
         env=SHARED_ENV,  # the stage-inspection route: the stages' pids
