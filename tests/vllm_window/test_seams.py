@@ -247,12 +247,12 @@ def test_project_import_of_a_missing_name_fails(tmp_path):
 
     pf = checker.ProjectFile(fake, "vllm_omni_plugin.fake", ast.parse(fake.read_text()))
     report = checker.Report(checker.Source(INSTALLED))
-    old_root = checker.ROOT
-    checker.ROOT = tmp_path
+    old_root = checker.project.ROOT  # the project checks print paths against this ROOT
+    checker.project.ROOT = tmp_path
     try:
         checker.check_project_imports(report, [pf])
     finally:
-        checker.ROOT = old_root
+        checker.project.ROOT = old_root
     assert report.problems == ["fake.py:1: vllm.v1.core.sched.scheduler has no NoSuchScheduler"]
     assert set(pf.vllm_names) == {"Scheduler"}
 
