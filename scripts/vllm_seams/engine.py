@@ -1,0 +1,155 @@
+"""The seams on the engine side: the plugin groups and registries we register into
+(`ModelRegistry`, `KVConnectorFactory`, the scheduler and `SchedulerConfig`, logits processors
+by FQCN), the worker process title, and `Worker.determine_available_memory` skipping its
+profiling when `kv_cache_memory_bytes` is set.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .ast_helpers import class_fields, class_method, params, string_constants
+from .report import Report, _fn
+from .source import resolve, resolve_def, top_names
+from .tables import engine_fields_mod
+
+
+def check_registration(r: Report) -> None:
+    src = r.src
+    plugins = src.module("vllm.plugins")
+    strings = string_constants(plugins) if plugins else set()
+    for group in ("vllm.general_plugins", "vllm.endpoint_plugins"):
+        r.check(
+            group in strings, f"plugins: vllm/plugins/__init__.py no longer names the group {group}"
+        )
+    _fn(r, "vllm.plugins", "load_general_plugins", "plugins")
+    # The AR stage hands vLLM its logits processor as "module:Class" in the engine argument
+    # (the entry-point group would turn off model runner V2 in every engine on 0.26-0.30).
+    lp = src.module("vllm.v1.sample.logits_processor")
+    r.check(
+        lp is not None
+        and "_load_logitsprocs_by_fqcns"
+        in {f.name for f in ast.walk(lp) if isinstance(f, ast.FunctionDef)},
+        "plugins: vllm/v1/sample/logits_processor no longer loads logits processors by FQCN",
+    )
+    reg = resolve(src, "vllm", "ModelRegistry")
+    reg_cls = None
+    if r.check(
+        reg is not None and isinstance(reg.node, ast.Assign),
+        "models: vllm.ModelRegistry is not an instance",
+    ):
+        call = reg.node.value
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+            reg_cls = resolve_def(src, reg.module, call.func.id)
+    if r.check(reg_cls is not None, "models: cannot find ModelRegistry's class"):
+        cls = reg_cls[1]
+        reg_m, archs = class_method(cls, "register_model"), class_method(cls, "get_supported_archs")
+        r.check(
+            reg_m is not None and params(reg_m, True).positional[:2] == ["model_arch", "model_cls"],
+            "models: ModelRegistry.register_model(model_arch, model_cls) changed",
+        )
+        r.check(archs is not None, "models: ModelRegistry.get_supported_archs is gone")
+    fac = _fn(r, "vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory", "kv")
+    if isinstance(fac, ast.ClassDef):
+        m = class_method(fac, "register_connector")
+        r.check(
+            m is not None
+            and params(m, True).positional[:3] == ["name", "module_path", "class_name"],
+            "kv: KVConnectorFactory.register_connector(name, module_path, class_name) changed",
+        )
+        r.check(
+            "_registry" in class_fields(fac)
+            or "_registry" in top_names(ast.Module(body=fac.body, type_ignores=[])),
+            "kv: KVConnectorFactory._registry is gone",
+        )
+    sched = _fn(r, "vllm.v1.core.sched.scheduler", "Scheduler", "scheduler")
+    if isinstance(sched, ast.ClassDef):
+        init = class_method(sched, "__init__")
+        r.check(
+            init is not None and params(init, True).positional[:1] == ["vllm_config"],
+            "scheduler: Scheduler.__init__'s first parameter is no longer vllm_config",
+        )
+    asched = _fn(r, "vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "scheduler")
+    if isinstance(asched, ast.ClassDef):
+        r.check(
+            any(isinstance(b, ast.Name) and b.id == "Scheduler" for b in asched.bases),
+            "scheduler: AsyncScheduler no longer subclasses Scheduler",
+        )
+    cfg = _fn(r, "vllm.config.scheduler", "SchedulerConfig", "scheduler")
+    if isinstance(cfg, ast.ClassDef):
+        got = set(class_fields(cfg))
+        r.check(
+            {"async_scheduling", "scheduler_cls"} <= got,
+            "scheduler: SchedulerConfig lost async_scheduling/scheduler_cls",
+        )
+
+
+def check_worker_title(r: Report) -> None:
+    src = r.src
+    title = _fn(r, "vllm.utils.system_utils", "set_process_title", "title")
+    if title is not None:
+        p = params(title)
+        default = dict(
+            zip(reversed(p.positional), reversed(title.args.defaults), strict=False)
+        ).get("prefix")
+        r.check(
+            default is not None
+            and engine_fields_mod.VLLM_PROCESS_NAME_PREFIX_ENV in ast.unparse(default),
+            "title: set_process_title's prefix no longer defaults to envs.VLLM_PROCESS_NAME_PREFIX",
+        )
+        fstrings = [ast.unparse(n) for n in ast.walk(title) if isinstance(n, ast.JoinedStr)]
+        r.check(
+            "f'{prefix}::{name}'" in fstrings,
+            f"title: set_process_title no longer sets '{{prefix}}::{{name}}' ({fstrings})",
+        )
+    envs = src.module("vllm.envs")
+    key = engine_fields_mod.VLLM_PROCESS_NAME_PREFIX_ENV
+    default_ok = envs is not None and any(
+        isinstance(n, ast.Call) and [ast.unparse(a) for a in n.args] == [repr(key), "'VLLM'"]
+        for n in ast.walk(envs)
+    )
+    r.check(default_ok, f"title: {key} no longer defaults to 'VLLM' in vllm/envs.py")
+    ex = src.module("vllm.v1.executor.multiproc_executor")
+    name = engine_fields_mod.VLLM_WORKER_PROCESS_NAME
+    r.check(
+        ex is not None
+        and any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "set_process_title"
+            and any(isinstance(k.value, ast.Constant) and k.value.value == name for k in n.keywords)
+            for n in ast.walk(ex)
+        ),
+        f"title: the multiproc executor no longer titles its workers {name!r}",
+    )
+
+
+def check_fixed_kv_cache_skips_profiling(r: Report) -> None:
+    found = resolve_def(r.src, "vllm.v1.worker.gpu_worker", "Worker")
+    fn = class_method(found[1], "determine_available_memory") if found else None
+    r.check(
+        fn is not None, "memory: vllm.v1.worker.gpu_worker.Worker has no determine_available_memory"
+    )
+    if fn is None:
+        return
+
+    def profiles(node: ast.AST) -> bool:
+        return any(
+            isinstance(n, ast.Call) and ast.unparse(n.func).endswith("memory_profiling")
+            for n in ast.walk(node)
+        )
+
+    early = [
+        n
+        for n in fn.body
+        if isinstance(n, ast.If)
+        and "kv_cache_memory_bytes" in ast.unparse(n.test)
+        and any(isinstance(x, ast.Return) for x in ast.walk(n))
+        and not profiles(n)
+    ]
+    first_profile = next((i for i, n in enumerate(fn.body) if profiles(n)), len(fn.body))
+    r.check(
+        bool(early) and fn.body.index(early[0]) < first_profile,
+        "memory: determine_available_memory no longer returns before memory_profiling when "
+        "kv_cache_memory_bytes is set",
+    )
