@@ -232,19 +232,34 @@ def _versions() -> dict:
 
 # ---- phases ----------------------------------------------------------------------------------
 def _serve_phase(args, phase: str, argv: list[str]) -> None:
-    """Start `vllm serve argv`, load it (warm-up, concurrency 1, then 8), record, stop."""
+    """Start `vllm serve argv`, load it (warm-up, concurrency 1, then 8), record, stop; with
+    --restart, start it once more (compile caches now warm) and time start-up + one request."""
     server = Server(argv, args.out / f"{phase}.log")
     try:
         with PeakMemory() as mem:
             ready = server.wait_ready(args.start_timeout)
             load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
-        config = {"stage_config": args.stage_config} if phase == "ours" else {}
-        _record(
-            args, phase, {**config, "ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib}
-        )
     finally:
         server.stop()
         _keep_log_lines(server.log, args.out / f"{phase}_log_lines.txt")
+    if args.restart:
+        load.update(_restart(args, phase, argv))
+    config = {"stage_config": args.stage_config} if phase == "ours" else {}
+    _record(args, phase, {**config, "ready_s": round(ready, 1), **load, "peak_gib": mem.peak_gib})
+
+
+def _restart(args, phase: str, argv: list[str]) -> dict:
+    """A second start of the same server: what the on-disk compile caches save a restart."""
+    from openai import AsyncOpenAI
+
+    server = Server(argv, args.out / f"{phase}_restart.log")
+    try:
+        ready = server.wait_ready(args.start_timeout)
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=3600)
+        first = asyncio.run(_one(client, args, 99, {"guidance_scale": 1.5}))
+    finally:
+        server.stop()
+    return {"restart_ready_s": round(ready, 1), "restart_first_request_s": round(first["s"], 2)}
 
 
 def phase_ours(args) -> None:
@@ -649,6 +664,11 @@ def main() -> None:
     parser.add_argument("--stage-overrides", default=None)
     parser.add_argument("--scheduler", default="omni_async")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="ours/omni: then start the server again and time start-up + one request",
+    )
     parser.add_argument(
         "--engine-parity",
         action=argparse.BooleanOptionalAction,

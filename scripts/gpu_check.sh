@@ -33,6 +33,8 @@ TINY_OVERRIDES=${TINY_OVERRIDES:-'{"0": {"dtype": "bfloat16"}, "1": {"dtype": "b
 # Extra --stage-overrides for the served full-size phase (`ours`), e.g. '{"1": {"cuda_graphs": false}}'.
 STAGE_OVERRIDES=${STAGE_OVERRIDES:-}
 # ENGINE_PARITY=0: the diffusers phase skips its engine-vs-diffusers image (one more full image).
+# RESTART=1: the served phases start their server a second time (warm compile caches) and time
+# start-up + one request (~1.5 min more each).
 mkdir -p "$OUT"
 
 while [ $# -gt 0 ]; do
@@ -85,12 +87,14 @@ while [ $# -gt 0 ]; do
           # logits-processor entry point (bench_gpu_glm.py: the omni phase says why).
           PYTHONPATH=/tmp/vomni:$OURS_PATH VLLM_PLUGINS=vllm_omni_register_models \
             python3 benchmarks/bench_gpu_glm.py omni \
-            --model "$FULL" --out "$OUT/full" --repeats "$REPEATS"
+            --model "$FULL" --out "$OUT/full" --repeats "$REPEATS" \
+            $([ "${RESTART:-0}" = 1 ] && echo --restart)
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full" \
             --repeats "$REPEATS" --concurrency "$CONCURRENCY" --stage-config "$STAGE_CONFIG" \
             ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
-            $([ "${ENGINE_PARITY:-1}" = 0 ] && echo --no-engine-parity)
+            $([ "${ENGINE_PARITY:-1}" = 0 ] && echo --no-engine-parity) \
+            $([ "${RESTART:-0}" = 1 ] && echo --restart)
         fi
         # A phase cut short by a timeout can leave its server behind: never let it share the
         # GPU with the next phase.
