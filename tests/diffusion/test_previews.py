@@ -99,45 +99,43 @@ def test_partial_images_bound(engine):
         engine.add_request(req("x", 1, partial=4))
 
 
-def test_a_streaming_request_in_a_batch_of_8_leaves_the_others_alone(engine):
+def test_a_streaming_request_in_a_batch_of_8_leaves_the_others_alone(engine, monkeypatch):
     """The stated bound (README, streaming): a request streaming `partial_images` previews
     delays the requests batched with it by at most `partial_images` VAE decodes of its own
     images over its whole run, and never changes their images. 8 requests join at once and run
     to completion together; once with no previews, once with request 0 streaming 3.
 
-    Latency of the others: the engine's own `total_s` (arrival to output), their mean. The
-    decodes' cost: the streaming request's `preview_s` (its 3 preview decodes, timed by the
-    runner in the same runs; the median over runs). The CPU box is shared and loaded, so both
-    kinds of run are repeated, alternating, and the minimum of each is compared (noise only
-    adds time). Margin: 25 % of the bound + 15 ms for the noise the minimum leaves and the
-    x0 bookkeeping around a decode (measured on a quiet box: added ~= 1.05 x preview_s, about
-    40 ms). Previews decoded for the whole batch, or after every one of the 8 steps (7 decodes
-    instead of 3), exceed it."""
-    steps, partial, repeats = 8, 3, 10
+    Counted, not timed (this box is shared; a timed form of this test flaked under load): every
+    VAE decode call is recorded with how many images it decodes. The streaming batch makes the
+    plain batch's decodes plus exactly 3 more of one image each. Previews decoded for the whole
+    batch (3 decodes of 8) or after every one of the 8 steps (7 decodes of 1) fail it."""
+    steps, partial = 8, 3
+    vae = engine.adapter.pipe.vae
+    decoded: list[int] = []
+    real_decode = vae.decode
+
+    def counting_decode(latents, *args, **kwargs):
+        decoded.append(latents.shape[0])
+        return real_decode(latents, *args, **kwargs)
+
+    monkeypatch.setattr(vae, "decode", counting_decode)
 
     def batch(tag: str, stream: bool):
+        decoded.clear()
         reqs = [
             req(f"{tag}-{i}", 10 + i, partial if stream and i == 0 else 0, steps) for i in range(8)
         ]
         outs, previews = run(engine, reqs)
         assert len(outs) == 8 and all(o.error is None for o in outs.values())
-        return outs, previews
+        return outs, previews, sorted(decoded)
 
-    batch("warm", True)  # first-call costs (allocations, the VAE's first decode)
-    plain_s, stream_s, bound_s = [], [], []
-    for k in range(repeats):
-        plain, none = batch(f"p{k}", False)
-        assert none == {}
-        streamed, previews = batch(f"s{k}", True)
-        assert list(previews) == [f"s{k}-0"] and len(previews[f"s{k}-0"]) == partial
-        for i in range(8):  # every image unchanged, the streaming request's own included
-            a, b = pixels(plain[f"p{k}-{i}"].images[0]), pixels(streamed[f"s{k}-{i}"].images[0])
-            assert (a == b).all(), (k, i)
-        plain_s.append(np.mean([plain[f"p{k}-{i}"].metrics["total_s"] for i in range(1, 8)]))
-        stream_s.append(np.mean([streamed[f"s{k}-{i}"].metrics["total_s"] for i in range(1, 8)]))
-        bound_s.append(streamed[f"s{k}-0"].metrics["preview_s"])
-        assert "preview_s" not in streamed[f"s{k}-1"].metrics
-    added = min(stream_s) - min(plain_s)
-    bound = float(np.median(bound_s))
-    assert bound > 0
-    assert added <= 1.25 * bound + 0.015, (added, bound, plain_s, stream_s, bound_s)
+    plain, none, plain_decodes = batch("p", False)
+    assert none == {} and sum(plain_decodes) == 8  # the final images, nothing else
+    streamed, previews, stream_decodes = batch("s", True)
+    assert list(previews) == ["s-0"] and len(previews["s-0"]) == partial
+    assert stream_decodes == sorted(plain_decodes + [1] * partial), (plain_decodes, stream_decodes)
+    for i in range(8):  # every image unchanged, the streaming request's own included
+        a, b = pixels(plain[f"p-{i}"].images[0]), pixels(streamed[f"s-{i}"].images[0])
+        assert (a == b).all(), i
+    assert "preview_s" not in streamed["s-1"].metrics
+    assert streamed["s-0"].metrics["preview_s"] > 0
