@@ -31,14 +31,14 @@ import time
 import numpy as np
 import torch
 from bench_step_variants import step_variants
-from diffusion_models import PROMPTS, flux_pipe, glm_pipe, rel_err, sync, tiny_flux_pipe
+from diffusion_models import PROMPTS, flux_pipe, glm_pipe, sync, tiny_flux_pipe
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.flux import FluxAdapter
 from vllm_omni_plugin.diffusion.adapters.glm_image import GlmImageAdapter
 
-# bench_dit_gpu.py imports flux_pipe, pixel_diff and rel_err from here.
-__all__ = ["flux_pipe", "pixel_diff", "rel_err", "run_case"]
+# dit_end_to_end.py (bench_dit_gpu.py) imports pixel_diff from here.
+__all__ = ["flux_pipe", "pixel_diff", "run_case"]
 
 
 # ---- measurement ------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def flux_pipe(kind: str, device: torch.device, dtype: torch.dtype, smoke: bool =
 
 
 def glm_pipe(device: torch.device, dtype: torch.dtype, smoke: bool = False):
-    """GlmImagePipeline DiT stage with a GLM-Image-size transformer (no AR model)."""
+    """GlmImagePipeline DiT stage with diffusers' default GLM transformer (no AR model)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline
     from diffusers import GlmImageTransformer2DModel as GlmDiT
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
@@ -167,7 +167,8 @@ def glm_pipe(device: torch.device, dtype: torch.dtype, smoke: bool = False):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            # diffusers' defaults are GLM-Image's DiT: 30 layers, 64 heads x 40
+            # diffusers' defaults: 30 layers, 64 heads x 40 (2560 wide, 2.4B), smaller than the
+            # published DiT (32 x 128, 6.9B: testing/full_glm_image.py, bench_dit_gpu.py)
             tr = GlmDiT(num_layers=1) if smoke else GlmDiT()
             t5 = T5EncoderModel(
                 T5Config(
