@@ -420,28 +420,26 @@ def _engine_vs_diffusers(args, pipe) -> None:
     )
 
 
+def _sub_phase(args, phase: str, extra: list[str], log: Path, key: str) -> tuple[int, dict | None]:
+    """Run `phase` of this script in a fresh process (its own vLLM engine, which needs a file
+    to spawn from), its output to `log`: its exit code and result, the last stdout line that
+    is a JSON object starting with `key` (vLLM logs to stdout too, its shutdown lines after
+    the result), None when there is none."""
+    cmd = [sys.executable, __file__, phase, "--model", str(args.model), "--out", str(args.out)]
+    proc = subprocess.run(cmd + ["--size", str(args.size), *extra], capture_output=True, text=True)
+    log.write_text(proc.stdout + proc.stderr)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(f'{{"{key}"')]
+    return proc.returncode, json.loads(lines[-1]) if lines else None
+
+
 def phase_ar(args) -> None:
     """Both schedulers in turn, each in a fresh subprocess (one engine on the GPU at a time)."""
     results = {}
     for name in ("omni_async", "vllm_default"):
-        cmd = [
-            sys.executable,
-            __file__,
-            "ar-one",
-            "--model",
-            str(args.model),
-            "--out",
-            str(args.out),
-        ]
-        cmd += ["--size", str(args.size), "--scheduler", name]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
         log = args.out / f"ar_{name}.log"
-        log.write_text(proc.stdout + proc.stderr)
-        if proc.returncode:
-            raise RuntimeError(f"AR run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        # vLLM logs to stdout too (its shutdown lines come after the result).
-        line = [x for x in proc.stdout.splitlines() if x.startswith('{"b1"')][-1]
-        results[name] = json.loads(line)
+        rc, results[name] = _sub_phase(args, "ar-one", ["--scheduler", name], log, "b1")
+        if rc or results[name] is None:
+            raise RuntimeError(f"AR run {name} failed:\n{log.read_text()[-4000:]}")
         _keep_log_lines(log, args.out / f"ar_{name}_log_lines.txt")
     ratio = {
         f"b{b}": round(results["omni_async"][f"b{b}"] / results["vllm_default"][f"b{b}"], 3)
@@ -577,20 +575,8 @@ def phase_parity(args) -> None:
     # The served image's difference has two sources: the AR's greedy tokens (bf16 can flip a
     # near-tie of a random-weight model, which changes the whole image) and the DiT. vLLM's
     # greedy tokens (the stage's dtype and eager setting) against transformers' tell them apart.
-    cmd = [
-        sys.executable,
-        __file__,
-        "ar-tokens",
-        "--model",
-        str(args.model),
-        "--out",
-        str(args.out),
-    ]
-    cmd += ["--size", str(args.size), "--stage-overrides", json.dumps(overrides)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    (args.out / "parity_ar_tokens.log").write_text(proc.stdout + proc.stderr)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith('{"ar_tokens"')]
-    vllm_tokens = json.loads(lines[-1])["ar_tokens"] if lines else None
+    extra = ["--stage-overrides", json.dumps(overrides)]
+    _, vllm = _sub_phase(args, "ar-tokens", extra, args.out / "parity_ar_tokens.log", "ar_tokens")
     pipe = _load_diffusers(args.model)
     hf_tokens = _hf_greedy_tokens(pipe, args.size)
     pipe.vision_language_encoder.generation_config.top_k = 1  # greedy, as the served AR
@@ -611,12 +597,12 @@ def phase_parity(args) -> None:
             "model": str(args.model),
             "served_images": len(served),
             "mean_abs_pixel_diff": round(float(diff), 3),
-            # None: vLLM's greedy AR tokens equal transformers' (the image difference is the DiT's)
             "ar_tokens": len(hf_tokens),
+            # None: vLLM's greedy AR tokens equal transformers' (the image difference is the DiT's)
             "ar_first_difference": (
                 "ar-tokens failed: see parity_ar_tokens.log"
-                if vllm_tokens is None
-                else _first_difference(vllm_tokens, hf_tokens)
+                if vllm is None
+                else _first_difference(vllm["ar_tokens"], hf_tokens)
             ),
         },
     )
