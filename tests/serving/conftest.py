@@ -38,7 +38,7 @@ GREEDY_GLM_OVERRIDES = '{"0": {"default_sampling_params": {"temperature": 0.0}}}
 SMALL_QWEN_OVERRIDES = '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4}}'
 
 
-def _start_shared(model, config, root, *extra: str) -> Server:
+def start_shared(model, config, root, *extra: str) -> Server:
     server = Server(
         [str(model), "--stage-config", str(config), "--api-key", API_KEY, *extra],
         root / "server.log",
@@ -60,7 +60,7 @@ def small_qwen_server(tiny_models, tmp_path_factory):
     config.write_text(
         f"base_config: {REPO / 'stage_configs' / 'qwen_image_tiny.yaml'}\nserving:\n  max_n: 2\n"
     )
-    server = _start_shared(
+    server = start_shared(
         tiny_models("qwen-image"), config, root, "--stage-overrides", SMALL_QWEN_OVERRIDES
     )
     try:
@@ -75,7 +75,7 @@ def shared_glm_server(tiny_models, tmp_path_factory):
     config = REPO / "stage_configs" / "glm_image_tiny.yaml"
     # The AR stage greedy, so that test_glm_edits_serve.py can compare served images with
     # transformers' greedy AR + diffusers' DiT (sampling in vLLM and transformers differs).
-    server = _start_shared(
+    server = start_shared(
         tiny_models("glm-image"), config, root, "--stage-overrides", GREEDY_GLM_OVERRIDES
     )
     try:

@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from conftest import GREEDY_GLM_OVERRIDES, SHARED_ENV
-from omni_server import API_KEY, Server
+from conftest import GREEDY_GLM_OVERRIDES, start_shared
+from omni_server import API_KEY
 from openai import OpenAI
 from PIL import Image
 
@@ -37,17 +37,16 @@ TOLERANCE = 0.0
 
 @pytest.fixture(scope="module")
 def nixl_server(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm-nixl-server")
-    model = tiny_models("glm-image")
-    server = Server(
-        [str(model), "--stage-config", "glm_image_tiny_nixl", "--api-key", API_KEY]
-        + ["--stage-overrides", GREEDY_GLM_OVERRIDES],
-        root / "server.log",
-        env=SHARED_ENV,  # the stage-inspection route: the stages' pids
+    # conftest's start-up for the shared servers: SHARED_ENV exposes the stage-inspection route
+    # (the stages' pids); the AR stage greedy as in shared_glm_server.
+    server = start_shared(
+        tiny_models("glm-image"),
+        "glm_image_tiny_nixl",
+        tmp_path_factory.mktemp("glm-nixl-server"),
+        "--stage-overrides",
+        GREEDY_GLM_OVERRIDES,
     )
     try:
-        server.wait_healthy(timeout=600)
-        server.model = str(model)
         yield server
     finally:
         server.stop()
