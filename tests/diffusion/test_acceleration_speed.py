@@ -28,7 +28,7 @@ from vllm_omni_plugin.diffusion.acceleration import (
     accelerate_transformer,
     reset_transformer,
 )
-from vllm_omni_plugin.diffusion.cuda_graphs import StepGraphs, signature
+from vllm_omni_plugin.diffusion.cuda_graphs import StepGraphs, same_device, signature
 from vllm_omni_plugin.diffusion.errors import DiffusionEngineError
 from vllm_omni_plugin.diffusion.fp8 import Fp8Linear, quantize_block_linears, restore_linears
 from vllm_omni_plugin.diffusion.glm_image_sync_free import DeviceRope, SyncFreeGlm
@@ -109,6 +109,10 @@ def test_failed_cuda_graph_capture_falls_back_to_the_same_output():
     assert signature({"x": x}, CPU) != signature({"x": torch.zeros(2, 4)}, CPU)
     assert signature({"x": x, "s": 1.0}, CPU) != signature({"x": x, "s": 2.0}, CPU)
     assert signature({"x": x}, torch.device("cuda")) is None
+    # a device named with or without its index is the same device (the engine's is "cuda", its
+    # tensors' "cuda:0": equality of the two left every H200 forward uncaptured)
+    assert signature({"x": x}, torch.device("cpu", 0)) == signature({"x": x}, CPU)
+    assert same_device(torch.device("cpu", 0), CPU) and not same_device(CPU, torch.device("meta"))
     assert signature({"x": x, "f": object()}, CPU) is None
 
 

@@ -36,10 +36,26 @@ logger = logging.getLogger(__name__)
 _MAX_SEEN = 1024
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one, a device without an index being the current one.
+
+    Plain equality is not enough: the engine's device is `cuda` while its tensors report `cuda:0`,
+    and `torch.device("cuda") != torch.device("cuda", 0)`; an equality check here once left every
+    forward uncaptured on the H200."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index or a.type == "cpu":
+        return True
+    if a.type != "cuda":
+        return False
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def signature(value: Any, device: torch.device) -> Hashable | None:
     """A hashable key for the call's arguments, or None when they cannot be replayed."""
     if isinstance(value, torch.Tensor):
-        if value.device != device or value.requires_grad:
+        if not same_device(value.device, device) or value.requires_grad:
             return None
         return ("T", tuple(value.shape), value.dtype)
     if value is None or isinstance(value, (bool, int, float, str)):
