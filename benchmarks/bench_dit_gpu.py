@@ -74,14 +74,17 @@ def main() -> None:
     if "flux" in sections:
         rows, info, pipe, run_extras = flux_section(args, device, dtype, budget)
         result["flux"] = {"info": info, "rows": rows}
+        save(result, args.out)
     glm_tr = None
     if "glm" in sections and left_s(budget) > 30:
         rows, info, glm_tr = glm_section(args, device, dtype, budget)
         result["glm"] = {"info": info, "rows": rows}
+        save(result, args.out)
     if "served" in sections:
         if glm_tr is None:
             glm_tr = glm_transformer(device, dtype, args.tiny)
         result["served_sequence"] = served_sequence(args, glm_tr, device, dtype, budget)
+        save(result, args.out)
     del glm_tr
     gc.collect()
     if device.type == "cuda":
@@ -90,6 +93,7 @@ def main() -> None:
         if pipe is None and not args.tiny:
             pipe = flux_pipe("full", device, dtype).to(device)
         result["end_to_end"] = end_to_end(args, pipe, device, dtype, budget)
+        save(result, args.out)
     if run_extras is not None:
         result["flux"]["rows"] += run_extras()
     result["notes"] = NOTES
@@ -97,11 +101,19 @@ def main() -> None:
     md = markdown(result)
     print("\n" + md, flush=True)
     print(json.dumps(result, default=str), flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "dit_gpu.json").write_text(json.dumps(result, indent=1, default=str))
-        (out / "dit_gpu.md").write_text(md + "\n")
+    save(result, args.out, md)
+
+
+def save(result: dict, out: str | None, md: str | None = None) -> None:
+    """Write what is measured so far (after every section: a run cut short by its time limit
+    still leaves its finished sections), and the markdown table at the end."""
+    if not out:
+        return
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dit_gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    if md is not None:
+        (folder / "dit_gpu.md").write_text(md + "\n")
 
 
 if __name__ == "__main__":

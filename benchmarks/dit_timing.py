@@ -120,6 +120,8 @@ def run_variants(label, tr, device, variants, call_ref, flops, ref, ref32, budge
                 torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+        if row["graphs"] is not None and not row["graphs"]["captures"]:
+            note(f"{label} {name}: CUDA graphs captured nothing: {row['graphs']}")
     torch._dynamo.reset()
     return rows
 
