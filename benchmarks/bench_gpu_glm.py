@@ -206,6 +206,20 @@ async def _serve_load(server: Server, args, extra: dict) -> dict:
     return out
 
 
+def _connector_counters(server: Server) -> dict[str, float]:
+    """The stage connectors' counters from /metrics (which connector carried the handoffs, how
+    many, how many failed, their latency): the served run's own word on the path it took."""
+    import httpx
+
+    wanted = ("transfers_total", "failures_total", "bytes_total", "latency_seconds_sum")
+    out = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("omni_connector_") and any(w + "{" in line for w in wanted):
+            key, _, value = line.rpartition(" ")
+            out[key.removeprefix("omni_connector_")] = float(value)
+    return out
+
+
 def _record(args, phase: str, data: dict) -> None:
     import torch
 
@@ -239,6 +253,8 @@ def _serve_phase(args, phase: str, argv: list[str]) -> None:
         with PeakMemory() as mem:
             ready = server.wait_ready(args.start_timeout)
             load = asyncio.run(_serve_load(server, args, {"guidance_scale": 1.5}))
+        if phase == "ours":
+            load["connector_counters"] = _connector_counters(server)
     finally:
         server.stop()
         _keep_log_lines(server.log, args.out / f"{phase}_log_lines.txt")
