@@ -71,8 +71,9 @@ class DiffusionOwner(Owner):
     cuda_graph_max_graphs: int = Field(8, ge=1, le=256)
     """Most CUDA graphs kept (least recently used evicted); all share one memory pool."""
     fp8_linear: bool = False
-    """fp8 GEMMs with per-row scales for the transformer blocks' linears: faster, lossy
-    (BENCHMARKS.md has the measured image difference); needs a GPU of compute capability 8.9+."""
+    """fp8 GEMMs with per-row scales for the transformer blocks' linears: faster, lossy (H200,
+    FLUX.1-dev 1024x1024: 134 -> 108 ms per step, SSIM 0.9994 against bf16); needs a GPU of
+    compute capability 8.9+."""
     cache_backend: str | None = None
     """Step-cache acceleration backend (no effect yet: warned at load)."""
     cache_config: dict[str, Any] | None = None
