@@ -170,6 +170,12 @@ def flux_section(args, device, dtype, budget) -> tuple[list, dict, object, dict]
             True,
         ),
         (
+            "ours compiled + CUDA graphs + GELU epilogue",
+            compiled_opts(cuda_graphs=True, fuse_gelu=True) if cuda else None,
+            30 if cuda else no_gpu,
+            True,
+        ),
+        (
             "ours fp8 (compiled + graphs)",
             compiled_opts(cuda_graphs=True, fp8=True) if cuda and fp8_why is None else None,
             60 if cuda and fp8_why is None else f"skipped: {fp8_why or 'CUDA only'}",

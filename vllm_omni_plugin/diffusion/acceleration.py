@@ -21,6 +21,9 @@ Each option keeps the model's function: no caching across steps, no lower precis
     glyph text, Qwen-Image's prompt) therefore compile with dynamic=True: at most four graphs
     per block type (batch 1 or more, text length 1 or more), no further recompiles.
   * `cuda_graphs` (cuda_graphs.py): the forward captured per input signature and replayed.
+  * `fuse_gelu` (gelu_epilogue.py): the blocks' MLP up-projection + tanh-GELU as one GEMM
+    with cuBLASLt's bias+GELU epilogue (the same function, not the same bits); opt-in. On
+    CPU the swapped modules compute the unfused math.
   * `fp8` (fp8.py): fp8 GEMMs for the block linears; lossy, opt-in, sm89+ only.
   * GLM-Image always runs without its forward's host syncs (glm_image_sync_free.py): the same
     math, and the precondition for capturing it in a CUDA graph. Compiled on CUDA, its four
@@ -37,7 +40,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8 as fp8_gemm
-from . import glm_image_sync_free
+from . import gelu_epilogue, glm_image_sync_free
 from .compile_cache import use_compile_cache
 from .cuda_graphs import StepGraphs
 
@@ -98,6 +101,7 @@ def accelerate_transformer(
     cuda_graphs: bool | None = None,
     max_graphs: int = 8,
     fp8: bool = False,
+    fuse_gelu: bool = False,
     reversible: bool = True,
     compile_cache_dir: str | None = None,
 ) -> Callable[..., Any]:
@@ -117,6 +121,14 @@ def accelerate_transformer(
             transformer.fuse_qkv_projections()
         else:
             logger.info("fuse_qkv not supported for %s; ignored", name)
+    if fuse_gelu:
+        # Before fp8: the fused modules hold no nn.Linear (fp8 swaps `type(m) is nn.Linear`),
+        # so with both, the MLP up-projections keep the model dtype and their GELU epilogue.
+        fused = gelu_epilogue.fuse_block_gelus(_repeated_blocks(transformer))
+        if reversible:
+            undo.append(lambda: gelu_epilogue.restore(fused))
+        n = sum(isinstance(m, gelu_epilogue.LinearGeluTanh) for m in transformer.modules())
+        logger.info("fuse_gelu: %d MLP up-projections with a GELU epilogue", n)
     if fp8:
         why = fp8_gemm.fp8_supported(device)
         if why is not None:

@@ -1,0 +1,103 @@
+"""Opt-in: the MLP up-projection's bias + tanh-GELU computed in the GEMM's epilogue (CUDA).
+
+Compiled, the FLUX step still spends a separate memory pass per block on the GELU after the
+MLP up-projection (inductor leaves the GEMM to cuBLAS and the GELU to a Triton kernel).
+`torch._addmm_activation(bias, x, W.T, use_gelu=True)` runs the GEMM through cuBLASLt with its
+GELU_BIAS epilogue, so the activation is applied to the accumulator before the one write.
+
+What `_addmm_activation(use_gelu=True)` computes differs by device (torch 2.13): on CUDA,
+GELU's tanh approximation (cuBLASLt's epilogue; where cuBLASLt does not take the shapes, a
+plain GEMM and then `gelu_(approximate="tanh")`); on CPU, the exact erf GELU. So the fused
+module calls it on CUDA only and elsewhere computes `gelu(linear(x), approximate="tanh")`,
+and only tanh-GELUs are swapped (an exact-erf GELU is not what the CUDA epilogue computes).
+On CUDA the result is the same function, not the same bits: the epilogue applies the GELU to
+the float32 accumulator, the unfused path to the output rounded to the model dtype.
+
+Inductor keeps the call as one extern kernel (`make_fallback(aten._addmm_activation)`; its
+decomposition into addmm + gelu is not in inductor's table), so the fusion survives compile.
+In FLUX's single blocks inductor had fused the GELU into the copy that concatenates the
+attention and MLP outputs for proj_out; that copy stays (the same bytes, without the GELU), so
+there the pass does not go away; in the double blocks it does.
+
+Swapped inside the repeated blocks: diffusers' `GELU` modules with `approximate == "tanh"`
+(`FeedForward(activation_fn="gelu-approximate")`: FLUX's double-block `ff`/`ff_context`,
+Qwen-Image's `img_mlp`/`txt_mlp`, GLM-Image's `ff` and Wan's `ffn` all are), and FLUX's
+single-block `proj_mlp` + `act_mlp` (nn.GELU(approximate="tanh")).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Blocks whose forward is `act_mlp(proj_mlp(x))`, proj_mlp's output used nowhere else.
+_PROJ_ACT_BLOCKS = frozenset({"FluxSingleTransformerBlock"})
+
+Undo = tuple[nn.Module, str, nn.Module]
+
+
+def addmm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`_addmm_activation(bias, x, weight.T, use_gelu=True)` over the rows of `x` (any leading
+    dims). Its GELU is the tanh approximation on CUDA, the exact erf on CPU."""
+    lead = x.shape[:-1]
+    out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+    return out.reshape(*lead, weight.shape[0])
+
+
+class LinearGeluTanh(nn.Module):
+    """gelu(x @ W.T + b, approximate="tanh"): one GEMM with a GELU epilogue on CUDA.
+
+    Holds the Linear's own weight and bias Parameters (no copy) and no nn.Linear, so fp8.py,
+    which swaps `type(m) is nn.Linear`, leaves it (and its GEMM) in the model dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return addmm_gelu(x, self.weight, self.bias)
+        return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, gelu=tanh"
+
+
+def _fusable(linear: nn.Module) -> bool:
+    return type(linear) is nn.Linear and linear.bias is not None
+
+
+def fuse_block_gelus(blocks: list[nn.Module]) -> list[Undo]:
+    """Swap the tanh-GELU MLP up-projections of `blocks` for LinearGeluTanh in place.
+
+    Returns (parent, attribute, original module) per replaced attribute, for `restore`."""
+    from diffusers.models.activations import GELU
+
+    undo: list[Undo] = []
+
+    def swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
+        undo.append((parent, attr, getattr(parent, attr)))
+        setattr(parent, attr, new)
+
+    for block in blocks:
+        for name, module in list(block.named_modules()):
+            if type(module) is GELU and module.approximate == "tanh" and _fusable(module.proj):
+                parent_name, _, attr = name.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                swap(parent, attr, LinearGeluTanh(module.proj))
+            elif type(module).__name__ in _PROJ_ACT_BLOCKS:
+                act = getattr(module, "act_mlp", None)
+                proj = getattr(module, "proj_mlp", None)
+                if type(act) is nn.GELU and act.approximate == "tanh" and _fusable(proj):
+                    swap(module, "proj_mlp", LinearGeluTanh(proj))
+                    swap(module, "act_mlp", nn.Identity())
+    return undo
+
+
+def restore(undo: list[Undo]) -> None:
+    """Put back what `fuse_block_gelus` replaced."""
+    for parent, attr, original in reversed(undo):
+        setattr(parent, attr, original)
