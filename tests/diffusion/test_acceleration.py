@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
+from tensor_checks import rel_err
 from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 
 from vllm_omni_plugin.diffusion.acceleration import (
@@ -50,10 +51,6 @@ def flux():
     with torch.inference_mode():
         ref = tr(**kw)[0]
     return tr, kw, ref
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def test_cuda_options_are_lossless_and_reversible(flux):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 from pydantic import ValidationError
+from tensor_checks import rel_err
 from tiny_glm_dit import glm_inputs, reference, tiny_glm_dit
 
 from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner
@@ -34,10 +35,6 @@ from vllm_omni_plugin.diffusion.fp8 import Fp8Linear, quantize_block_linears, re
 from vllm_omni_plugin.diffusion.glm_image_sync_free import DeviceRope, SyncFreeGlm
 
 CPU = torch.device("cpu")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.fixture(scope="module")

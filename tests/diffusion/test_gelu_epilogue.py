@@ -15,6 +15,7 @@ from diffusers import FluxTransformer2DModel
 from diffusers.models.activations import GELU
 from diffusers.models.attention import FeedForward
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+from tensor_checks import rel_err
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -59,10 +60,6 @@ def flux():
     with torch.inference_mode():
         ref = tr(**kw)[0]
     return tr, kw, ref
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def mlp_modules(tr):
