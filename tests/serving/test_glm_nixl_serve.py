@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,6 +25,8 @@ from conftest import GREEDY_GLM_OVERRIDES, start_shared
 from omni_server import API_KEY
 from openai import OpenAI
 from PIL import Image
+
+from vllm_omni_plugin.stages.messages import ENGINE_METRICS_INTERVAL_S
 
 pytestmark = pytest.mark.slow
 SIZE, STEPS, SEED = 64, 2, 5
@@ -79,8 +82,8 @@ def nixl_loaded(server) -> dict[int, bool]:
     }
 
 
-def nixl_counter(server, name: str) -> float:
-    key = f'{name}{{connector="nixl",role="consumer"}} '
+def nixl_counter(server, name: str, role: str = "consumer") -> float:
+    key = f'{name}{{connector="nixl",role="{role}"}} '
     for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
         if line.startswith(key):
             return float(line[len(key) :])
@@ -106,5 +109,15 @@ def test_concurrent_requests_over_nixl(nixl_server):
     with ThreadPoolExecutor(CONCURRENT) as pool:
         images = list(pool.map(lambda s: generate(nixl_server, s), range(1, CONCURRENT + 1)))
     assert len(images) == CONCURRENT  # each a 64x64 image; any 4xx/5xx would have raised
-    assert nixl_counter(nixl_server, "omni_connector_transfers_total") == before + CONCURRENT
+    after = nixl_counter(nixl_server, "omni_connector_transfers_total")
+    assert after == before + CONCURRENT
     assert nixl_counter(nixl_server, "omni_connector_failures_total") == 0
+    # The producer (AR stage) hears that a handoff completed only after it sent that request's
+    # Result; its metrics timer relays the counters, so /metrics catches up with no new request.
+    deadline = time.monotonic() + 5 * ENGINE_METRICS_INTERVAL_S
+    while time.monotonic() < deadline:
+        produced = nixl_counter(nixl_server, "omni_connector_transfers_total", "producer")
+        if produced == after:
+            break
+        time.sleep(0.5)
+    assert produced == after, f"producer counted {produced} handoffs, the consumer {after}"

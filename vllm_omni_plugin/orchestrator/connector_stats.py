@@ -21,7 +21,11 @@ _exported = False
 
 def absorb(result: Result) -> None:
     """Take the counters off a Result (API server side) and feed them to /metrics."""
-    relayed = result.metrics.pop(KEY, None) if isinstance(result.metrics, dict) else None
+    absorb_relayed(result.metrics.pop(KEY, None) if isinstance(result.metrics, dict) else None)
+
+
+def absorb_relayed(relayed: dict | None) -> None:
+    """Feed one relayed snapshot (a Result's or an EngineMetrics') to /metrics."""
     if not relayed:
         return
     from vllm_omni_plugin.connectors import set_remote_snapshot

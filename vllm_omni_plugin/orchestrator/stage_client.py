@@ -38,6 +38,7 @@ from ..stages.messages import (
     StageInit,
     Submit,
 )
+from .connector_stats import absorb_relayed
 from .errors import StageUnavailableError
 from .stage_process import StageProcess
 
@@ -301,6 +302,7 @@ class StageClient:
         # engine is stuck) are no sign of progress; everything else the stage sends is.
         if isinstance(msg, EngineMetrics):
             self.engine_metrics = msg.families
+            absorb_relayed(msg.connector_stats)
             return
         if isinstance(msg, Inspection):
             waiting = self.inspections.get(msg.token)

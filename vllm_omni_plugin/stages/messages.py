@@ -171,6 +171,10 @@ class EngineMetrics:
 
     stage_id: int
     families: list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]
+    # This process's connector counters (stats_relay.py). A producer learns a handoff completed
+    # only after it sent that request's Result, so without this timer its counts would lag
+    # until its next request.
+    connector_stats: dict[str, Any] | None = None
 
 
 # Staleness of the AR engines' metrics on /metrics (scrapers poll every 10-60 s).
