@@ -18,6 +18,10 @@ def test_bundled_glm_image_resolves_published_defaults():
     d = dit.sampling
     assert (d.num_inference_steps, d.guidance_scale, d.height, d.width) == (50, 1.5, 1024, 1024)
     assert ar.scheduler.scheduler_cls == ASYNC_SCHEDULER and ar.scheduler.async_scheduling is True
+    # the GPU configs' DiT compiles, on two GPUs as on one (glm_image_1gpu inherits it)
+    for name in ("glm_image", "glm_image_1gpu"):
+        diffusion = load_deploy_config(name).stage(1).diffusion
+        assert diffusion.compile_transformer and diffusion.compile_regional, name
 
 
 def test_flat_and_nested_engine_args_both_survive(tmp_path):
