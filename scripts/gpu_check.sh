@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of issue 10 on one H200 (device tool machine: torch 2.11 + CUDA 13, no network).
+# The GPU runs of issues 10, 16 and 19 on the device tool's H200 machines (torch 2.11 + CUDA 13, no network).
 # Run from the project root once the kit's parts lie in /tmp/kit (README: "Reproducing the GPU runs").
 #   scripts/gpu_check.sh install            unpack the kit, install it + this checkout into /tmp/site
 #   scripts/gpu_check.sh smoke              tiny GLM-Image served (8 concurrent) + greedy parity
@@ -12,6 +12,8 @@
 #                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
 #   scripts/gpu_check.sh smoke-nixl         tiny GLM-Image served through glm_image_1gpu_nixl, both stages
 #                                           eager (the connector path, not speed: ~1.5 min, no compiles)
+#   scripts/gpu_check.sh headless           two GPUs (issue 19): head (AR, GPU 0) + headless DiT node
+#                                           (GPU 1) on $FULL, the node killed mid-request, restarted (~6 min)
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
 set -euo pipefail
@@ -68,6 +70,11 @@ while [ $# -gt 0 ]; do
       if tail -1 "$OUT/nixl_vram.txt" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read())["results"]; sys.exit(any("error" in x for row in r.values() for x in row.values()))'; then
         SMOKE_CONFIG=glm_image_1gpu_nixl
       fi
+      ;;
+    headless)
+      python3 benchmarks/bench_two_gpu_glm.py headless --model "$FULL" --out "$OUT/two_gpu" \
+        --stage-config "${TWO_GPU_CONFIG:-glm_image}" --repeats "$REPEATS"
+      pkill -f "vllm serve" || true; sleep 2
       ;;
     placeholders)
       # vLLM's start-up dummy image through vLLM-Omni's GLM-Image processor, on both checkpoints.
