@@ -44,6 +44,7 @@ from vllm_omni_plugin.orchestrator.node_protocol import (
     value_from_wire,
     value_to_wire,
 )
+from vllm_omni_plugin.orchestrator.stage_process import stage_env
 from vllm_omni_plugin.stages.payloads import _Via
 
 KEY = b"link-security-test-key"
@@ -254,6 +255,13 @@ def test_a_node_without_the_key_refuses_a_remote_head(monkeypatch):
     with pytest.raises(SystemExit, match=AUTHKEY_ENV):
         authkey(cfg(), "10.1.2.3", "node")
     assert authkey(cfg(), "127.0.0.1", "node") == authkey(cfg(), "localhost", "head")
+
+
+def test_stage_processes_do_not_inherit_the_key(monkeypatch):
+    monkeypatch.setenv(AUTHKEY_ENV, "s3cret")
+    env = stage_env(Namespace(devices="1", env={"FOO": "bar"}))
+    assert AUTHKEY_ENV not in env  # only the head and node processes hold the secret
+    assert (env["CUDA_VISIBLE_DEVICES"], env["FOO"]) == ("1", "bar")
 
 
 async def test_a_head_built_by_hand_does_not_listen_beyond_loopback_unkeyed(monkeypatch):

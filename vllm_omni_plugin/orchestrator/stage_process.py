@@ -32,6 +32,7 @@ from typing import Any
 from ..stages.messages import Ready, Shutdown, StageInit
 from .errors import StageStartupError
 from .frames import FrameReader, FrameWriter, encode_frame
+from .node_protocol import AUTHKEY_ENV
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -41,6 +42,10 @@ LOG_TAIL_LINES = 40
 def stage_env(stage: Any) -> dict[str, str]:
     """The child's environment: ours, then the stage's `devices` and `env` from its config."""
     env = dict(os.environ)
+    # The node registry's secret stays in the processes that speak the node protocol (the API
+    # server, a headless node): a stage never uses it, and vLLM warns about the unknown VLLM_*
+    # name in the stage's engine.
+    env.pop(AUTHKEY_ENV, None)
     devices = getattr(stage, "devices", None)
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = str(devices)
