@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import FluxTransformer2DModel
 from diffusers.models.activations import GELU
 from diffusers.models.attention import FeedForward
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 from tensor_checks import rel_err
+from tiny_flux_dit import DOUBLE, SINGLE, tiny_flux_step
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -28,38 +28,11 @@ from vllm_omni_plugin.diffusion.gelu_epilogue import (
 )
 
 CPU = torch.device("cpu")
-DOUBLE, SINGLE = 2, 2
 
 
 @pytest.fixture(scope="module")
 def flux():
-    torch.manual_seed(0)
-    tr = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=DOUBLE,
-        num_single_layers=SINGLE,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=16,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    ).eval()
-    g = torch.Generator().manual_seed(1)
-    kw = dict(
-        hidden_states=torch.randn(1, 16, 16, generator=g),
-        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-        pooled_projections=torch.randn(1, 16, generator=g),
-        timestep=torch.tensor([0.5]),
-        guidance=torch.tensor([3.5]),
-        txt_ids=torch.zeros(8, 3),
-        img_ids=torch.randn(16, 3, generator=g),
-        return_dict=False,
-    )
-    with torch.inference_mode():
-        ref = tr(**kw)[0]
-    return tr, kw, ref
+    return tiny_flux_step()
 
 
 def mlp_modules(tr):
