@@ -16,16 +16,22 @@ the float32 accumulator, the unfused path to the output rounded to the model dty
 Inductor keeps the call as one extern kernel (`make_fallback(aten._addmm_activation)`; its
 decomposition into addmm + gelu is not in inductor's table), so the fusion survives compile.
 In FLUX's single blocks inductor had fused the GELU into the copy that concatenates the
-attention and MLP outputs for proj_out; that copy stays (the same bytes, without the GELU), so
-there the pass does not go away; in the double blocks it does.
+attention and MLP outputs for proj_out, so a GELU epilogue alone would leave that pass (the
+same bytes, without the GELU). There the block's forward is swapped too (`single_block_forward`):
+proj_out(cat([attn, mlp])) is computed as attn @ W[:, :d].T + b, then + mlp @ W[:, d:].T
+accumulated onto it (cuBLAS's beta = 1), the same sum in two GEMMs over column slices of the
+one weight (no copy), and the concatenated tensor is never written. One more rounding of the
+partial sum to the model dtype; float32 on CPU: within 1e-6.
 
 Swapped inside the repeated blocks: diffusers' `GELU` modules with `approximate == "tanh"`
 (`FeedForward(activation_fn="gelu-approximate")`: FLUX's double-block `ff`/`ff_context`,
 Qwen-Image's `img_mlp`/`txt_mlp`, GLM-Image's `ff` and Wan's `ffn` all are), and FLUX's
-single-block `proj_mlp` + `act_mlp` (nn.GELU(approximate="tanh")).
+single-block `proj_mlp` + `act_mlp` (nn.GELU(approximate="tanh")) with that block's forward.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +40,8 @@ from torch import nn
 # Blocks whose forward is `act_mlp(proj_mlp(x))`, proj_mlp's output used nowhere else.
 _PROJ_ACT_BLOCKS = frozenset({"FluxSingleTransformerBlock"})
 
-Undo = tuple[nn.Module, str, nn.Module]
+# (parent, attribute, original); original None: the attribute was added (restore deletes it).
+Undo = tuple[nn.Module, str, object | None]
 
 
 def addmm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -66,6 +73,42 @@ class LinearGeluTanh(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, gelu=tanh"
 
 
+def single_block_forward(
+    block: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' FluxSingleTransformerBlock.forward (0.42) with proj_out split at the concat
+    boundary (module docstring); its proj_mlp is a LinearGeluTanh. Where proj_out is no longer
+    an nn.Linear (fp8 swapped it), the concatenated input goes to it as in diffusers."""
+    text_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
+    mlp = block.proj_mlp(norm_hidden_states)
+    attn = block.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    proj_out = block.proj_out
+    if type(proj_out) is nn.Linear:
+        d, lead = attn.shape[-1], attn.shape[:-1]
+        weight = proj_out.weight
+        out = F.linear(attn, weight[:, :d], proj_out.bias).reshape(-1, weight.shape[0])
+        out = torch.addmm(out, mlp.reshape(-1, mlp.shape[-1]), weight[:, d:].t())
+        out = out.reshape(*lead, weight.shape[0])
+    else:
+        out = proj_out(torch.cat([attn, mlp], dim=2))
+    hidden_states = residual + gate.unsqueeze(1) * out
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_len], hidden_states[:, text_len:]
+
+
 def _fusable(linear: nn.Module) -> bool:
     return type(linear) is nn.Linear and linear.bias is not None
 
@@ -94,10 +137,16 @@ def fuse_block_gelus(blocks: list[nn.Module]) -> list[Undo]:
                 if type(act) is nn.GELU and act.approximate == "tanh" and _fusable(proj):
                     swap(module, "proj_mlp", LinearGeluTanh(proj))
                     swap(module, "act_mlp", nn.Identity())
+                    if _fusable(getattr(module, "proj_out", None)):
+                        undo.append((module, "forward", None))
+                        module.forward = types.MethodType(single_block_forward, module)
     return undo
 
 
 def restore(undo: list[Undo]) -> None:
     """Put back what `fuse_block_gelus` replaced."""
     for parent, attr, original in reversed(undo):
-        setattr(parent, attr, original)
+        if original is None:
+            delattr(parent, attr)
+        else:
+            setattr(parent, attr, original)
