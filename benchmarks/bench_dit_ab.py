@@ -247,7 +247,7 @@ def main() -> None:
     default = names[0]
     rows = []
     for name in names:
-        wins = sum(a < b for a, b in zip(round_medians[name], round_medians[default]))
+        wins = sum(a < b for a, b in zip(round_medians[name], round_medians[default], strict=True))
         med = statistics.median(times[name])
         rows.append(
             {

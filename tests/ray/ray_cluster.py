@@ -132,6 +132,15 @@ class TwoNodeRay:
             cwd=REPO,
         )
 
+    def server_log_size(self) -> int:
+        return self.server_log.stat().st_size
+
+    def server_log_since(self, offset: int) -> str:
+        """What the server wrote after `offset` bytes (Ray's own warnings can flood a tail)."""
+        with open(self.server_log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     def server_tail(self, n: int = 80) -> str:
         lines = self.server_log.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
