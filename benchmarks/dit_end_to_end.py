@@ -59,7 +59,7 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
     systems = [
         ("diffusers eager", 0 if tiny else 25),
         ("diffusers + regional compile", 30 if tiny else 40),
-        ("ours (regional compile + CUDA graphs)", 30 if tiny else 35),
+        ("ours (regional compile + CUDA graphs + fuse_gelu)", 30 if tiny else 35),
     ]
     if device.type == "cuda":  # fp8 GEMMs are refused on the CPU
         systems.append(("ours fp8 (regional compile + CUDA graphs)", 40))
@@ -71,9 +71,10 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
         torch._dynamo.reset()
         bf16_transformer = pipe.transformer
         try:
-            if "fp8" in name:
-                # A serving engine quantizes for good (it frees the bf16 weights): it gets a copy,
-                # so what runs after this section still measures the bf16 transformer.
+            if name.startswith("ours"):
+                # A serving engine changes its transformer for good (fused GELU modules, fp8
+                # weights without their bf16 ones): it gets a copy, so the next system still
+                # starts from diffusers' bf16 transformer.
                 pipe.transformer = copy.deepcopy(bf16_transformer)
             if name.startswith("ours"):
                 adapter = FluxAdapter(pipe, device, dtype, {})
@@ -101,13 +102,13 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
                 dt, img = timed_s(lambda run=run, steps=steps: run(steps), device)
                 row[f"{steps}_steps_s"] = dt
                 images[(name, steps)] = img
-            if device.type == "cuda" and name == "ours (regional compile + CUDA graphs)":
+            if device.type == "cuda" and name == "ours (regional compile + CUDA graphs + fuse_gelu)":
                 row["host_syncs_per_step"] = syncs_per_step(run)
             ref = images.get(("diffusers eager", steps_list[0]))
             mine = images.get((name, steps_list[0]))
             if ref is not None and mine is not None:
                 row["mean_pixel_diff_vs_diffusers_eager"] = pixel_diff(ref, mine)
-            bf16 = images.get(("ours (regional compile + CUDA graphs)", steps_list[0]))
+            bf16 = images.get(("ours (regional compile + CUDA graphs + fuse_gelu)", steps_list[0]))
             if "fp8" in name and bf16 is not None and mine is not None:
                 row["mean_pixel_diff_vs_ours_bf16"] = pixel_diff(bf16, mine)
                 row["ssim_vs_ours_bf16"] = ssim(bf16, mine)

@@ -104,3 +104,25 @@ def test_true_cfg_from_stage_defaults(model_dir, pipe, pixel_diff):
         assert out.error is None
         r = engine.validate(r)
         assert pixel_diff(out.images[0], reference(pipe, r, true_cfg_scale=3.0)[0]) <= 1.0
+
+
+def test_fuse_gelu_knob_reaches_the_transformer_and_keeps_the_image(model_dir, pipe, pixel_diff):
+    """`fuse_gelu` from the stage config: on CPU off unless asked (None), on when asked, and the
+    fused engine's image is still diffusers' (the CPU fused modules compute the same ops)."""
+    from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner
+    from vllm_omni_plugin.diffusion.gelu_epilogue import LinearGeluTanh
+
+    def fused_modules(engine):
+        return sum(isinstance(m, LinearGeluTanh) for m in engine.adapter.pipe.transformer.modules())
+
+    default = DiffusionEngineConfig.from_owner(DiffusionOwner(device="cpu"), model=str(model_dir))
+    assert default.fuse_gelu is None
+    assert fused_modules(DiffusionEngine(default)) == 0  # None: CUDA only
+
+    asked = DiffusionOwner(device="cpu", fuse_gelu=True, min_height=SIZE, min_width=SIZE)
+    engine = DiffusionEngine(DiffusionEngineConfig.from_owner(asked, model=str(model_dir)))
+    assert fused_modules(engine) > 0
+    r = req("fused", "a photo of a cat", seed=11)
+    (out,) = engine.generate([r])
+    assert out.error is None
+    assert pixel_diff(out.images[0], reference(pipe, r)[0]) <= 1.0

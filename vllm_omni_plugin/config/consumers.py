@@ -177,6 +177,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "compile_cache_dir",
             "cuda_graphs",
             "cuda_graph_max_graphs",
+            "fuse_gelu",
             "fp8_linear",
         )
     },

@@ -23,8 +23,9 @@ Each option keeps the model's function: no caching across steps, no lower precis
   * `cuda_graphs` (cuda_graphs.py): the forward captured per input signature and replayed.
   * `fuse_gelu` (gelu_epilogue.py): the blocks' MLP up-projection + tanh-GELU as one GEMM
     with cuBLASLt's bias+GELU epilogue (the same function, not the same bits), and FLUX's
-    single-block proj_out as two GEMMs so the attention|MLP concat is never written; opt-in.
-    On CPU the swapped modules compute the unfused math.
+    single-block proj_out as two GEMMs so the attention|MLP concat is never written. Off here;
+    the engine turns it on for CUDA devices (`DiffusionEngineConfig.fuse_gelu`), where an
+    interleaved A/B measured it faster. On CPU the swapped modules compute the unfused math.
   * `fp8` (fp8.py): fp8 GEMMs for the block linears; lossy, opt-in, sm89+ only.
   * GLM-Image always runs without its forward's host syncs (glm_image_sync_free.py): the same
     math, and the precondition for capturing it in a CUDA graph. Compiled on CUDA, its four

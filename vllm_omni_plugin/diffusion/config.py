@@ -61,6 +61,10 @@ class DiffusionEngineConfig:
     cuda_graphs: bool | None = None
     # Most CUDA graphs kept (least recently used evicted); they share one memory pool.
     cuda_graph_max_graphs: int = 8
+    # MLP up-projection + tanh-GELU as one GEMM with a GELU epilogue (gelu_epilogue.py;
+    # None: on for CUDA devices unless fp8_linear, whose fp8 GEMMs would then skip the fused
+    # up-projections). Lossless within bf16 rounding.
+    fuse_gelu: bool | None = None
     # fp8 GEMMs (per-row scaled) for the transformer blocks' linears: lossy, opt-in, sm89+.
     fp8_linear: bool = False
     # Benchmark knobs, not in the stage config: neither paid off on the H200 (BENCHMARKS.md).

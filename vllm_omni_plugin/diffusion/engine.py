@@ -57,6 +57,7 @@ class DiffusionEngine:
                 cuda_graphs=config.cuda_graphs,
                 max_graphs=config.cuda_graph_max_graphs,
                 fp8=config.fp8_linear,
+                fuse_gelu=self._fuse_gelu(config),
                 reversible=False,
                 compile_cache_dir=config.compile_cache_dir,
             )
@@ -84,6 +85,11 @@ class DiffusionEngine:
         cls = get_adapter_class(name)
         pipe = load_pipeline(cfg.model, self.dtype, self.device, skip=cls.skip_components)
         return cls(pipe, self.device, self.dtype, dict(cfg.defaults or {}))
+
+    def _fuse_gelu(self, config: DiffusionEngineConfig) -> bool:
+        if config.fuse_gelu is not None:
+            return config.fuse_gelu
+        return self.device.type == "cuda" and not config.fp8_linear
 
     def _total_budget(self) -> int | None:
         """Bytes the stage may use: memory_budget_gb, or gpu_memory_utilization of the device.
