@@ -17,8 +17,10 @@ from dit_timing import left_s, note, ssim, syncs_per_step, timed_s
 
 from vllm_omni_plugin.diffusion.acceleration import reset_transformer
 
-
 # ---- 4: end to end -------------------------------------------------------------------------
+OURS = "ours (regional compile + CUDA graphs + fuse_gelu)"
+
+
 def end_to_end(args, pipe, device, dtype, budget) -> list:
     from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
     from vllm_omni_plugin.diffusion.adapters.flux import FluxAdapter
@@ -59,7 +61,7 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
     systems = [
         ("diffusers eager", 0 if tiny else 25),
         ("diffusers + regional compile", 30 if tiny else 40),
-        ("ours (regional compile + CUDA graphs + fuse_gelu)", 30 if tiny else 35),
+        (OURS, 30 if tiny else 35),
     ]
     if device.type == "cuda":  # fp8 GEMMs are refused on the CPU
         systems.append(("ours fp8 (regional compile + CUDA graphs)", 40))
@@ -102,13 +104,13 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
                 dt, img = timed_s(lambda run=run, steps=steps: run(steps), device)
                 row[f"{steps}_steps_s"] = dt
                 images[(name, steps)] = img
-            if device.type == "cuda" and name == "ours (regional compile + CUDA graphs + fuse_gelu)":
+            if device.type == "cuda" and name == OURS:
                 row["host_syncs_per_step"] = syncs_per_step(run)
             ref = images.get(("diffusers eager", steps_list[0]))
             mine = images.get((name, steps_list[0]))
             if ref is not None and mine is not None:
                 row["mean_pixel_diff_vs_diffusers_eager"] = pixel_diff(ref, mine)
-            bf16 = images.get(("ours (regional compile + CUDA graphs + fuse_gelu)", steps_list[0]))
+            bf16 = images.get((OURS, steps_list[0]))
             if "fp8" in name and bf16 is not None and mine is not None:
                 row["mean_pixel_diff_vs_ours_bf16"] = pixel_diff(bf16, mine)
                 row["ssim_vs_ours_bf16"] = ssim(bf16, mine)
