@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diffusion_models import flux_pipe, rel_err, sync  # noqa: E402
+from diffusion_models import call_times_ms, flux_pipe, rel_err, sync  # noqa: E402
 from dit_sections import flux_inputs, tiny_flux_transformer  # noqa: E402
 from dit_timing import dit_flops  # noqa: E402
 
@@ -147,23 +147,6 @@ def window_means(samples, windows) -> dict | None:
     }
 
 
-def time_calls(fn, device: torch.device, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,7 +220,7 @@ def main() -> None:
                 steps[name]()
                 sync(device)
                 start = dt.datetime.now()
-                got = time_calls(steps[name], device, args.calls)
+                got = call_times_ms(steps[name], device, args.calls)
                 windows[name].append((start, dt.datetime.now()))
                 times[name] += got
                 round_medians[name].append(statistics.median(got))

@@ -33,8 +33,14 @@ def time_ms(fn, device: torch.device, warmup: int, iters: int) -> tuple[float, f
     """(median, min) ms of `fn`: CUDA events on the GPU, wall clock on the CPU."""
     for _ in range(warmup):
         fn()
+    times = call_times_ms(fn, device, iters)
+    return statistics.median(times), min(times)
+
+
+def call_times_ms(fn, device: torch.device, n: int) -> list[float]:
+    """ms of each of `n` calls of `fn`: CUDA events on the GPU, wall clock on the CPU."""
     times = []
-    for _ in range(iters):
+    for _ in range(n):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -46,7 +52,7 @@ def time_ms(fn, device: torch.device, warmup: int, iters: int) -> tuple[float, f
             t = time.perf_counter()
             fn()
             times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times), min(times)
+    return times
 
 
 def kernel_times(fn, device: torch.device) -> list[tuple[str, float]]:
