@@ -4,7 +4,7 @@ On CPU the fused module computes the unfused ops (`_addmm_activation`'s CPU GELU
 erf, not the tanh the blocks use), and the single blocks' split proj_out sums the same products
 in two GEMMs, so the step equals the unfused one within float32 rounding; the CUDA call's
 plumbing (`addmm_gelu`) is checked against the erf GELU it computes here. The GPU
-timing is the "GELU epilogue" variant of benchmarks/dit_sections.py.
+timing: the "fuse_gelu" rows of benchmarks/dit_sections.py and benchmarks/bench_dit_ab.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Opt-in: the MLP up-projection's bias + tanh-GELU computed in the GEMM's epilogue (CUDA).
+"""The MLP up-projection's bias + tanh-GELU computed in the GEMM's epilogue (CUDA; the engine's
+default there, DiffusionEngineConfig.fuse_gelu).
 
 Compiled, the FLUX step still spends a separate memory pass per block on the GELU after the
 MLP up-projection (inductor leaves the GEMM to cuBLAS and the GELU to a Triton kernel).
