@@ -38,7 +38,10 @@ from diffusion_models import call_times_ms, flux_pipe, rel_err, sync  # noqa: E4
 from dit_sections import flux_inputs, tiny_flux_transformer  # noqa: E402
 from dit_timing import dit_flops  # noqa: E402
 
-from vllm_omni_plugin.diffusion.acceleration import accelerate_transformer  # noqa: E402
+from vllm_omni_plugin.diffusion.acceleration import (  # noqa: E402
+    _repeated_blocks,
+    accelerate_transformer,
+)
 
 
 def variants(cuda: bool) -> dict[str, dict]:
@@ -57,7 +60,7 @@ class MatmulFloor:
         self.calls: list[tuple[torch.Tensor, torch.nn.Linear]] = []
         inputs: dict[tuple, torch.Tensor] = {}
         seen: list[tuple[torch.nn.Linear, tuple]] = []
-        blocks = [m for m in tr.modules() if type(m).__name__ in set(tr._repeated_blocks)]
+        blocks = _repeated_blocks(tr)
 
         def hook(mod, args):
             seen.append((mod, tuple(args[0].shape)))

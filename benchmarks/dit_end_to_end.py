@@ -78,7 +78,6 @@ def end_to_end(args, pipe, device, dtype, budget) -> list:
                 # weights without their bf16 ones): it gets a copy, so the next system still
                 # starts from diffusers' bf16 transformer.
                 pipe.transformer = copy.deepcopy(bf16_transformer)
-            if name.startswith("ours"):
                 adapter = FluxAdapter(pipe, device, dtype, {})
                 cfg = DiffusionEngineConfig(
                     model="flux-dev-size",

@@ -73,8 +73,9 @@ class DiffusionOwner(Owner):
     fuse_gelu: bool | None = None
     """The blocks' MLP up-projection and its tanh-GELU as one GEMM (cuBLASLt's GELU epilogue),
     FLUX's single-block output projection without its concatenation (None: on for CUDA devices,
-    off with fp8_linear, which quantizes those GEMMs instead; the same function within bf16 rounding; H200, FLUX.1-dev 1024x1024: 133.4 -> 129.7 ms per
-    step, faster in 10 of 10 interleaved rounds)."""
+    off with fp8_linear, which quantizes those GEMMs instead). The same function within bf16
+    rounding (H200, FLUX.1-dev 1024x1024: 133.4 -> 129.7 ms per step, faster in 10 of 10
+    interleaved rounds)."""
     fp8_linear: bool = False
     """fp8 GEMMs with per-row scales for the transformer blocks' linears: faster, lossy (H200,
     FLUX.1-dev 1024x1024: 134 -> 108 ms per step, SSIM 0.9994 against bf16); needs a GPU of
