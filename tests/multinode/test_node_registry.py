@@ -112,7 +112,7 @@ async def test_submit_abort_result_and_status_round_trip(head):
     conn, reply = await register(h.port)
     assert isinstance(reply, Welcome)
     await until(lambda: client.ready)
-    assert client.info == {"max_steps": 9} and client.pid == 4242
+    assert client.describe() == {"max_steps": 9} and client.pid == 4242
 
     task = asyncio.ensure_future(client.submit(submit("r1")))
     routed = await recv(conn)
@@ -124,7 +124,8 @@ async def test_submit_abort_result_and_status_round_trip(head):
     assert isinstance(via, _Via) and via.connector == "shm" and via.desc == DESC
     conn.send(StageResult("r1", output=[b"png"], stage_s=0.25))
     result = await asyncio.wait_for(task, 5)
-    assert result.output == [b"png"] and client.completed == 1 and client.busy_s == 0.25
+    stats = client.stats()
+    assert result.output == [b"png"] and stats.completed == 1 and stats.busy_s == 0.25
 
     task = asyncio.ensure_future(client.submit(submit("r2")))  # cancelled: abort reaches node
     assert (await recv(conn)).msg.request_id == "r2"
@@ -194,7 +195,7 @@ async def test_a_heartbeating_node_whose_stage_stops_producing_is_dropped(head, 
     monkeypatch.setattr(remote, "HEARTBEAT_S", 0.05)
     monkeypatch.setattr(remote_stage, "STALL_GRACE_S", 0.2)
     h, client = head
-    client.stall_timeout_s = 1.0
+    client.pending.stall_timeout_s = 1.0
     h._watchdog.cancel()
     h._watchdog = asyncio.ensure_future(h._watch())  # with the shortened period
     conn, _ = await register(h.port)

@@ -76,9 +76,9 @@ def test_only_work_messages_count_as_progress_for_the_stall_watchdog(init):
     from vllm_omni_plugin.stages.messages import EngineMetrics, Inspection, Pulse
 
     client = StageClient(init, startup_timeout_s=5)
-    client.last_progress = 0.0
+    client.pending.last_progress = 0.0
     client._on_message(Inspection(token=1, stage_id=client.stage_id))
     client._on_message(EngineMetrics(stage_id=client.stage_id, families=[]))
-    assert client.last_progress == 0.0
+    assert client.pending.last_progress == 0.0
     client._on_message(Pulse(stage_id=client.stage_id))
-    assert client.last_progress > 0.0
+    assert client.pending.last_progress > 0.0

@@ -98,7 +98,7 @@ class HeadlessNode:
 
     def statuses(self) -> dict[int, StageStatus]:
         return {
-            sid: StageStatus(s.kind, s.ready, _plain(s.info), s.restarts, s.deaths, s.pid)
+            sid: StageStatus(s.kind, s.ready, _plain(s.describe()), s.restarts, s.deaths, s.pid)
             for sid, s in self.stages.items()
         }
 
@@ -273,13 +273,10 @@ def _result_to_wire(result: Result) -> StageResult:
         return StageResult(result.request_id, error=str(exc), metrics=dict(result.metrics))
 
 
-def shutdown_concurrently(stages: list[Any]) -> None:
+def shutdown_concurrently(stages: list[StageClient]) -> None:
     """Stop every stage at once: each StageClient.shutdown may wait seconds for its process,
     and a node going down (SIGTERM) should take the longest one's time, not the sum."""
-    threads = [
-        threading.Thread(target=s.shutdown, name=f"omni-stop-{getattr(s, 'stage_id', i)}")
-        for i, s in enumerate(stages)
-    ]
+    threads = [threading.Thread(target=s.shutdown, name=f"omni-stop-{s.stage_id}") for s in stages]
     for t in threads:
         t.start()
     for t in threads:

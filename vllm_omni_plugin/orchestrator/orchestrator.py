@@ -21,6 +21,7 @@ from typing import Any
 from ..stages.messages import Progress, StageInit, Submit
 from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
+from .handle import StageHandle
 from .stage_client import StageClient
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
@@ -60,7 +61,7 @@ class Orchestrator:
         cfg: Any,
         *,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-        stage_factory: Callable[[StageInit], Any] | None = None,  # multi-node: remote.py
+        stage_factory: Callable[[StageInit], StageHandle] | None = None,  # remote.py, Ray
     ):
         self.cfg = cfg
         self.order = topo_order(list(cfg.topology.stages))
@@ -71,7 +72,7 @@ class Orchestrator:
         self._edge_connector: dict[tuple[int, int], str] = {
             (e.from_stage, e.to_stage): e.connector for e in (getattr(cfg, "edges", None) or [])
         }
-        self.stages: dict[int, StageClient] = {}
+        self.stages: dict[int, StageHandle] = {}
         for spec in self.order:
             init = StageInit(
                 stage=cfg.stage(spec.stage_id),
@@ -145,7 +146,12 @@ class Orchestrator:
         return [sid for sid, s in self.stages.items() if not s.ready]
 
     def final_info(self) -> dict[str, Any]:
-        return self.stages[self.final_ids[0]].info
+        """The final stage's Ready info (empty until it was first ready)."""
+        return self.stages[self.final_ids[0]].describe()
+
+    def final_limits(self) -> dict[str, Any] | None:
+        """The request limits the final stage announced (None until it was first ready)."""
+        return self.stages[self.final_ids[0]].limits()
 
     def _start_apart(self, a: int, b: int) -> bool:
         """Stages on one GPU may start together only if neither measures the device while it
@@ -158,7 +164,7 @@ class Orchestrator:
         return sa.gpu_share is None or sb.gpu_share is None or sa.gpu_share + sb.gpu_share > 1
 
     @staticmethod
-    async def _start_after(stage: Any, before: list[asyncio.Future]) -> None:
+    async def _start_after(stage: StageHandle, before: list[asyncio.Future]) -> None:
         for other in before:
             await asyncio.shield(other)  # raises if that stage failed: this one does not start
         await stage.start()
@@ -194,11 +200,7 @@ class Orchestrator:
                 )
                 if to_stage is not None:
                     producers.append(sid)  # before the await: its reply may come after a cancel
-                stage = self.stages[sid]
-                if on_progress is None:
-                    result = await stage.submit(msg)
-                else:
-                    result = await stage.submit(msg, on_progress=on_progress)
+                result = await self.stages[sid].submit(msg, on_progress=on_progress)
                 absorb_connector_stats(result)  # the stage's connector counters -> /metrics
                 if result.error is not None:
                     raise StageRequestError(sid, result.error, result.error_field)
@@ -220,7 +222,7 @@ class Orchestrator:
         read is released already, so this is a no-op then)."""
         for sid in producers:
             try:
-                self.stages[sid].abort(request_id)
+                self.stages[sid].cancel(request_id)
             except Exception:  # a failure path must not hide the request's own error
                 logger.exception("abort of %s in stage %d failed", request_id, sid)
 
@@ -230,24 +232,31 @@ class Orchestrator:
         reports its engine's own metrics (local AR stages)."""
         out = []
         for sid, s in self.stages.items():
-            families = getattr(s, "engine_metrics", None)
+            families = s.engine_metrics()
             if families:
-                out.append((sid, s.init.stage.name, families))
+                out.append((sid, self.cfg.stage(sid).name, families))
         return out
 
     def stage_stats(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "stage_id": sid,
-                "kind": s.kind,
-                "up": 1.0 if s.ready else 0.0,
-                "restarts": s.restarts,
-                "deaths": s.deaths,
-                "stalls": getattr(s, "stalls", 0),
-                "completed": s.completed,
-                "failed": s.failed,
-                "in_flight": len(s.pending),
-                "busy_seconds": s.busy_s,
-            }
-            for sid, s in self.stages.items()
-        ]
+        out = []
+        for sid, s in self.stages.items():
+            st = s.stats()
+            out.append(
+                {
+                    "stage_id": sid,
+                    "kind": s.kind,
+                    "up": 1.0 if st.up else 0.0,
+                    "restarts": st.restarts,
+                    "deaths": st.deaths,
+                    "stalls": st.stalls,
+                    "completed": st.completed,
+                    "failed": st.failed,
+                    "in_flight": st.in_flight,
+                    "busy_seconds": st.busy_s,
+                }
+            )
+        return out
+
+    def replica_stats(self) -> list[tuple[int, Any]]:
+        """(stage id, ReplicaStats) for every replica of the replicated stages."""
+        return [(sid, r) for sid, s in self.stages.items() for r in s.replica_stats()]

@@ -26,6 +26,8 @@ from typing import Any
 from ..config.resolve import detect_platform
 from ..stages.messages import Result, StageInit, Submit
 from .errors import StageUnavailableError
+from .handle import ReplicaStats, StageState, StageStats, limits_of
+from .pending import PendingRequests, stall_timeout_of
 from .replicas import ReplicaLostError, ReplicaSet
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
@@ -150,7 +152,8 @@ class RayBackend:
 
 
 class RayReplicaClient:
-    """The API server's handle on one replica: StageClient's face, backed by a Ray actor."""
+    """The API server's handle on one replica (a StageHandle), backed by a Ray actor. Its own
+    stall clock stays unused: the actor's StageClient runs the stage's watchdog."""
 
     def __init__(self, backend: RayBackend, init: StageInit, replica: int):
         self.backend = backend
@@ -158,26 +161,58 @@ class RayReplicaClient:
         self.stage_id: int = init.stage.stage_id
         self.kind: str = init.spec.kind
         self.replica = replica
-        self.state = "stopped"  # stopped | ready | restarting | closed
+        self.state = StageState.STOPPED  # STOPPED | READY | DOWN (Ray restarts it) | CLOSED
         self.actor: Any = None
-        self.info: dict[str, Any] = {}
+        self._info: dict[str, Any] = {}
         self.pid: int | None = None  # the actor's process
         self.node_ip: str | None = None
-        self.pending: dict[str, Any] = {}
+        self.pending = PendingRequests(stall_timeout_of(init.stage))
         self.restarts = 0
         self.deaths = 0
-        self.completed = 0
-        self.failed = 0
-        self.busy_s = 0.0
         self._watcher: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.kind}) replica {self.replica}"
 
+    # ---- the StageHandle face (handle.py) ------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state == StageState.READY
+
+    @property
+    def load(self) -> int:
+        return len(self.pending)
+
+    def describe(self) -> dict[str, Any]:
+        return self._info
+
+    def limits(self) -> dict[str, Any] | None:
+        return limits_of(self._info)
+
+    def stats(self) -> StageStats:
+        p = self.pending
+        return StageStats(
+            self.ready,
+            self.restarts,
+            self.deaths,
+            0,
+            p.completed,
+            p.failed,
+            len(p),
+            p.busy_s,
+            self.node_ip or "",
+        )
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        return []
+
+    def engine_metrics(self) -> list:
+        return []
+
+    async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        return None
 
     async def start(self) -> None:
         self.actor = self.backend.create_actor(self.init, self.replica)
@@ -186,10 +221,10 @@ class RayReplicaClient:
 
     async def _started(self) -> None:
         started = await self.actor.start.remote()
-        self.info = started["info"]
+        self._info = started["info"]
         self.pid = started["pid"]
         self.node_ip = started["node_ip"]
-        self.state = "ready"
+        self.state = StageState.READY
         logger.info(
             "%s ready on node %s (actor pid %s, stage pid %s)",
             self.name,
@@ -200,21 +235,21 @@ class RayReplicaClient:
 
     async def _watch(self) -> None:
         """Notice the actor's death (its pending `watch` call fails), then bring it back."""
-        while self.state != "closed":
+        while self.state != StageState.CLOSED:
             try:
                 await self.actor.watch.remote()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if self.state == "closed":
+                if self.state == StageState.CLOSED:
                     return
                 self._on_death(exc)
                 await self._recover()
 
     def _on_death(self, exc: BaseException) -> None:
-        if self.state != "ready":
+        if self.state != StageState.READY:
             return
-        self.state = "restarting"
+        self.state = StageState.DOWN
         self.deaths += 1
         logger.error(
             "%s on node %s died (%s); %d request(s) in flight on it; Ray restarts it",
@@ -231,7 +266,7 @@ class RayReplicaClient:
         from ray.exceptions import ActorUnavailableError
 
         backoff = FIRST_BACKOFF_S
-        while self.state == "restarting":
+        while self.state == StageState.DOWN:
             try:
                 await self._started()
                 self.restarts += 1
@@ -241,7 +276,7 @@ class RayReplicaClient:
             except ActorUnavailableError:
                 await asyncio.sleep(RESTARTING_POLL_S)
             except Exception as exc:
-                if self.state == "closed":
+                if self.state == StageState.CLOSED:
                     return
                 logger.error("%s: restart failed (%s); retrying in %g s", self.name, exc, backoff)
                 await asyncio.sleep(backoff)
@@ -249,7 +284,7 @@ class RayReplicaClient:
 
     def shutdown(self) -> None:
         """Stop the replica for good (blocking, any thread)."""
-        self.state = "closed"
+        self.state = StageState.CLOSED
         if self.actor is None:
             return
         import ray
@@ -271,36 +306,41 @@ class RayReplicaClient:
 
     # ---- requests ----------------------------------------------------------------------
     async def submit(self, msg: Submit, on_progress: Any = None) -> Result:
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
+        """Progress is not relayed from Ray replicas (`on_progress` is never called)."""
         if not self.ready:
             raise StageUnavailableError(f"{self.name} is {self.state}")
-        ref = self.actor.submit.remote(msg)
-        self.pending[msg.request_id] = ref  # before any await: routing counts it at once
+        actor = self.actor
+        rid = msg.request_id
+
+        def send() -> None:
+            call = asyncio.ensure_future(self._call(rid, actor.submit.remote(msg)))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+        return await self.pending.run(rid, send, self.cancel, f"{self.name} is unreachable")
+
+    async def _call(self, request_id: str, ref: Any) -> None:
+        """Await the actor's answer and hand it to the pending request (or fail it)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
         try:
             result = await ref
-        except asyncio.CancelledError:
-            self.abort(msg.request_id)
-            raise
         except (RayActorError, ActorUnavailableError) as exc:
-            self.failed += 1
-            raise ReplicaLostError(
-                f"{self.name} on {self.node_ip} died: {type(exc).__name__}"
-            ) from None
+            why = f"{self.name} on {self.node_ip} died: {type(exc).__name__}"
+            self.pending.fail(request_id, ReplicaLostError(why))
+            return
         except StageUnavailableError as exc:  # its stage process died: the actor follows it
-            self.failed += 1
-            why = getattr(exc, "cause", None) or exc  # Ray's wrapper adds the remote traceback
-            raise ReplicaLostError(f"{self.name} on {self.node_ip}: {why}") from None
-        finally:
-            self.pending.pop(msg.request_id, None)
-        self.busy_s += result.stage_s
-        if result.error is None:
-            self.completed += 1
-        else:
-            self.failed += 1
+            cause = getattr(exc, "cause", None) or exc  # Ray's wrapper adds the remote traceback
+            self.pending.fail(
+                request_id, ReplicaLostError(f"{self.name} on {self.node_ip}: {cause}")
+            )
+            return
+        except Exception as exc:  # anything else the call raised: this request fails (500)
+            self.pending.fail(request_id, exc)
+            return
         result.metrics["replica"] = self.replica
-        return result
+        self.pending.resolve(result)
 
-    def abort(self, request_id: str) -> None:
-        if self.actor is not None and self.state == "ready":
+    def cancel(self, request_id: str) -> None:
+        if self.actor is not None and self.state == StageState.READY:
             self.actor.abort.remote(request_id)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..stages.messages import Result, StageInit, Submit
 from .errors import StageUnavailableError
+from .handle import StageState
 from .stage_client import StageClient
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
@@ -57,7 +58,7 @@ class StageReplicaActor:
                 self.client = client
                 asyncio.ensure_future(self._exit_when_stage_dies(client))
         return {
-            "info": self.client.info,
+            "info": self.client.describe(),
             "pid": os.getpid(),
             "stage_pid": self.client.pid,
             "node_ip": ray.util.get_node_ip_address(),
@@ -70,7 +71,7 @@ class StageReplicaActor:
 
     def abort(self, request_id: str) -> None:
         if self.client is not None:
-            self.client.abort(request_id)
+            self.client.cancel(request_id)
 
     async def watch(self) -> None:
         """Never returns: the driver's pending call fails the moment this actor dies."""
@@ -82,9 +83,9 @@ class StageReplicaActor:
             await asyncio.to_thread(client.shutdown)
 
     async def _exit_when_stage_dies(self, client: StageClient) -> None:
-        while client.state != "closed":
+        while client.state != StageState.CLOSED:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if client.state == "dead":
+            if client.state == StageState.DEAD:
                 # Its in-flight requests were failed (503) already; Ray restarts the pair.
                 logger.error(
                     "stage %d replica %d: its stage process died; exiting so Ray restarts it",

@@ -1,7 +1,6 @@
-"""RemoteStageClient: a stage that runs on a headless node, behind StageClient's interface.
+"""RemoteStageClient: a stage that runs on a headless node, as a StageHandle (handle.py).
 
-The orchestrator sees the same face as a local stage (submit/abort/ready/info and the counters
-/metrics reads); the head's registry (remote.py) attaches the link of whichever node
+The orchestrator sees the same face as a local stage; the head's registry (remote.py) attaches the link of whichever node
 registered the stage. With no live node the stage is not ready and `submit` raises
 StageUnavailableError at once (HTTP 503); losing the node fails its in-flight requests at once.
 
@@ -14,15 +13,14 @@ to the node's own watchdog, which sees the stage directly and restarts it there.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..stages.messages import Progress, Result, StageInit, Submit
 from .errors import StageUnavailableError
+from .handle import ReplicaStats, StageState, StageStats, limits_of
 from .link import Link
 from .node_protocol import (
     StageAbort,
@@ -34,7 +32,7 @@ from .node_protocol import (
     result_from_wire,
     submit_to_wire,
 )
-from .stage_client import DEFAULT_STALL_TIMEOUT_S, send_and_await
+from .pending import PendingRequests, stall_timeout_of
 
 if TYPE_CHECKING:
     from .remote import StageHead
@@ -47,7 +45,7 @@ STALL_GRACE_S = 3.0
 
 
 class RemoteStageClient:
-    """A stage that runs on a headless node; mirrors StageClient's interface."""
+    """A stage that runs on a headless node (a StageHandle)."""
 
     def __init__(self, init: StageInit, head: StageHead):
         self.init = init
@@ -57,26 +55,47 @@ class RemoteStageClient:
         self.link: Link | None = None
         self.status: StageStatus | None = None
         self.closed = False
-        self.pending: dict[str, asyncio.Future[Result]] = {}
-        # Streaming requests: request id -> callback for the stage's relayed Progress.
-        self.listeners: dict[str, Callable[[Progress], None]] = {}
-        runtime = getattr(init.stage, "runtime", None)
-        self.stall_timeout_s = float(
-            getattr(runtime, "stall_timeout_s", None) or DEFAULT_STALL_TIMEOUT_S
-        )
-        self.last_progress = time.monotonic()
+        # Requests in flight, their progress listeners, the stall clock and the counters.
+        self.pending = PendingRequests(stall_timeout_of(init.stage))
         self.stalls = 0  # links dropped because the stage stopped producing
         self.registrations = 0
         self.restarts = 0  # re-registrations after the first
         self.deaths = 0  # nodes lost (EOF or missed heartbeats)
-        self.completed = 0
-        self.failed = 0
-        self.busy_s = 0.0
         self._info: dict[str, Any] = {}
 
-    @property
-    def info(self) -> dict[str, Any]:
+    # ---- the StageHandle face (handle.py) ------------------------------------------------
+    def describe(self) -> dict[str, Any]:
         return self._info  # kept after the node goes away: the limits do not change
+
+    def limits(self) -> dict[str, Any] | None:
+        return limits_of(self._info)
+
+    @property
+    def load(self) -> int:
+        return len(self.pending)
+
+    def stats(self) -> StageStats:
+        p = self.pending
+        return StageStats(
+            self.ready,
+            self.restarts,
+            self.deaths,
+            self.stalls,
+            p.completed,
+            p.failed,
+            len(p),
+            p.busy_s,
+            self.link.peer if self.link is not None else "",
+        )
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        return []
+
+    def engine_metrics(self) -> list:
+        return []  # a node does not relay its AR engines' metrics
+
+    async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        return None  # the node protocol has no inspection
 
     @property
     def ready(self) -> bool:
@@ -93,12 +112,12 @@ class RemoteStageClient:
         return self.status.pid if self.status else None
 
     @property
-    def state(self) -> str:
+    def state(self) -> StageState:
         if self.closed:
-            return "closed"
+            return StageState.CLOSED
         if self.link is None:
-            return "waiting for a node"
-        return "ready" if self.ready else "down on its node"
+            return StageState.WAITING  # for a node
+        return StageState.READY if self.ready else StageState.DOWN  # on its node
 
     async def start(self) -> None:
         """Nothing to spawn: the head's listener attaches a node when one registers."""
@@ -111,7 +130,7 @@ class RemoteStageClient:
 
     def shutdown(self) -> None:
         self.closed = True
-        self.head.call_in_loop(self._fail_all, "the server is shutting down")
+        self.head.call_in_loop(self.pending.fail_all, "the server is shutting down")
 
     # ---- requests ----------------------------------------------------------------------
     async def submit(
@@ -126,17 +145,15 @@ class RemoteStageClient:
         # Converted before send_and_await registers the request: a value that cannot cross
         # the link (an inline payload of an unsupported type) fails here, leaving nothing behind.
         wire = ToStage(self.stage_id, submit_to_wire(msg))
-        if not self.pending:  # the stage was idle: its silence so far was no stall
-            self.last_progress = time.monotonic()
-        return await send_and_await(
-            self,
-            msg,
-            lambda _m: link.send(wire),  # queues for the link's writer thread: never blocks
+        return await self.pending.run(
+            msg.request_id,
+            lambda: link.send(wire),  # queues for the link's writer thread: never blocks
+            self.cancel,
             f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable",
             on_progress,
         )
 
-    def abort(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> None:
         if self.link is not None:
             with contextlib.suppress(OSError):
                 self.link.send(ToStage(self.stage_id, StageAbort(request_id)))
@@ -178,19 +195,15 @@ class RemoteStageClient:
             why,
             n,
         )
-        self._fail_all(f"stage {self.stage_id} ({self.kind}): node {link.peer} lost ({why})")
+        self.pending.fail_all(f"stage {self.stage_id} ({self.kind}): node {link.peer} lost ({why})")
 
     def owns(self, request_id: str) -> bool:
         return request_id in self.pending
 
     def on_pulse(self) -> None:
-        self.last_progress = time.monotonic()
+        self.pending.touch()
 
     def on_progress(self, msg: StageProgress) -> None:
-        self.last_progress = time.monotonic()
-        listener = self.listeners.get(msg.request_id)
-        if listener is None:
-            return
         progress = Progress(
             msg.request_id,
             msg.stage_id,
@@ -200,32 +213,26 @@ class RemoteStageClient:
             msg.preview,
             msg.preview_index,
         )
-        try:
-            listener(progress)
-        except Exception:  # a consumer's bug must not take the link's reader down
-            logger.exception("progress listener of %s failed", msg.request_id)
+        self.pending.progress(progress)
 
     def check_stall(self, now: float) -> None:
         """Drop the node's link when this stage holds requests but relayed no progress for
         stall_timeout_s + STALL_GRACE_S (see the module doc)."""
         link = self.link
-        silent = now - self.last_progress
-        if link is None or not self.pending or silent <= self.stall_timeout_s + STALL_GRACE_S:
+        if link is None or not self.pending.stalled(now, grace_s=STALL_GRACE_S):
             return
         self.stalls += 1
         why = (
-            f"stage {self.stage_id} ({self.kind}) made no progress for {silent:.0f} s "
-            f"(stall_timeout_s {self.stall_timeout_s:g})"
+            f"stage {self.stage_id} ({self.kind}) made no progress for "
+            f"{self.pending.silent_s(now):.0f} s "
+            f"(stall_timeout_s {self.pending.stall_timeout_s:g})"
         )
         logger.error("%s on node %s; dropping the node", why, link.peer)
         self.detach(link, why)
         link.drop(why)
 
     def on_result(self, msg: Result) -> None:
-        self.last_progress = time.monotonic()
-        fut = self.pending.pop(msg.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        self.pending.resolve(msg)
 
     def on_wire_result(self, msg: StageResult) -> None:
         try:
@@ -235,14 +242,4 @@ class RemoteStageClient:
         self.on_result(result)
 
     def on_unavailable(self, msg: Unavailable) -> None:
-        fut = self.pending.pop(msg.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(StageUnavailableError(msg.message))
-            self.failed += 1
-
-    def _fail_all(self, why: str) -> None:
-        pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(StageUnavailableError(why))
-        self.failed += len(pending)
+        self.pending.fail(msg.request_id, StageUnavailableError(msg.message))

@@ -1,7 +1,7 @@
 """Several replicas of one stage behind one stage client's face: least outstanding requests.
 
-The orchestrator holds one client per stage and calls `submit`/`abort` on it; a ReplicaSet is
-such a client whose replicas are themselves stage clients (today Ray actors, ray_backend.py).
+The orchestrator holds one StageHandle (handle.py) per stage; a ReplicaSet is such a handle
+whose replicas are themselves stage handles (today Ray actors, ray_backend.py).
 
 * Routing: each request goes to the ready replica with the fewest requests in flight; ties go
   round-robin, so an idle pipeline still spreads its requests.
@@ -27,6 +27,7 @@ from typing import Any
 
 from ..stages.messages import Progress, Result, Submit
 from .errors import StageUnavailableError
+from .handle import ReplicaStats, StageHandle, StageState, StageStats
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -40,61 +41,71 @@ class ReplicaLostError(StageUnavailableError):
 
 
 class ReplicaSet:
-    def __init__(self, stage_id: int, kind: str, replicas: list[Any], retry_lost: bool):
+    def __init__(self, stage_id: int, kind: str, replicas: list[StageHandle], retry_lost: bool):
         self.stage_id = stage_id
         self.kind = kind
         self.replicas = replicas
         self.retry_lost = retry_lost  # see the module docstring: entry stages only
         self.retried = 0
-        self._routes: OrderedDict[str, Any] = OrderedDict()
+        self._routes: OrderedDict[str, StageHandle] = OrderedDict()
         self._turn = itertools.count()
 
-    # ---- the stage client's face -------------------------------------------------------
+    # ---- the StageHandle face (handle.py) ------------------------------------------------
     @property
     def ready(self) -> bool:
         return any(r.ready for r in self.replicas)
 
     @property
-    def state(self) -> str:
+    def state(self) -> StageState:
+        """READY while any replica is; else the first replica's state."""
+        if self.ready:
+            return StageState.READY
+        return self.replicas[0].state if self.replicas else StageState.STOPPED
+
+    def describe_state(self) -> str:
         up = sum(r.ready for r in self.replicas)
         return f"{up} of {len(self.replicas)} replicas ready"
 
-    @property
-    def info(self) -> dict[str, Any]:
-        return next((r.info for r in self.replicas if r.info), {})
+    def describe(self) -> dict[str, Any]:
+        return next((r.describe() for r in self.replicas if r.describe()), {})
+
+    def limits(self) -> dict[str, Any] | None:
+        return next((lim for r in self.replicas if (lim := r.limits()) is not None), None)
 
     @property
     def pid(self) -> int | None:
         return None  # one per replica: replica_stats()
 
     @property
-    def pending(self) -> dict[str, Any]:
-        return {rid: f for r in self.replicas for rid, f in r.pending.items()}
+    def load(self) -> int:
+        return sum(r.load for r in self.replicas)
 
-    # Counters /metrics reads: the sums of the replicas' own.
-    restarts = property(lambda self: self._sum("restarts"))
-    deaths = property(lambda self: self._sum("deaths"))
-    stalls = property(lambda self: self._sum("stalls"))
-    completed = property(lambda self: self._sum("completed"))
-    failed = property(lambda self: self._sum("failed"))
-    busy_s = property(lambda self: self._sum("busy_s"))
+    def stats(self) -> StageStats:
+        """The sums of the replicas' own counters."""
+        each = [r.stats() for r in self.replicas]
+        return StageStats(
+            self.ready,
+            sum(s.restarts for s in each),
+            sum(s.deaths for s in each),
+            sum(s.stalls for s in each),
+            sum(s.completed for s in each),
+            sum(s.failed for s in each),
+            sum(s.in_flight for s in each),
+            sum(s.busy_s for s in each),
+        )
 
-    def _sum(self, counter: str) -> Any:
-        return sum(getattr(r, counter, 0) for r in self.replicas)
+    def replica_stats(self) -> list[ReplicaStats]:
+        out = []
+        for i, r in enumerate(self.replicas):
+            s = r.stats()
+            out.append(ReplicaStats(i, s.node, r.pid, s.up, s.restarts, s.completed, s.in_flight))
+        return out
 
-    def replica_stats(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "replica": i,
-                "node": getattr(r, "node_ip", None) or "",
-                "pid": r.pid,
-                "up": 1.0 if r.ready else 0.0,
-                "restarts": r.restarts,
-                "completed": r.completed,
-                "in_flight": len(r.pending),
-            }
-            for i, r in enumerate(self.replicas)
-        ]
+    def engine_metrics(self) -> list:
+        return []
+
+    async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        return None  # several processes: no one answer
 
     async def start(self) -> None:
         results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
@@ -123,13 +134,11 @@ class ReplicaSet:
             if replica is None:
                 raise StageUnavailableError(
                     f"stage {self.stage_id} ({self.kind}): none of its "
-                    f"{len(self.replicas)} replicas is ready ({self.state})"
+                    f"{len(self.replicas)} replicas is ready ({self.describe_state()})"
                 )
             tried.append(replica)
             self._remember(msg.request_id, replica)
             try:
-                if on_progress is None:
-                    return await replica.submit(msg)
                 return await replica.submit(msg, on_progress=on_progress)
             except ReplicaLostError as exc:
                 if not self.retry_lost or len(tried) > 1 or self._pick(exclude=tried) is None:
@@ -137,21 +146,21 @@ class ReplicaSet:
                 self.retried += 1
                 logger.warning("%s; retrying %s on another replica", exc, msg.request_id)
 
-    def abort(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> None:
         replica = self._routes.get(request_id)
         if replica is not None:
-            replica.abort(request_id)
+            replica.cancel(request_id)
 
-    def _pick(self, exclude: list[Any]) -> Any | None:
+    def _pick(self, exclude: list[StageHandle]) -> StageHandle | None:
         """The ready replica with the fewest requests in flight (ties: round-robin)."""
         ready = [r for r in self.replicas if r.ready and r not in exclude]
         if not ready:
             return None
         start = next(self._turn) % len(ready)
         rotated = ready[start:] + ready[:start]
-        return min(rotated, key=lambda r: len(r.pending))
+        return min(rotated, key=lambda r: r.load)
 
-    def _remember(self, request_id: str, replica: Any) -> None:
+    def _remember(self, request_id: str, replica: StageHandle) -> None:
         self._routes[request_id] = replica
         self._routes.move_to_end(request_id)
         while len(self._routes) > ROUTES_KEPT:

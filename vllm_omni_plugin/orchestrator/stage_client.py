@@ -40,6 +40,8 @@ from ..stages.messages import (
 )
 from .connector_stats import absorb_relayed
 from .errors import StageUnavailableError
+from .handle import ReplicaStats, StageState, StageStats, limits_of
+from .pending import PendingRequests, stall_timeout_of
 from .stage_process import StageProcess
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
@@ -50,49 +52,6 @@ MAX_BACKOFF_S = 30.0
 # A transient failure (a spawn hitting a resource limit, a flaky device) should not stop the
 # server from coming up; a real misconfiguration still fails start-up after a few seconds.
 STARTUP_ATTEMPTS = 3
-# When the stage's config does not say (a stub StageInit in a unit test): RuntimeOwner's default.
-DEFAULT_STALL_TIMEOUT_S = 300.0
-
-
-async def send_and_await(
-    client: Any,
-    msg: Submit,
-    send: Callable[[Any], None],
-    unreachable: str,
-    on_progress: Callable[[Progress], None] | None = None,
-) -> Result:
-    """Send `msg` with `send`, wait for its Result and count it on `client` (a local or remote
-    stage client: `pending`, `abort`, `busy_s`, `completed`, `failed`). `on_progress` gets the
-    stage's Progress messages for this request until its Result (clients that relay them keep
-    a `listeners` dict; others never call it)."""
-    fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-    client.pending[msg.request_id] = fut
-    listeners = getattr(client, "listeners", None)
-    if on_progress is not None and listeners is not None:
-        listeners[msg.request_id] = on_progress
-    try:
-        send(msg)
-    except OSError:
-        client.pending.pop(msg.request_id, None)
-        if listeners is not None:
-            listeners.pop(msg.request_id, None)
-        raise StageUnavailableError(unreachable) from None
-    try:
-        result = await fut
-    except asyncio.CancelledError:
-        # The client went away: drop the request's work in this stage too.
-        client.pending.pop(msg.request_id, None)
-        client.abort(msg.request_id)
-        raise
-    finally:
-        if listeners is not None:
-            listeners.pop(msg.request_id, None)
-    client.busy_s += result.stage_s
-    if result.error is None:
-        client.completed += 1
-    else:
-        client.failed += 1
-    return result
 
 
 class StageClient:
@@ -102,48 +61,68 @@ class StageClient:
         self.kind: str = init.spec.kind
         self.startup_timeout_s = startup_timeout_s
         self.restart_enabled = restart
-        # stopped | starting | ready | dying (death being handled) | dead (to restart) | closed
-        self.state = "stopped"
+        self.state = StageState.STOPPED
         self.proc: StageProcess | None = None
-        self.pending: dict[str, asyncio.Future[Result]] = {}
-        # Streaming requests: request id -> callback for the stage's Progress messages.
-        self.listeners: dict[str, Callable[[Progress], None]] = {}
+        # Requests in flight, their progress listeners, the stall clock and the counters.
+        self.pending = PendingRequests(stall_timeout_of(init.stage))
         # Live inspections awaiting the stage's answer: token -> future (see `inspect`).
         self.inspections: dict[int, asyncio.Future[Inspection]] = {}
         self._inspect_token = 0
         self.restarts = 0
         self.start_failures = 0
         self.deaths = 0
-        self.completed = 0
-        self.failed = 0
-        self.busy_s = 0.0
-        # Stall watchdog: the deadline, the last time the stage showed progress (or took its
-        # first request after idling), stages killed for stalling, and a hook for every Pulse
-        # (a headless node relays them to its head).
-        runtime = getattr(init.stage, "runtime", None)
-        self.stall_timeout_s = float(
-            getattr(runtime, "stall_timeout_s", None) or DEFAULT_STALL_TIMEOUT_S
-        )
-        self.last_progress = time.monotonic()
+        # Stages killed for stalling, and a hook for every Pulse (a headless node relays them
+        # to its head).
         self.stalls = 0
         self.on_pulse: Callable[[Pulse], None] | None = None
         # An AR stage's latest vLLM metrics (EngineMetrics.families), for /metrics.
-        self.engine_metrics: list = []
+        self._engine_metrics: list = []
+        self._info: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: asyncio.Task | None = None
 
-    @property
-    def info(self) -> dict[str, Any]:
-        return self.proc.info if self.proc else {}
-
+    # ---- the StageHandle face (handle.py) ------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state == StageState.READY
+
+    @property
+    def load(self) -> int:
+        return len(self.pending)
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return self.pending.stall_timeout_s
+
+    def describe(self) -> dict[str, Any]:
+        return self._info  # the last Ready info: kept while the stage restarts
+
+    def limits(self) -> dict[str, Any] | None:
+        return limits_of(self._info)
+
+    def stats(self) -> StageStats:
+        p = self.pending
+        return StageStats(
+            self.ready,
+            self.restarts,
+            self.deaths,
+            self.stalls,
+            p.completed,
+            p.failed,
+            len(p),
+            p.busy_s,
+        )
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        return []
+
+    def engine_metrics(self) -> list:
+        return self._engine_metrics
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -156,15 +135,15 @@ class StageClient:
         backoff; after `attempts` failures (None: never) the last one is raised."""
         backoff = FIRST_BACKOFF_S
         attempt = 0
-        while self.state != "closed":
+        while self.state != StageState.CLOSED:
             attempt += 1
             try:
                 await self._spawn()
                 return
             except Exception as exc:
-                if self.state == "closed":
+                if self.state == StageState.CLOSED:
                     return
-                self.state = "dead"
+                self.state = StageState.DEAD
                 self.start_failures += 1
                 give_up = attempts is not None and attempt >= attempts
                 logger.error(
@@ -182,17 +161,18 @@ class StageClient:
 
     async def _spawn(self) -> None:
         assert self._loop is not None
-        self.state = "starting"
+        self.state = StageState.STARTING
         proc = StageProcess(self.init, self._on_message, self._on_exit)
         self.proc = proc
         t0 = time.monotonic()
         # StageProcess.start kills what it started before raising.
         await self._loop.run_in_executor(None, proc.start, self.startup_timeout_s)
-        if self.state == "closed":  # shut down while we were starting
+        if self.state == StageState.CLOSED:  # shut down while we were starting
             await self._loop.run_in_executor(None, proc.kill)
             return
         proc.start_reading(self._loop)  # replies wake this loop directly: no reader thread
-        self.state = "ready"
+        self._info = proc.info
+        self.state = StageState.READY
         logger.info(
             "stage %d (%s) ready in %.1f s (pid %s)",
             self.stage_id,
@@ -221,21 +201,16 @@ class StageClient:
     async def _supervise(self) -> None:
         """Backup death detection (exit codes) for when the socket gives no EOF, the stall
         watchdog, and a restart for a stage left dead (e.g. its restart task failed)."""
-        while self.state != "closed":
+        while self.state != StageState.CLOSED:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
             try:
                 proc = self.proc
-                silent = time.monotonic() - self.last_progress
-                if self.state == "ready" and proc is not None and proc.returncode() is not None:
+                ready = self.state == StageState.READY and proc is not None
+                if ready and proc.returncode() is not None:
                     await self._on_death(proc)
-                elif (
-                    self.state == "ready"
-                    and proc is not None
-                    and self.pending
-                    and silent > self.stall_timeout_s
-                ):
-                    await self._on_stall(proc, silent)
-                elif self.state == "dead":
+                elif ready and self.pending.stalled():
+                    await self._on_stall(proc, self.pending.silent_s())
+                elif self.state == StageState.DEAD:
                     self._ensure_restart()
             except Exception:  # the supervisor must outlive any one bad round
                 logger.exception("stage %d (%s): supervisor error", self.stage_id, self.kind)
@@ -243,7 +218,7 @@ class StageClient:
     def shutdown(self) -> None:
         """Stop the stage (blocking, any thread). In-flight requests fail with
         StageUnavailableError at once, not after the process took its time to exit."""
-        self.state = "closed"
+        self.state = StageState.CLOSED
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -254,7 +229,7 @@ class StageClient:
             self.proc.shutdown()
 
     def _on_close(self) -> None:
-        self._fail_all("the server is shutting down")
+        self.pending.fail_all("the server is shutting down")
         for task in list(self._tasks):
             task.cancel()
 
@@ -262,19 +237,22 @@ class StageClient:
     async def submit(
         self, msg: Submit, on_progress: Callable[[Progress], None] | None = None
     ) -> Result:
-        if self.state != "ready" or self.proc is None:
+        proc = self.proc
+        if self.state != StageState.READY or proc is None:
             raise StageUnavailableError(f"stage {self.stage_id} ({self.kind}) is {self.state}")
-        if not self.pending:  # the stage was idle: its silence so far was no stall
-            self.last_progress = time.monotonic()
-        return await send_and_await(
-            self, msg, self.proc.send, f"stage {self.stage_id} ({self.kind}) is down", on_progress
+        return await self.pending.run(
+            msg.request_id,
+            lambda: proc.send(msg),
+            self.cancel,
+            f"stage {self.stage_id} ({self.kind}) is down",
+            on_progress,
         )
 
     async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
         """The stage's own view of what it holds now (Inspection, as plain data), answered by
         the loop that drives its engine; None while it is not ready or if it does not answer
         within `timeout_s` (a step longer than that, or a stuck stage)."""
-        if self.state != "ready" or self.proc is None:
+        if self.state != StageState.READY or self.proc is None:
             return None
         self._inspect_token += 1
         token = self._inspect_token
@@ -289,8 +267,8 @@ class StageClient:
             self.inspections.pop(token, None)
         return dataclasses.asdict(found)
 
-    def abort(self, request_id: str) -> None:
-        if self.proc is not None and self.state == "ready":
+    def cancel(self, request_id: str) -> None:
+        if self.proc is not None and self.state == StageState.READY:
             try:
                 self.proc.send(Abort(request_id))
             except OSError:
@@ -301,7 +279,7 @@ class StageClient:
         # Metrics (a timer) and inspections (answered by the stage's control loop, even while its
         # engine is stuck) are no sign of progress; everything else the stage sends is.
         if isinstance(msg, EngineMetrics):
-            self.engine_metrics = msg.families
+            self._engine_metrics = msg.families
             absorb_relayed(msg.connector_stats)
             return
         if isinstance(msg, Inspection):
@@ -309,30 +287,25 @@ class StageClient:
             if waiting is not None and not waiting.done():
                 waiting.set_result(msg)
             return
-        self.last_progress = time.monotonic()
+        self.pending.touch()
         if isinstance(msg, Pulse):
             if self.on_pulse is not None:
                 self.on_pulse(msg)
         elif isinstance(msg, Result):
-            fut = self.pending.pop(msg.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self.pending.resolve(msg)
         elif isinstance(msg, Progress):
-            listener = self.listeners.get(msg.request_id)
-            if listener is not None:
-                try:
-                    listener(msg)
-                except Exception:  # a consumer's bug must not take the stage's reader down
-                    logger.exception("progress listener of %s failed", msg.request_id)
+            self.pending.progress(msg)
 
     def _on_exit(self, proc: StageProcess) -> None:
         self._spawn_task(self._on_death(proc))
 
     async def _on_death(self, proc: StageProcess) -> None:
         # Only the current process counts: a late EOF from a replaced one is ignored.
-        if self.state != "ready" or proc is not self.proc:
+        if self.state != StageState.READY or proc is not self.proc:
             return
-        self.state = "dying"  # not "dead" yet: no restart before the old process group is gone
+        self.state = (
+            StageState.DYING
+        )  # not DEAD yet: no restart before the old process group is gone
         self.deaths += 1
         assert self._loop is not None
         try:
@@ -341,7 +314,7 @@ class StageClient:
             if code is None:
                 # Its control socket can close well before a busy host lets the interpreter
                 # finish: fail the requests now, and give the exit code (for the log) longer.
-                self._fail_all(f"stage {self.stage_id} ({self.kind}) died")
+                self.pending.fail_all(f"stage {self.stage_id} ({self.kind}) died")
                 code = await self._loop.run_in_executor(None, _wait_code, proc, EXIT_WAIT_S)
             logger.error(
                 "stage %d (%s) died with exit code %s; failing %d in-flight request(s)%s",
@@ -351,20 +324,20 @@ class StageClient:
                 in_flight,
                 ", restarting" if self.restart_enabled else "",
             )
-            self._fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
+            self.pending.fail_all(f"stage {self.stage_id} ({self.kind}) died (exit code {code})")
             await self._loop.run_in_executor(None, proc.kill)
         finally:  # whatever failed above, the stage must not stay "dying" for good
-            if self.state == "dying":
-                self.state = "dead"
+            if self.state == StageState.DYING:
+                self.state = StageState.DEAD
             self._ensure_restart()
 
     async def _on_stall(self, proc: StageProcess, silent: float) -> None:
         """The stage holds requests but reported no progress for `silent` s: fail them, kill
         it (SIGKILL at once: a stopped or deadlocked process acts on nothing gentler) and let
         the restart path bring up a fresh one. /health is unhealthy until it is ready."""
-        if self.state != "ready" or proc is not self.proc:
+        if self.state != StageState.READY or proc is not self.proc:
             return
-        self.state = "dying"
+        self.state = StageState.DYING
         self.stalls += 1
         assert self._loop is not None
         try:
@@ -379,34 +352,27 @@ class StageClient:
                 self.stall_timeout_s,
                 " and restarting" if self.restart_enabled else "",
             )
-            self._fail_all(
+            self.pending.fail_all(
                 f"stage {self.stage_id} ({self.kind}) made no progress for {silent:.0f} s "
                 f"(stall_timeout_s {self.stall_timeout_s:g}); it is being restarted"
             )
             await self._loop.run_in_executor(None, proc.kill_now)
         finally:
-            if self.state == "dying":
-                self.state = "dead"
+            if self.state == StageState.DYING:
+                self.state = StageState.DEAD
             self._ensure_restart()
 
     def _ensure_restart(self) -> None:
         """Start the restart task unless one is running (one restart loop per stage)."""
-        if not self.restart_enabled or self.state in ("closed", "ready"):
+        if not self.restart_enabled or self.state in (StageState.CLOSED, StageState.READY):
             return
         if self._restarting is None or self._restarting.done():
             self._restarting = self._spawn_task(self._restart())
 
     async def _restart(self) -> None:
         await self._start_until_ready(attempts=None)
-        if self.state == "ready":
+        if self.state == StageState.READY:
             self.restarts += 1
-
-    def _fail_all(self, why: str) -> None:
-        pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(StageUnavailableError(why))
-        self.failed += len(pending)
 
 
 # How long a dead stage's process gets to finish exiting: first with its requests still

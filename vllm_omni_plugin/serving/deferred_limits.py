@@ -27,7 +27,7 @@ class DeferredLimits:
         if name.startswith("_"):
             raise AttributeError(name)
         if self._limits is None:
-            if not self._orchestrator.final_info():
+            if self._orchestrator.final_limits() is None:
                 raise unavailable(
                     f"stage(s) {self._orchestrator.unhealthy_stages()} have no live node yet; "
                     "retry once the node has registered"
@@ -37,6 +37,6 @@ class DeferredLimits:
 
 
 def limits_or_deferred(orchestrator: Any, serving: Any) -> ImageLimits | DeferredLimits:
-    if orchestrator.final_info():
+    if orchestrator.final_limits() is not None:
         return limits_from(orchestrator, serving)
     return DeferredLimits(orchestrator, serving)

@@ -77,7 +77,7 @@ class OmniEngineClient:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for stage in self.orchestrator.stages.values():
             for rid in ids:
-                stage.abort(rid)
+                stage.cancel(rid)
 
     def shutdown(self, timeout: float | None = None) -> None:
         # vLLM calls this from an executor thread (launcher.serve_http), so blocking is fine;

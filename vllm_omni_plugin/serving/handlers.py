@@ -36,7 +36,7 @@ class ClientDisconnected(Exception):
 
 def limits_from(orchestrator: Orchestrator, serving: Any) -> ImageLimits:
     """Bounds the final stage announced in its Ready info (what its engine enforces) + `serving:`."""
-    return ImageLimits.build(RequestLimits.from_dict(orchestrator.final_info()["limits"]), serving)
+    return ImageLimits.build(RequestLimits.from_dict(orchestrator.final_limits()), serving)
 
 
 class ImageService:

@@ -59,12 +59,7 @@ class OmniCollector:
 
     def _replica_families(self):
         """Per replica of the stages that have several (Ray backend: orchestrator/replicas.py)."""
-        rows = [
-            (sid, r)
-            for sid, stage in self.orchestrator.stages.items()
-            if hasattr(stage, "replica_stats")
-            for r in stage.replica_stats()
-        ]
+        rows = self.orchestrator.replica_stats()
         if not rows:
             return
         labels = ["pipeline", "stage_id", "replica", "node"]
@@ -74,7 +69,7 @@ class OmniCollector:
             )
             for sid, r in rows:
                 family.add_metric(
-                    [self.pipeline, str(sid), str(r["replica"]), r["node"]], float(r[key])
+                    [self.pipeline, str(sid), str(r.replica), r.node], float(getattr(r, key))
                 )
             yield family
 

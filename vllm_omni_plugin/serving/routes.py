@@ -132,15 +132,14 @@ async def describe_stages(request: Request) -> Response:
             "stage_id": sid,
             "kind": stage.kind,
             "ready": stage.ready,
-            "pid": getattr(stage, "pid", None),
-            "info": stage.info,
+            "pid": stage.pid,
+            "info": stage.describe(),
         }
         for sid, stage in orchestrator.stages.items()
     ]
     if request.query_params.get("live") == "1":
         for entry, stage in zip(stages, orchestrator.stages.values(), strict=True):
-            inspect = getattr(stage, "inspect", None)
-            entry["live"] = await inspect() if inspect is not None else None
+            entry["live"] = await stage.inspect()
     return JSONResponse({"pipeline": orchestrator.cfg.pipeline, "stages": stages})
 
 

@@ -1,0 +1,137 @@
+"""What the orchestrator (and the routes, /metrics, a headless node) may call on a stage.
+
+Every stage, wherever it runs, is one `StageHandle`: a local process (`StageClient`), a stage
+on a headless node (`RemoteStageClient`), several replicas behind one face (`ReplicaSet`), or
+one Ray actor replica (`RayReplicaClient`). Callers use only this protocol, never probe a
+client for optional attributes: what a kind of handle cannot do has a defined answer here
+(`inspect` returns None, `engine_metrics` an empty list, `replica_stats` an empty list).
+
+The bookkeeping of requests in flight (futures, progress listeners, the stall clock, the
+counters) is one helper every handle shares: pending.py.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ..stages.messages import Progress, Result, Submit
+
+
+class StageState(str, enum.Enum):
+    """Where a stage handle is in its life. Compares equal to its value ("ready", ...)."""
+
+    STOPPED = "stopped"  # not started yet
+    STARTING = "starting"  # a process is being spawned / a replica started
+    READY = "ready"  # takes requests
+    DYING = "dying"  # a death or stall is being handled (requests fail, process killed)
+    DEAD = "dead"  # down, a restart is due (or running)
+    WAITING = "waiting"  # remote: no node has registered this stage (yet, or since it left)
+    DOWN = "down"  # remote: its node says the stage is not ready; Ray: being restarted
+    CLOSED = "closed"  # shut down for good
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """A handle's counters, as /metrics and the stage description show them."""
+
+    up: bool
+    restarts: int
+    deaths: int
+    stalls: int
+    completed: int
+    failed: int
+    in_flight: int
+    busy_s: float
+    node: str = ""  # where it runs, when not in this process's host: a node's peer, a Ray IP
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica of a replicated stage (ReplicaSet), for the per-replica metrics."""
+
+    replica: int
+    node: str
+    pid: int | None
+    up: bool
+    restarts: int
+    completed: int
+    in_flight: int
+
+
+ProgressListener = Callable[[Progress], None]
+
+
+@runtime_checkable
+class StageHandle(Protocol):
+    """One stage of the pipeline as the orchestrator sees it."""
+
+    stage_id: int
+    kind: str  # the topology's stage kind: "ar" | "diffusion" | ...
+
+    @property
+    def state(self) -> StageState: ...
+
+    @property
+    def ready(self) -> bool:
+        """Takes requests now (`state` is READY; a replica set: any replica is)."""
+        ...
+
+    @property
+    def load(self) -> int:
+        """Requests in flight on this stage now (routing and the in-flight gauge)."""
+        ...
+
+    @property
+    def pid(self) -> int | None:
+        """The stage's process id where there is one process (None otherwise)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The stage's Ready info: "kind", its "limits" (final diffusion stages) and the
+        "effective" settings read back from its engine. Empty until it was first ready; kept
+        while it restarts (the limits do not change)."""
+        ...
+
+    def limits(self) -> dict[str, Any] | None:
+        """The request limits the stage announced (RequestLimits.to_dict()), or None."""
+        ...
+
+    async def start(self) -> None: ...
+
+    def shutdown(self) -> None:
+        """Stop for good (blocking, any thread but the loop's); in-flight requests fail."""
+        ...
+
+    async def submit(self, msg: Submit, on_progress: ProgressListener | None = None) -> Result:
+        """Run one request; StageUnavailableError (503) when the stage is down or dies.
+        `on_progress` gets the stage's Progress messages for it until its Result."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Drop the request's work and release what the stage emitted for it (never raises)."""
+        ...
+
+    def stats(self) -> StageStats: ...
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        """Per replica for a replicated stage; empty otherwise."""
+        ...
+
+    def engine_metrics(self) -> list:
+        """The stage engine's own vLLM metric families (local AR stages); empty otherwise."""
+        ...
+
+    async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """What the stage holds now, answered by the stage itself; None if it cannot say."""
+        ...
+
+
+def limits_of(info: dict[str, Any]) -> dict[str, Any] | None:
+    limits = info.get("limits")
+    return dict(limits) if isinstance(limits, dict) else None
