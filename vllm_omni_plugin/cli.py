@@ -25,15 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
-    tiny.add_argument("kind", choices=["glm-image", "qwen-image", "qwen-image-edit", "flux"])
+    from vllm_omni_plugin.testing.tiny_models import KINDS
+
+    tiny.add_argument("kind", choices=list(KINDS))
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
         "--size",
         choices=["tiny", "full"],
         default="tiny",
-        help="full: the published model sizes with random bf16 weights (glm-image only; ~34 GB, "
-        "built on the GPU when one is present)",
+        help="full: the published model sizes with random bf16 weights (glm-image ~34 GB, "
+        "qwen3-omni ~70 GB; built on the GPU when one is present)",
     )
     tiny.add_argument(
         "--num-layers",

@@ -22,13 +22,18 @@ _BUILDERS = {
     "qwen-image-edit": "vllm_omni_plugin.testing.tiny_qwen_image_edit",
     "flux": "vllm_omni_plugin.testing.tiny_flux",
     "wan": "vllm_omni_plugin.testing.tiny_wan",  # Wan2.2 text-to-video (WanPipeline)
+    # Qwen3-Omni (thinker + talker + Code2Wav; config.json at the top, no model_index.json)
+    "qwen3-omni": "vllm_omni_plugin.testing.tiny_qwen3_omni",
 }
 
 KINDS = tuple(_BUILDERS)
 
 
 # kind -> module with `build(out_dir, seed, num_layers=None)`: the published sizes.
-_FULL_BUILDERS = {"glm-image": "vllm_omni_plugin.testing.full_glm_image"}
+_FULL_BUILDERS = {
+    "glm-image": "vllm_omni_plugin.testing.full_glm_image",
+    "qwen3-omni": "vllm_omni_plugin.testing.full_qwen3_omni",
+}
 
 SIZES = ("tiny", "full")
 
@@ -63,7 +68,8 @@ def build_tiny_model(
     else:
         module = importlib.import_module(_BUILDERS[kind])
         path = Path(module.build(out, seed))
-        _normalize_model_index(path / "model_index.json")
+        if (path / "model_index.json").exists():
+            _normalize_model_index(path / "model_index.json")
     logger.info("wrote %s %s checkpoint (seed %d) to %s", size, kind, seed, path)
     return path
 
