@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..stages.messages import Progress, Result, Submit
+from .errors import StageUnavailableError
 
 
 class StageState(str, enum.Enum):
@@ -65,6 +66,16 @@ class ReplicaStats:
 
 
 ProgressListener = Callable[[Progress], None]
+StreamListener = Callable[[Any], None]  # a stage's Chunk / ChunkDone for one request
+
+
+def refuse_streams(handle: Any, msg: Submit, on_stream: Any) -> None:
+    """For handles that do not relay streamed edges (yet): a clear error, not a hang."""
+    if on_stream is not None or msg.stream_inputs or msg.stream_output:
+        raise StageUnavailableError(
+            f"stage {handle.stage_id} ({handle.kind}): streamed edges run between local stages "
+            "only (not yet across headless nodes or Ray replicas)"
+        )
 
 
 @runtime_checkable
@@ -108,9 +119,28 @@ class StageHandle(Protocol):
         """Stop for good (blocking, any thread but the loop's); in-flight requests fail."""
         ...
 
-    async def submit(self, msg: Submit, on_progress: ProgressListener | None = None) -> Result:
+    async def submit(
+        self,
+        msg: Submit,
+        on_progress: ProgressListener | None = None,
+        on_stream: StreamListener | None = None,
+    ) -> Result:
         """Run one request; StageUnavailableError (503) when the stage is down or dies.
-        `on_progress` gets the stage's Progress messages for it until its Result."""
+        `on_progress` gets the stage's Progress messages for it until its Result, and
+        `on_stream` its Chunk / ChunkDone messages (streamed edges; only where `streams`)."""
+        ...
+
+    @property
+    def streams(self) -> bool:
+        """Whether this handle relays streamed edges (submit's `on_stream`, `send_stream`)."""
+        ...
+
+    def send_stream(self, msg: Any) -> None:
+        """Hand the stage a Chunk (it consumes a streamed edge) or a Credit (it produces one)."""
+        ...
+
+    def set_waiting(self, request_id: str, waiting: bool) -> None:
+        """The request waits on another stage (streamed edges): its stall clock stops."""
         ...
 
     def cancel(self, request_id: str) -> None:

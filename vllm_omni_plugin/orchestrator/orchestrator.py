@@ -6,6 +6,21 @@ output; the final stage returns encoded images. Cancelling `generate` (client di
 aborts the request in the stage that holds it. A request that fails or is cancelled after a
 stage produced its payload also aborts it in that producer, which releases the payload at once
 (shared-memory file, NIXL slot) instead of holding it until its lease expires.
+
+Streamed edges (a topology stage with `stream_output`, see streaming.py and stages/streams.py)
+overlap the stages: the consumer starts on the producer's first chunk. The final stage's
+chunks reach the caller as they come through `stream`:
+
+    async for event in orchestrator.stream(request_id, params):
+        if isinstance(event, OutputChunk):    # in order: event.seq 0, 1, ...
+            send(event.payload)               # a tensor or bytes, as the stage emitted it
+        else:                                 # the last event: the PipelineResult
+            finish(event)
+
+Leaving the loop early (the client hung up) cancels the request in every stage, which frees
+every buffer it holds. Taking the next event is what lets the final stage emit more: a slow
+client holds the stage to its `stream_window` of chunks. `generate` runs the same request and
+collects the final stage's chunks into `PipelineResult.outputs`.
 """
 
 from __future__ import annotations
@@ -14,8 +29,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..stages.messages import Progress, StageInit, Submit
@@ -23,6 +38,7 @@ from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
 from .handle import StageHandle
 from .stage_client import StageClient
+from .streaming import OutputChunk, StreamedRun
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -37,6 +53,9 @@ class PipelineResult:
     stage_s: float  # sum of the stages' own times for this request
     total_s: float  # orchestrator time, submit of the first stage to reply of the last
     metrics: dict[str, Any]
+    # Every final stage's output (a streaming one: its chunks' payloads, in order, when they
+    # were not streamed to the caller).
+    outputs: dict[int, Any] = field(default_factory=dict)
 
 
 def topo_order(specs: list[Any]) -> list[Any]:
@@ -85,7 +104,13 @@ class Orchestrator:
                 if stage_factory is not None
                 else StageClient(init, startup_timeout_s=startup_timeout_s)
             )
+        # Whether any stage streams its output: requests then run in streaming.py.
+        self.streamed = any(s.stream_output for s in self.order)
         self._closed = False
+
+    def edge_connector(self, from_stage: int, to_stage: int | None) -> str | None:
+        """The connector configured for an edge (None: inline, or no next stage)."""
+        return None if to_stage is None else self._edge_connector.get((from_stage, to_stage))
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -99,6 +124,12 @@ class Orchestrator:
         memory profiling").
         """
         t0 = time.monotonic()
+        for spec in self.order:
+            if spec.stream_output and not self.stages[spec.stage_id].streams:
+                raise ValueError(
+                    f"stage {spec.stage_id} ({spec.name}) streams its output, which only local "
+                    "stages relay so far (not headless nodes or Ray replicas)"
+                )
         starts: dict[int, asyncio.Future] = {}
         for sid, stage in self.stages.items():
             before = [starts[o] for o in starts if self._start_apart(sid, o)]
@@ -180,6 +211,9 @@ class Orchestrator:
         params say `stream`) is called on this loop with each stage's Progress messages, in the
         order the stages send them (a headless node relays its stages' Progress)."""
         t0 = time.perf_counter()
+        if self.streamed:
+            run = StreamedRun(self, request_id, params, on_progress, None)
+            return self._result(await run.run(), run.stage_s, t0, run.metrics)
         outputs: dict[int, Any] = {}
         producers: list[int] = []  # stages that handed a payload on for this request
         stage_s = 0.0
@@ -211,10 +245,59 @@ class Orchestrator:
         except BaseException:
             self._release_payloads(request_id, producers)
             raise
+        return self._result(outputs, stage_s, t0, metrics)
+
+    def _result(
+        self, outputs: dict[int, Any], stage_s: float, t0: float, metrics: dict[str, Any]
+    ) -> PipelineResult:
+        finals = {sid: outputs.get(sid) for sid in self.final_ids}
         images: list[bytes] = []
-        for sid in self.final_ids:
-            images.extend(outputs.get(sid) or [])
-        return PipelineResult(images, stage_s, time.perf_counter() - t0, metrics)
+        for out in finals.values():
+            if isinstance(out, list) and all(isinstance(b, bytes) for b in out):
+                images.extend(out)
+        return PipelineResult(images, stage_s, time.perf_counter() - t0, metrics, finals)
+
+    async def stream(
+        self,
+        request_id: str,
+        params: Any,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> AsyncIterator[OutputChunk | PipelineResult]:
+        """Run one request; yield the final stage's chunks as they come (OutputChunk, in
+        order), then the PipelineResult. See the module docstring. Raises as `generate`."""
+        if not self.streamed:
+            yield await self.generate(request_id, params, on_progress)
+            return
+        t0 = time.perf_counter()
+        # The final stages' windows bound it: a stage emits no more than that unconsumed.
+        bound = sum(s.stream_window for s in self.order if s.stage_id in self.final_ids)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=bound)
+        run = StreamedRun(self, request_id, params, on_progress, queue)
+        task = asyncio.ensure_future(run.run())
+        try:
+            while True:
+                if not queue.empty():
+                    item = queue.get_nowait()
+                elif task.done():
+                    break
+                else:
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        continue
+                    item = getter.result()
+                if task.done() and task.exception() is not None:
+                    break  # failed: the error below, not the chunks left
+                chunk, relay = item
+                yield OutputChunk(chunk.from_stage, chunk.seq, chunk.payload)
+                relay.consumed(chunk.seq)  # the caller is done with it: the stage may go on
+            outputs = await task  # raises the request's error
+            yield self._result(outputs, run.stage_s, t0, run.metrics)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _release_payloads(self, request_id: str, producers: list[int]) -> None:
         """The request failed or was cancelled: every stage that produced a payload for it

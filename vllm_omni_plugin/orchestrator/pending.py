@@ -8,7 +8,10 @@ a shutdown fails requests the same way wherever the stage runs.
   listener), `fail` (one request) or `fail_all` (the stage died or stalled).
 * The stall clock: any work message the stage sends (`touch`) counts as progress; it only runs
   while requests are in flight (`stalled`), and restarts when the first request arrives at an
-  idle stage.
+  idle stage. On a streamed edge (stages/streams.py) a request may wait on another stage: a
+  consumer that read every chunk it was given, a producer whose window is full. Such a
+  request is `set_waiting`: it keeps no clock running, and the clock restarts when it gets
+  work again (a chunk, a credit), so the watchdog acts per chunk as it does per request.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class PendingRequests:
         self.stall_timeout_s = stall_timeout_s
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.listeners: dict[str, Callable[[Progress], None]] = {}
+        # Streamed edges: request id -> callback for the stage's Chunk / ChunkDone messages.
+        self.streams: dict[str, Callable[[Any], None]] = {}
+        self.waiting: set[str] = set()  # requests waiting on another stage (see above)
         self.last_progress = time.monotonic()
         self.completed = 0
         self.failed = 0
@@ -61,6 +67,7 @@ class PendingRequests:
         cancel: Callable[[str], None],
         unreachable: str,
         on_progress: Callable[[Progress], None] | None = None,
+        on_stream: Callable[[Any], None] | None = None,
     ) -> Result:
         """Register the request, `send` it, await its Result and count it. OSError from `send`
         is StageUnavailableError(`unreachable`) with nothing left behind."""
@@ -70,11 +77,13 @@ class PendingRequests:
         self.futures[request_id] = fut
         if on_progress is not None:
             self.listeners[request_id] = on_progress
+        if on_stream is not None:
+            self.streams[request_id] = on_stream
         try:
             send()
         except OSError:
             self.futures.pop(request_id, None)
-            self.listeners.pop(request_id, None)
+            self._forget(request_id)
             raise StageUnavailableError(unreachable) from None
         try:
             result = await fut
@@ -84,13 +93,27 @@ class PendingRequests:
             cancel(request_id)
             raise
         finally:
-            self.listeners.pop(request_id, None)
+            self._forget(request_id)
         self.busy_s += result.stage_s
         if result.error is None:
             self.completed += 1
         else:
             self.failed += 1
         return result
+
+    def _forget(self, request_id: str) -> None:
+        self.listeners.pop(request_id, None)
+        self.streams.pop(request_id, None)
+        self.waiting.discard(request_id)
+
+    def set_waiting(self, request_id: str, waiting: bool) -> None:
+        """Mark a request as waiting on another stage (its clock stops), or as having work
+        again (the clock restarts now)."""
+        if waiting:
+            self.waiting.add(request_id)
+        elif request_id in self.waiting:
+            self.waiting.discard(request_id)
+            self.touch()
 
     # ---- the stage's side (the handle's reader, on the loop) -------------------------------
     def touch(self) -> None:
@@ -113,6 +136,17 @@ class PendingRequests:
         except Exception:  # a consumer's bug must not take the stage's reader down
             logger.exception("progress listener of %s failed", msg.request_id)
 
+    def stream(self, msg: Any) -> None:
+        """A Chunk or ChunkDone of a streamed edge: progress, handed to the request's relay."""
+        self.touch()
+        relay = self.streams.get(msg.request_id)
+        if relay is None:
+            return
+        try:
+            relay(msg)
+        except Exception:  # a relay's bug must not take the stage's reader down
+            logger.exception("stream relay of %s failed", msg.request_id)
+
     def fail(self, request_id: str, exc: BaseException) -> None:
         fut = self.futures.pop(request_id, None)
         if fut is not None and not fut.done():
@@ -133,4 +167,6 @@ class PendingRequests:
 
     def stalled(self, now: float | None = None, grace_s: float = 0.0) -> bool:
         """Requests are in flight and the stage showed no progress for its deadline (+grace)."""
-        return bool(self.futures) and self.silent_s(now) > self.stall_timeout_s + grace_s
+        if self.silent_s(now) <= self.stall_timeout_s + grace_s:
+            return False
+        return any(rid not in self.waiting for rid in self.futures)

@@ -26,7 +26,7 @@ from typing import Any
 from ..config.resolve import detect_platform
 from ..stages.messages import Result, StageInit, Submit
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of
+from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
 from .pending import PendingRequests, stall_timeout_of
 from .replicas import ReplicaLostError, ReplicaSet
 
@@ -305,8 +305,17 @@ class RayReplicaClient:
                 pass
 
     # ---- requests ----------------------------------------------------------------------
-    async def submit(self, msg: Submit, on_progress: Any = None) -> Result:
+    streams = False  # Ray replicas do not relay streamed edges yet
+
+    def send_stream(self, msg: Any) -> None:
+        pass
+
+    def set_waiting(self, request_id: str, waiting: bool) -> None:
+        self.pending.set_waiting(request_id, waiting)
+
+    async def submit(self, msg: Submit, on_progress: Any = None, on_stream: Any = None) -> Result:
         """Progress is not relayed from Ray replicas (`on_progress` is never called)."""
+        refuse_streams(self, msg, on_stream)
         if not self.ready:
             raise StageUnavailableError(f"{self.name} is {self.state}")
         actor = self.actor

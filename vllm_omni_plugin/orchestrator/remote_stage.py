@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..stages.messages import Progress, Result, StageInit, Submit
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of
+from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
 from .link import Link
 from .node_protocol import (
     StageAbort,
@@ -133,9 +133,21 @@ class RemoteStageClient:
         self.head.call_in_loop(self.pending.fail_all, "the server is shutting down")
 
     # ---- requests ----------------------------------------------------------------------
+    streams = False  # the node link does not carry streamed edges yet
+
+    def send_stream(self, msg: Any) -> None:
+        pass
+
+    def set_waiting(self, request_id: str, waiting: bool) -> None:
+        self.pending.set_waiting(request_id, waiting)
+
     async def submit(
-        self, msg: Submit, on_progress: Callable[[Progress], None] | None = None
+        self,
+        msg: Submit,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_stream: Any = None,
     ) -> Result:
+        refuse_streams(self, msg, on_stream)
         link = self.link
         if not self.ready or link is None:
             raise StageUnavailableError(

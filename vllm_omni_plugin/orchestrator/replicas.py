@@ -125,8 +125,25 @@ class ReplicaSet:
             t.join()
 
     # ---- requests ----------------------------------------------------------------------
+    @property
+    def streams(self) -> bool:
+        return all(r.streams for r in self.replicas)
+
+    def send_stream(self, msg: Any) -> None:
+        replica = self._routes.get(msg.request_id)
+        if replica is not None:
+            replica.send_stream(msg)
+
+    def set_waiting(self, request_id: str, waiting: bool) -> None:
+        replica = self._routes.get(request_id)
+        if replica is not None:
+            replica.set_waiting(request_id, waiting)
+
     async def submit(
-        self, msg: Submit, on_progress: Callable[[Progress], None] | None = None
+        self,
+        msg: Submit,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_stream: Any = None,
     ) -> Result:
         tried: list[Any] = []
         while True:
@@ -139,7 +156,7 @@ class ReplicaSet:
             tried.append(replica)
             self._remember(msg.request_id, replica)
             try:
-                return await replica.submit(msg, on_progress=on_progress)
+                return await replica.submit(msg, on_progress=on_progress, on_stream=on_stream)
             except ReplicaLostError as exc:
                 if not self.retry_lost or len(tried) > 1 or self._pick(exclude=tried) is None:
                     raise

@@ -29,6 +29,8 @@ from typing import Any
 
 from ..stages.messages import (
     Abort,
+    Chunk,
+    ChunkDone,
     EngineMetrics,
     Inspect,
     Inspection,
@@ -235,7 +237,10 @@ class StageClient:
 
     # ---- requests ----------------------------------------------------------------------
     async def submit(
-        self, msg: Submit, on_progress: Callable[[Progress], None] | None = None
+        self,
+        msg: Submit,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_stream: Callable[[Any], None] | None = None,
     ) -> Result:
         proc = self.proc
         if self.state != StageState.READY or proc is None:
@@ -246,7 +251,22 @@ class StageClient:
             self.cancel,
             f"stage {self.stage_id} ({self.kind}) is down",
             on_progress,
+            on_stream,
         )
+
+    streams = True  # relays streamed edges (Chunk, ChunkDone, Credit)
+
+    def send_stream(self, msg: Any) -> None:
+        """A Chunk (to a consumer) or a Credit (to a producer) of a streamed edge. A stage
+        that is down drops it: its death fails the request anyway."""
+        if self.proc is not None and self.state == StageState.READY:
+            try:
+                self.proc.send(msg)
+            except OSError:
+                pass
+
+    def set_waiting(self, request_id: str, waiting: bool) -> None:
+        self.pending.set_waiting(request_id, waiting)
 
     async def inspect(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
         """The stage's own view of what it holds now (Inspection, as plain data), answered by
@@ -295,6 +315,8 @@ class StageClient:
             self.pending.resolve(msg)
         elif isinstance(msg, Progress):
             self.pending.progress(msg)
+        elif isinstance(msg, (Chunk, ChunkDone)):
+            self.pending.stream(msg)
 
     def _on_exit(self, proc: StageProcess) -> None:
         self._spawn_task(self._on_death(proc))

@@ -40,6 +40,16 @@ class StageSpec:
     that engine's `logits_processors` argument, never in vLLM's `vllm.logits_processors`
     entry-point group: the group's mere presence turns off vLLM 0.26-0.30's model runner V2 in
     every engine on the machine, ours or not."""
+    stream_output: bool = False
+    """The stage emits each request's output as ordered chunks (stages/streams.py): its edge
+    to the next stage streams (that stage starts on the first chunk), and a final stage's
+    chunks reach the API server as they come (Orchestrator.stream)."""
+    stream_window: int = 4
+    """Chunks of one request the stage may have out that the consumer has not finished with
+    (back-pressure: the stage waits beyond it). Only with `stream_output`."""
+    runner: str | None = None
+    """"module:Class" of the stage process's loop (a stages.loop.StageLoop subclass); None:
+    the loop of the stage's kind."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +93,24 @@ class PipelineTopology:
     def edges(self) -> list[tuple[int, int]]:
         return [(src, s.stage_id) for s in self.stages for src in s.inputs]
 
+    def streams(self, from_stage: int, to_stage: int) -> bool:
+        """Whether the edge streams: the producer emits chunks the consumer reads as they
+        come (see StageSpec.stream_output)."""
+        return (from_stage, to_stage) in self.edges and self.stage(from_stage).stream_output
+
     def validate(self) -> list[str]:
         """Problems with the graph itself (empty when sound)."""
-        return validate_graph(
+        problems = validate_graph(
             {s.stage_id: list(s.inputs) for s in self.stages},
             finals=[s.stage_id for s in self.stages if s.final_output],
             duplicates=_duplicates([s.stage_id for s in self.stages]),
         )
+        for s in self.stages:
+            if s.stream_output and s.stream_window < 1:
+                problems.append(f"stage {s.stage_id}: stream_window must be at least 1")
+            if s.runner is not None and ":" not in s.runner:
+                problems.append(f"stage {s.stage_id}: runner {s.runner!r} is not 'module:Class'")
+        return problems
 
 
 def _duplicates(ids: list[int]) -> list[int]:

@@ -1,6 +1,7 @@
-"""An AR stage process: a vLLM AsyncLLM (stock engine, our model and scheduler) behind the
-control socket. Requests decode together (continuous batching); each finished request's
-output goes to the next stage through the edge's connector.
+"""An AR stage process: a vLLM AsyncLLM (stock engine, our model and scheduler) driven by the
+stage loop (loop.py: socket, dispatch, pulses, inspection, replies). Requests decode together
+(continuous batching); each finished request's output goes to the next stage through the
+edge's connector.
 
 The pipeline-specific part (prompt building, sampling constraint, output -> payload) comes from
 `ar_glue.py`, keyed by the topology.
@@ -11,29 +12,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from ..diffusion.errors import RequestValidationError
 from . import engine_metrics
 from .ar_glue import glue_for
+from .loop import AsyncStageLoop
 from .messages import (
     ENGINE_METRICS_INTERVAL_S,
-    PULSE_INTERVAL_S,
-    Abort,
     EngineMetrics,
-    Inspect,
-    Inspection,
     Progress,
-    Pulse,
     Result,
-    Shutdown,
     StageInit,
     Submit,
 )
-from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
 
@@ -127,24 +120,10 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _log_task_failure(task: asyncio.Task) -> None:
-    # `_run` turns request errors into Results; what still escapes (the reply's send) would
-    # otherwise surface only as asyncio's "exception was never retrieved" at GC time.
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("AR request task failed", exc_info=task.exception())
-
-
-class ARStageRunner:
-    def __init__(self, init: StageInit, conn: Connection):
-        self.init = init
-        self.conn = conn
-        self.stage_id: int = init.stage.stage_id
+class ARStageRunner(AsyncStageLoop):
+    def __init__(self, init: StageInit, conn: Any):
+        super().__init__(init, conn)
         self.glue = glue_for(init.pipeline, init.stage)
-        self.payloads = StagePayloads(init.connectors)
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.submitted = 0  # Submits received (Inspection.submitted)
-        self._pulsed = 0.0  # when the last Pulse went out (monotonic)
-        self.loop = asyncio.new_event_loop()
         self.engine = self.loop.run_until_complete(self._build_engine())
 
     async def _build_engine(self):
@@ -188,137 +167,74 @@ class ARStageRunner:
         out["default_sampling_params"] = _plain(self.glue.defaults)
         return out
 
-    # ---- the loop ----------------------------------------------------------------------
-    def serve(self) -> None:
-        self._done = self.loop.create_future()
-        self.loop.add_reader(self.conn.fileno(), self._on_readable)
-        watch = self.loop.create_task(self._watch_engine())
-        watch.add_done_callback(_log_task_failure)
-        publish = self.loop.create_task(self._publish_metrics())
-        publish.add_done_callback(_log_task_failure)
-        try:
-            self.loop.run_until_complete(self._done)
-        finally:
-            watch.cancel()
-            publish.cancel()
-            self.loop.remove_reader(self.conn.fileno())
+    # ---- driving the engine (the loop is loop.AsyncStageLoop's) ---------------------------
+    def background(self) -> list:
+        return [self._watch_engine(), self._publish_metrics()]
 
     async def _watch_engine(self) -> None:
         # An engine core that died between requests is noticed here, not by the next request.
-        while not self._done.done():
+        while True:
             await asyncio.sleep(ENGINE_CHECK_S)
             if getattr(self.engine, "errored", False):
                 self._engine_died()
 
     async def _publish_metrics(self) -> None:
         # vLLM's own metrics live in this process's registry: hand them to the API server.
-        while not self._done.done():
-            self.conn.send(EngineMetrics(self.stage_id, engine_metrics.snapshot()))
+        while True:
+            self.reply(EngineMetrics(self.stage_id, engine_metrics.snapshot()))
             await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
 
-    def _on_readable(self) -> None:
-        try:
-            while self.conn.poll(0):
-                self._handle(self.conn.recv())
-        except (EOFError, OSError):
-            # The API server is gone: stop (the finally in worker.main cleans up).
-            if not self._done.done():
-                self._done.set_exception(EOFError())
-
-    def _handle(self, msg: Any) -> None:
-        if isinstance(msg, Submit):
-            self.submitted += 1
-            task = self.loop.create_task(self._run(msg))
-            task.add_done_callback(_log_task_failure)
-            self.tasks[msg.request_id] = task
-        elif isinstance(msg, Abort):
-            task = self.tasks.pop(msg.request_id, None)
-            if task is not None:
-                task.cancel()
-            # Also sent when the request failed or was cancelled after this stage finished it:
-            # free its payload now rather than when the connector's lease expires.
-            self.payloads.release_request(msg.request_id)
-        elif isinstance(msg, Shutdown) and not self._done.done():
-            self._done.set_result(None)
-        elif isinstance(msg, Inspect):
-            self.conn.send(
-                Inspection(
-                    msg.token,
-                    self.stage_id,
-                    {rid: {} for rid in self.tasks},
-                    engine_unfinished=self._engine_unfinished(),
-                    submitted=self.submitted,
-                    at=time.time(),
-                )
-            )
-
-    def _engine_unfinished(self) -> int | None:
+    def engine_unfinished(self) -> int | None:
         """vLLM's own count of the requests its AsyncLLM still tracks (None if this vLLM
         does not say); an aborted generation leaves it when vLLM handles the abort."""
         processor = getattr(self.engine, "output_processor", None)
         count = getattr(processor, "get_num_unfinished_requests", None)
         return count() if callable(count) else None
 
-    async def _run(self, msg: Submit) -> None:
-        t0 = time.perf_counter()
-        rid = msg.request_id
-        try:
-            prompt, params = self.glue.prepare(msg.params)  # token ids (+ multimodal data)
-            final = None
-            total = int(params.max_tokens or 0)
-            sent = 0
-            async for out in self.engine.generate(prompt, params, rid):
-                final = out
-                self._pulse()
-                if msg.params.stream:
-                    # Streaming: tokens generated so far, about every 5 % of max_tokens.
-                    done = len(out.outputs[0].token_ids)
-                    if done - sent >= max(1, total // 20) or (out.finished and done != sent):
-                        sent = done
-                        self.conn.send(Progress(rid, self.stage_id, "ar", done, max(total, done)))
-            assert final is not None and final.finished
-            token_ids = list(final.outputs[0].token_ids)
-            payload = self.glue.to_payload(token_ids, msg.params)
-            output = self.payloads.emit(
-                payload, rid, self.stage_id, msg.to_stage, msg.out_connector
-            )
-            result = Result(rid, output=output, metrics={"generated_tokens": len(token_ids)})
-        except asyncio.CancelledError:
-            return  # aborted: AsyncLLM.generate aborts the request in the engine on cancel
-        except RequestValidationError as exc:  # only our typed refusals are the client's fault
-            result = Result(rid, error=exc.message, error_field=exc.field)
-        except Exception as exc:
-            logger.exception("request %s failed", rid)
-            result = Result(rid, error=f"{type(exc).__name__}: {exc}")
-            if getattr(self.engine, "errored", False):
-                self._engine_died()
-                return  # not this request's fault: the stage's death fails it with a 503
-        finally:
-            self.tasks.pop(rid, None)
-        result.stage_s = time.perf_counter() - t0
-        self.conn.send(result)
+    def refusal(self, exc: Exception) -> tuple[str, str | None] | None:
+        # Only our typed refusals are the client's fault.
+        if isinstance(exc, RequestValidationError):
+            return exc.message, exc.field
+        return super().refusal(exc)
 
-    def _pulse(self) -> None:
-        """Tell the orchestrator's stall watchdog that the engine produced tokens. Sent as
-        outputs arrive from vLLM's engine core, so a stuck engine (or a stopped worker)
-        stops the pulses; nothing here beats on a timer."""
-        now = time.monotonic()
-        if now - self._pulsed >= PULSE_INTERVAL_S:
-            self._pulsed = now
-            self.conn.send(Pulse(self.stage_id))
+    def on_request_error(self, msg: Submit, exc: Exception) -> bool:
+        if getattr(self.engine, "errored", False):
+            self._engine_died()
+            return True  # not this request's fault: the stage's death fails it with a 503
+        return False
+
+    async def run_request(self, msg: Submit) -> Result:
+        rid = msg.request_id
+        prompt, params = self.glue.prepare(msg.params)  # token ids (+ multimodal data)
+        final = None
+        total = int(params.max_tokens or 0)
+        sent = 0
+        # Cancelling this task (Abort) makes AsyncLLM.generate abort the request in vLLM.
+        async for out in self.engine.generate(prompt, params, rid):
+            final = out
+            # Sent as outputs arrive from vLLM's engine core, so a stuck engine (or a stopped
+            # worker) stops the pulses; nothing here beats on a timer.
+            self.pulse()
+            if msg.params.stream:
+                # Streaming: tokens generated so far, about every 5 % of max_tokens.
+                done = len(out.outputs[0].token_ids)
+                if done - sent >= max(1, total // 20) or (out.finished and done != sent):
+                    sent = done
+                    self.reply(Progress(rid, self.stage_id, "ar", done, max(total, done)))
+        assert final is not None and final.finished
+        token_ids = list(final.outputs[0].token_ids)
+        payload = self.glue.to_payload(token_ids, msg.params)
+        output = self.payloads.emit(payload, rid, self.stage_id, msg.to_stage, msg.out_connector)
+        return Result(rid, output=output, metrics={"generated_tokens": len(token_ids)})
 
     def _engine_died(self) -> None:
         # vLLM's engine core is gone (a device error, a crashed worker): every later request
         # would fail while this stage still looks ready. Stop serving: worker.main exits
         # non-zero, and the orchestrator fails the in-flight requests (503) and restarts us.
-        if not self._done.done():
-            logger.critical(
-                "stage %d: its vLLM engine died; exiting to be restarted", self.stage_id
-            )
-            self._done.set_exception(RuntimeError(f"stage {self.stage_id}: vLLM engine died"))
+        self.fatal("its vLLM engine died")
 
     def close(self) -> None:
-        self.payloads.close()
+        super().close()
         try:
             self.engine.shutdown()
         except Exception:

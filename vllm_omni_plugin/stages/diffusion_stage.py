@@ -1,7 +1,7 @@
-"""A diffusion stage process: our DiffusionEngine driven by control messages.
+"""A diffusion stage process: our DiffusionEngine driven by the stage loop.
 
-The loop is the engine's own: drain new messages (requests join at step boundaries), run one
-step, send what finished. It blocks on the socket only when the engine is idle. Images are
+The loop (loop.SteppedStageLoop) drains new messages (requests join at step boundaries), runs
+one engine step, sends what finished; it blocks on the socket only when the engine is idle. Images are
 encoded here (PNG/JPEG/WEBP as each request asked), off the API server's event loop.
 """
 
@@ -12,23 +12,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from .images import encode_image
-from .messages import (
-    PULSE_INTERVAL_S,
-    Abort,
-    Inspect,
-    Inspection,
-    Progress,
-    Pulse,
-    Result,
-    Shutdown,
-    StageInit,
-    Submit,
-)
-from .payloads import StagePayloads
+from .loop import SteppedStageLoop
+from .messages import Progress, Result, StageInit, Submit
 from .videos_encode import encode_mp4
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
@@ -48,14 +36,12 @@ class _Job:
     fps: int | None = None  # video jobs (output_format "mp4"): frames per second of the MP4
 
 
-class DiffusionStageRunner:
-    def __init__(self, init: StageInit, conn: Connection):
+class DiffusionStageRunner(SteppedStageLoop):
+    def __init__(self, init: StageInit, conn: Any):
         from vllm_omni_plugin.diffusion import DiffusionEngineConfig
         from vllm_omni_plugin.diffusion.parallel import build_engine
 
-        self.init = init
-        self.conn = conn
-        self.stage_id: int = init.stage.stage_id
+        super().__init__(init, conn)
         stage = init.stage
         config = DiffusionEngineConfig.from_owner(
             stage.diffusion,
@@ -66,11 +52,7 @@ class DiffusionStageRunner:
         # cfg_parallel / ulysses_degree: this process is rank 0 and starts the other ranks; one
         # that dies takes this process down with it, so the stage restarts as a whole.
         self.engine = build_engine(config)
-        self.payloads = StagePayloads(init.connectors)
         self.jobs: dict[str, _Job] = {}
-        self.submitted = 0  # Submits received (Inspection.submitted)
-        self._stop = False
-        self._pulsed = 0.0  # when the last Pulse went out (monotonic)
 
     def info(self) -> dict[str, Any]:
         """Ready info: the bounds the API server validates against, and what this stage runs."""
@@ -104,21 +86,25 @@ class DiffusionStageRunner:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
-    def serve(self) -> None:
-        while not self._stop:
-            busy = self.engine.has_unfinished()
-            # Idle: block for work. Busy: take whatever arrived, then run one step. Requests
-            # held for batching (request_batch_max_wait_ms): wait for more until the hold ends.
-            if self.conn.poll((self.engine.hold_s() if busy else None)):
-                self._handle(self.conn.recv())
-                while not self._stop and self.conn.poll(0):
-                    self._handle(self.conn.recv())
-            if self.engine.has_unfinished():
-                outs = self._step()
-                self._pulse()
-                self._send_progress()
-                for out in outs:
-                    self._finish(out)
+    # ---- driving the engine (the loop is loop.SteppedStageLoop's) -------------------------
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def hold_s(self) -> float | None:
+        # Requests held for batching (request_batch_max_wait_ms): wait for more until it ends.
+        return self.engine.hold_s()
+
+    def step(self) -> None:
+        outs = self._step()
+        self._send_progress()
+        for out in outs:
+            self._finish(out)
+
+    def held(self) -> dict[str, dict[str, int]]:
+        return {r: {"step": s, "total_steps": t} for r, (s, t) in self.engine.held().items()}
+
+    def engine_unfinished(self) -> int | None:
+        return len(self.engine.held())
 
     def _step(self) -> list[Any]:
         from vllm_omni_plugin.diffusion.errors import DeviceError
@@ -132,14 +118,6 @@ class DiffusionStageRunner:
             self.payloads.close()
             logging.shutdown()
             os._exit(DEVICE_ERROR_EXIT_CODE)
-
-    def _pulse(self) -> None:
-        """Tell the orchestrator's stall watchdog that a step ran (from this loop, the one
-        that steps: a stuck step stops the pulses)."""
-        now = time.monotonic()
-        if now - self._pulsed >= PULSE_INTERVAL_S:
-            self._pulsed = now
-            self._reply(Pulse(self.stage_id))
 
     def _send_progress(self) -> None:
         """Streaming requests: one Progress per step a request advanced, with its preview
@@ -163,35 +141,17 @@ class DiffusionStageRunner:
                 msg.preview = [
                     encode_image(im, job.output_format, job.compression) for im in images
                 ]
-            self._reply(msg)
+            self.reply(msg)
 
-    def _handle(self, msg: Any) -> None:
-        if isinstance(msg, Submit):
-            self._submit(msg)
-        elif isinstance(msg, Abort):
-            if self.jobs.pop(msg.request_id, None) is not None:
-                self.engine.abort(msg.request_id)
-        elif isinstance(msg, Shutdown):
-            self._stop = True
-        elif isinstance(msg, Inspect):
-            held = self.engine.held()
-            self._reply(
-                Inspection(
-                    msg.token,
-                    self.stage_id,
-                    {r: {"step": s, "total_steps": t} for r, (s, t) in held.items()},
-                    engine_unfinished=len(held),
-                    submitted=self.submitted,
-                    at=time.time(),
-                )
-            )
+    def on_abort(self, request_id: str) -> None:
+        if self.jobs.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
 
-    def _submit(self, msg: Submit) -> None:
+    def on_submit(self, msg: Submit) -> None:
         from vllm_omni_plugin.connectors import ConnectorError
         from vllm_omni_plugin.diffusion import GenerationRequest, RequestValidationError
 
         t0 = time.perf_counter()
-        self.submitted += 1
         p = msg.params
         try:
             # GLM-Image: the AR stage's prior token ids. All inputs are released, read or not.
@@ -216,15 +176,15 @@ class DiffusionStageRunner:
             )
             self.engine.add_request(req)
         except RequestValidationError as exc:
-            self._reply(Result(msg.request_id, error=exc.message, error_field=exc.field))
+            self.reply(Result(msg.request_id, error=exc.message, error_field=exc.field))
             return
         except ConnectorError as exc:  # expected when the request was aborted meanwhile
             logger.warning("request %s: its input is gone: %s", msg.request_id, exc)
-            self._reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
+            self.reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
             return
         except Exception as exc:  # a bad payload or engine refusal fails this request only
             logger.exception("request %s rejected", msg.request_id)
-            self._reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
+            self.reply(Result(msg.request_id, error=f"{type(exc).__name__}: {exc}"))
             return
         self.jobs[msg.request_id] = _Job(t0, p.output_format, p.output_compression, p.stream)
         self.jobs[msg.request_id].fps = p.fps  # video requests only
@@ -243,13 +203,7 @@ class DiffusionStageRunner:
             )
             result = Result(out.request_id, output=images, metrics=dict(out.metrics))
         result.stage_s = time.perf_counter() - job.received
-        self._reply(result)
-
-    def _reply(self, result: Result | Progress | Inspection) -> None:
-        self.conn.send(result)
-
-    def close(self) -> None:
-        self.payloads.close()
+        self.reply(result)
 
 
 def _is_video(engine: Any) -> bool:

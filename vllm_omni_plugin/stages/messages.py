@@ -79,11 +79,53 @@ class Submit:
     # Connector name for this stage's own output (None: send it back inline).
     out_connector: str | None = None
     to_stage: int | None = None
+    # Streamed edges (stages/streams.py): the inputs that arrive as Chunks instead of in
+    # `inputs`, and whether this stage emits its output as Chunks (at most `stream_window` of
+    # them not yet consumed) before its Result.
+    stream_inputs: list[int] = field(default_factory=list)
+    stream_output: bool = False
+    stream_window: int = 0
 
 
 @dataclass
 class Abort:
     request_id: str
+
+
+@dataclass
+class Chunk:
+    """One ordered piece of a request's output on a streamed edge (stages/streams.py).
+
+    Producer -> orchestrator -> consumer (or the API server, for a final stage). `payload` is
+    a connector descriptor (the edge's connector) or the value inline (no connector: a final
+    stage's chunks). The end marker has `end` set, no payload, and `seq` = the number of
+    chunks before it."""
+
+    request_id: str
+    from_stage: int
+    seq: int
+    payload: Any = None
+    end: bool = False
+
+
+@dataclass
+class ChunkDone:
+    """Consumer -> orchestrator: chunk `seq` from `from_stage` was consumed (its buffer
+    released, the consumer done with it); the orchestrator hands the producer a Credit."""
+
+    request_id: str
+    stage_id: int
+    from_stage: int
+    seq: int
+
+
+@dataclass
+class Credit:
+    """Orchestrator -> producer: chunk `seq` of the request was consumed, so one more may be
+    emitted (the producer holds at most its window of unconsumed chunks per request)."""
+
+    request_id: str
+    seq: int
 
 
 @dataclass

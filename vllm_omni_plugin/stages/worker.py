@@ -28,6 +28,12 @@ def _set_title(init: StageInit) -> None:
 
 
 def make_runner(init: StageInit, conn: Connection):
+    """The stage's loop (loop.StageLoop): the topology's `runner`, else its kind's."""
+    if init.spec.runner is not None:
+        import importlib
+
+        module, _, name = init.spec.runner.partition(":")
+        return getattr(importlib.import_module(module), name)(init, conn)
     if init.spec.kind == "diffusion":
         from .diffusion_stage import DiffusionStageRunner
 

@@ -1,0 +1,152 @@
+"""Test-only stages and topologies for streamed edges (no model, no vLLM engine: milliseconds).
+
+    stream_test        source (0) ==chunks==> sink (1, final): the sink returns a checksum
+    stream_test_chain  source (0) ==chunks==> relay (1, final) ==chunks==> the API server
+
+The source emits `num_frames` float32 tensor chunks of `width` values each (the request's
+GenerationParams, reused for the test), chunk i filled from `seed` and i, waiting
+OMNI_TEST_EMIT_DELAY_MS between chunks; the sink reads them, waiting OMNI_TEST_READ_DELAY_MS
+per chunk (a slow consumer), and returns the SHA-256 of the chunks' bytes in order. Both are
+small subclasses of stages.loop.AsyncStageLoop: the shape a new kind of stage takes. Each Result
+carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`) and the most chunks the
+sink ever had waiting (`max_waiting`), so tests can check overlap and the bound.
+
+Importing this module registers both topologies (their stages are "diffusion" to the config
+loader, which only sets their devices, env and watchdog: the deploy file
+tests/streaming/stream_test.yaml). `expected_checksum` computes what the sink must return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import struct
+import time
+from typing import Any
+
+import torch
+
+from ..pipelines.registry import register_pipeline
+from ..pipelines.topology import PipelineTopology, StageSpec
+from .loop import AsyncStageLoop, RequestRefused
+from .messages import Result, Submit
+
+EMIT_DELAY_ENV = "OMNI_TEST_EMIT_DELAY_MS"
+READ_DELAY_ENV = "OMNI_TEST_READ_DELAY_MS"
+DEFAULT_CHUNKS = 8
+DEFAULT_VALUES = 1024
+
+
+def _delay(env: str) -> float:
+    return float(os.environ.get(env, "0")) / 1000.0
+
+
+def chunk_tensor(seed: int, index: int, values: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 100_003 + index)
+    return torch.randn(values, generator=gen, dtype=torch.float32)
+
+
+def expected_checksum(seed: int, chunks: int, values: int) -> str:
+    digest = hashlib.sha256()
+    for i in range(chunks):
+        digest.update(chunk_tensor(seed, i, values).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class SourceStage(AsyncStageLoop):
+    """Emits the request's chunks, one every OMNI_TEST_EMIT_DELAY_MS."""
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "runner": "stream source"}
+
+    async def run_request(self, msg: Submit) -> Result:
+        p = msg.params
+        chunks, values = p.num_frames or DEFAULT_CHUNKS, p.width or DEFAULT_VALUES
+        if chunks < 1:
+            raise RequestRefused("num_frames must be at least 1", "num_frames")
+        delay = _delay(EMIT_DELAY_ENV)
+        first = last = 0.0
+        for i in range(chunks):
+            await self.emit_chunk(msg, chunk_tensor(p.seed or 0, i, values))
+            last = time.time()
+            first = first or last
+            self.pulse()
+            if delay and i + 1 < chunks:
+                await asyncio.sleep(delay)
+        return Result(
+            msg.request_id,
+            metrics={"chunks": chunks, "first_chunk_at": first, "last_chunk_at": last},
+        )
+
+
+class SinkStage(AsyncStageLoop):
+    """Reads the chunks slowly and returns their checksum; with `stream_output` it also
+    emits, per chunk read, that chunk's sum (a little-endian float64, as bytes) towards the
+    API server."""
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "runner": "stream sink"}
+
+    async def run_request(self, msg: Submit) -> Result:
+        (src,) = msg.stream_inputs
+        delay = _delay(READ_DELAY_ENV)
+        digest = hashlib.sha256()
+        count, first, most = 0, 0.0, 0
+        async for tensor in self.chunks(msg, src):
+            first = first or time.time()
+            most = max(most, len(self.streams.inputs[(msg.request_id, src)].queue) + 1)
+            digest.update(tensor.numpy().tobytes())
+            count += 1
+            if msg.stream_output:
+                await self.emit_chunk(msg, struct.pack("<d", float(tensor.double().sum())))
+            self.pulse()
+            if delay:
+                await asyncio.sleep(delay)
+        return Result(
+            msg.request_id,
+            output=[digest.hexdigest().encode()],
+            metrics={
+                "chunks": count,
+                "first_chunk_at": first,
+                "last_chunk_at": time.time(),
+                "max_waiting": most,
+            },
+        )
+
+
+_RUNNERS = "vllm_omni_plugin.stages.stream_test_stages"
+
+
+def _topology(key: str, chain: bool) -> PipelineTopology:
+    source = StageSpec(
+        stage_id=0,
+        name="source",
+        kind="diffusion",
+        emits="tensor_chunks",
+        stream_output=True,
+        stream_window=2,
+        runner=f"{_RUNNERS}:SourceStage",
+    )
+    sink = StageSpec(
+        stage_id=1,
+        name="relay" if chain else "sink",
+        kind="diffusion",
+        inputs=[0],
+        emits="tensor_chunks" if chain else "checksum",
+        final_output=True,
+        stream_output=chain,
+        stream_window=2,
+        runner=f"{_RUNNERS}:SinkStage",
+    )
+    return PipelineTopology(
+        key=key,
+        stages=(source, sink),
+        description="test-only: streamed edges between two model-free stages",
+    )
+
+
+STREAM_TEST = _topology("stream_test", chain=False)
+STREAM_TEST_CHAIN = _topology("stream_test_chain", chain=True)
+for _topo in (STREAM_TEST, STREAM_TEST_CHAIN):
+    register_pipeline(_topo, replace=True)
