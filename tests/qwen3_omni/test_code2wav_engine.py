@@ -123,7 +123,7 @@ def test_finished_without_new_frames_ends_with_an_empty_chunk(decoder, omni_dir)
 
 
 def test_engine_runs_without_vllm(omni_dir):
-    """The Code2Wav package imports and decodes with vLLM made unimportable."""
+    """The Code2Wav and talker packages import and run with vLLM made unimportable."""
     import json
     import subprocess
     import sys
@@ -142,6 +142,8 @@ def test_engine_runs_without_vllm(omni_dir):
         sys.meta_path.insert(0, BlockVllm())
         import torch
         from vllm_omni_plugin.code2wav import Code2WavEngine, Code2WavEngineConfig
+        from vllm_omni_plugin.talker import TalkerEngine
+        TalkerEngine(sys.argv[1])
         engine = Code2WavEngine(Code2WavEngineConfig(model=sys.argv[1]))
         engine.add_request("r")
         engine.add_frames("r", torch.zeros(4, 5, dtype=torch.long), finished=True)
