@@ -12,11 +12,10 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..diffusion.limits import RequestLimits
+from ..common.messages import GenerationParams, Progress
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
 from ..pipelines import get_pipeline
 from ..stages.images import MEDIA_TYPES
-from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid, unavailable
 from .protocol import ImageLimits, ValidRequest
 from .streaming import KEEPALIVE, completed_event, error_event, progress_events
@@ -36,7 +35,10 @@ class ClientDisconnected(Exception):
 
 def limits_from(orchestrator: Orchestrator, serving: Any) -> ImageLimits:
     """Bounds the final stage announced in its Ready info (what its engine enforces) + `serving:`."""
-    return ImageLimits.build(RequestLimits.from_dict(orchestrator.final_limits()), serving)
+    limits = orchestrator.final_limits()
+    if limits is None:
+        raise RuntimeError("the final stage announced no request limits")
+    return ImageLimits.build(limits, serving)
 
 
 class ImageService:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from vllm_omni_plugin.diffusion.limits import RequestLimits
+from vllm_omni_plugin.common.limits import RequestLimits
 
 ResponseFormat = Literal["b64_json", "url"]
 OutputFormat = Literal["png", "jpeg", "webp"]

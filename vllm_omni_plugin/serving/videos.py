@@ -17,8 +17,8 @@ import re
 import uuid
 from typing import Any
 
+from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
-from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid
 from .validation import json_object
 from .videos_store import VideoStore
@@ -78,11 +78,15 @@ class VideoService:
 
     # ---- requests ----------------------------------------------------------------------
     def _facts(self) -> tuple[Any, dict[str, int]]:
-        from ..diffusion.limits import RequestLimits
-
-        info = self.orchestrator.final_info() or {}
-        if "video" in info:
-            self._seen_facts = (RequestLimits.from_dict(info["limits"]), info["video"])
+        info = self.orchestrator.final_info()
+        if info is not None and info.video is not None:
+            self._seen_facts = (
+                info.limits,
+                {
+                    "frame_step": info.video.frame_step,
+                    "default_num_frames": info.video.default_num_frames,
+                },
+            )
         # A restarting stage has no info yet; its bounds are the ones it announced before.
         if self._seen_facts is not None:
             return self._seen_facts
@@ -90,14 +94,14 @@ class VideoService:
             raise APIError(
                 503, "the video stage is starting; retry shortly", code="stage_unavailable"
             )
-        if "video" not in info:
+        if info is None or info.video is None or info.limits is None:
             raise APIError(
                 400,
                 "this pipeline does not generate videos; /v1/videos needs a video model "
                 "(e.g. stage_configs/wan2_2.yaml)",
                 code="unsupported_endpoint",
             )
-        return RequestLimits.from_dict(info["limits"]), info["video"]
+        raise AssertionError("unreachable: announced video facts are remembered above")
 
     def check(self, data: dict[str, Any]) -> dict[str, Any]:
         """The job's request, every field checked and filled; APIError (4xx) otherwise."""

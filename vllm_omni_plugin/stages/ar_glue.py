@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..common.messages import GenerationParams
 from ..diffusion.errors import RequestValidationError
-from .messages import GenerationParams
 
 
 class GlmImageGlue:
