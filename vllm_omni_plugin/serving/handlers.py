@@ -12,10 +12,10 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ..common.media import MEDIA_TYPES
 from ..common.messages import GenerationParams, Progress
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
 from ..pipelines import get_pipeline
-from ..stages.images import MEDIA_TYPES
 from .errors import APIError, invalid, unavailable
 from .protocol import ImageLimits, ValidRequest
 from .streaming import KEEPALIVE, completed_event, error_event, progress_events

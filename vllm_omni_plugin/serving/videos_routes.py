@@ -11,6 +11,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
+from ..common.media import MEDIA_TYPES
 from .errors import APIError, invalid
 from .validation import MAX_BODY_BYTES
 from .videos import VideoService, parse_create_body
@@ -95,7 +96,7 @@ async def get_video_content(
         path = _service(request).content_path(video_id, variant)
     except APIError as exc:
         return _error(exc)
-    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+    return FileResponse(path, media_type=MEDIA_TYPES["mp4"], filename=f"{video_id}.mp4")
 
 
 @router.delete("/v1/videos/{video_id}")

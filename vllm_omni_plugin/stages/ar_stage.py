@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any
 
+from ..common.errors import RequestValidationError
 from ..common.messages import (
     ENGINE_METRICS_INTERVAL_S,
     ARSettings,
@@ -25,7 +26,6 @@ from ..common.messages import (
 )
 from ..config.stage_init import StageInit
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
-from ..diffusion.errors import RequestValidationError
 from . import engine_metrics
 from .ar_glue import glue_for
 from .loop import AsyncStageLoop

@@ -153,8 +153,9 @@ class DiffusionStageRunner(SteppedStageLoop):
             self.engine.abort(request_id)
 
     def on_submit(self, msg: Submit) -> None:
+        from vllm_omni_plugin.common.errors import RequestValidationError
         from vllm_omni_plugin.connectors import ConnectorError
-        from vllm_omni_plugin.diffusion import GenerationRequest, RequestValidationError
+        from vllm_omni_plugin.diffusion import GenerationRequest
 
         t0 = time.perf_counter()
         p = msg.params
