@@ -17,6 +17,14 @@ The orchestrator then submits the producer and its consumer together, and relays
   end marker carries the count.
 * Cancellation: an Abort drops the request's streams and releases every buffer it still
   holds, on either side; the orchestrator aborts both ends when either fails or dies.
+
+A stage uses it through its loop (loop.py). An asyncio stage (AsyncStageLoop):
+    await self.emit_chunk(msg, payload)              # producer: waits while the window is full
+    async for payload in self.chunks(msg, src): ...  # consumer: src in msg.stream_inputs
+A stepped stage (SteppedStageLoop) polls instead, between two engine steps:
+    if self.streams.can_emit(rid): self.streams.emit_nowait(msg, payload)
+    payloads, ended = self.streams.take_nowait(msg, src)
+The Result a producer returns after its last chunk ends its stream.
 """
 
 from __future__ import annotations
