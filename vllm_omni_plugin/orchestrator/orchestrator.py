@@ -40,7 +40,7 @@ from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
 from .handle import StageHandle
 from .stage_client import StageClient
-from .streaming import OutputChunk, StreamedRun
+from .streaming import OutputChunk, StreamedRun, plain_payload
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -292,7 +292,7 @@ class Orchestrator:
                 if task.done() and task.exception() is not None:
                     break  # failed: the error below, not the chunks left
                 chunk, relay = item
-                yield OutputChunk(chunk.from_stage, chunk.seq, chunk.payload)
+                yield OutputChunk(chunk.from_stage, chunk.seq, plain_payload(chunk.payload))
                 relay.consumed(chunk.seq)  # the caller is done with it: the stage may go on
             outputs = await task  # raises the request's error
             yield self._result(outputs, run.stage_s, t0, run.metrics)

@@ -42,6 +42,17 @@ class OutputChunk:
     payload: Any  # a tensor or bytes, as the stage emitted it
 
 
+def plain_payload(payload: Any) -> Any:
+    """A final stage's inline chunk as the caller uses it: bytes, or the tensor itself."""
+    from ..common.payload import InlineTensor
+
+    if isinstance(payload, InlineTensor):
+        from ..stages.payloads import from_inline
+
+        return from_inline(payload)
+    return payload
+
+
 class EdgeRelay:
     """One streamed edge of one request: producer -> consumer, credits back."""
 
@@ -108,7 +119,7 @@ class ClientRelay:
 
     def on_chunk(self, chunk: Chunk) -> None:
         if self.sink is None:
-            self.collected.append(chunk.payload)
+            self.collected.append(plain_payload(chunk.payload))
             self.producer.send_stream(Credit(self.request_id, chunk.seq))
             return
         self.unconsumed += 1

@@ -81,8 +81,8 @@ class SourceStage(AsyncStageLoop):
 
 class SinkStage(AsyncStageLoop):
     """Reads the chunks slowly and returns their checksum; with `stream_output` it also
-    emits, per chunk read, that chunk's sum (a little-endian float64, as bytes) towards the
-    API server."""
+    emits, per chunk read, that chunk's float64 sum towards the API server: as 8 little-endian
+    bytes for even chunks, as a one-value tensor for odd ones (both inline kinds)."""
 
     def info(self) -> StageInfo:
         return StageInfo(self.kind, RunnerSettings(f"{_RUNNERS}:SinkStage"))
@@ -98,7 +98,10 @@ class SinkStage(AsyncStageLoop):
             digest.update(tensor.numpy().tobytes())
             count += 1
             if msg.stream_output:
-                await self.emit_chunk(msg, struct.pack("<d", float(tensor.double().sum())))
+                total = tensor.double().sum()
+                # Both inline kinds a final stage may send: a tensor, raw bytes (e.g. pcm16).
+                piece = struct.pack("<d", float(total)) if count % 2 else total.reshape(1)
+                await self.emit_chunk(msg, piece)
             self.pulse()
             if delay:
                 await asyncio.sleep(delay)
