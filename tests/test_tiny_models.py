@@ -23,7 +23,8 @@ PIPELINE_CLASS = {
 # below: qwen-image-edit needs a source image (and ~15 s per CPU run at its 1 MP condition
 # area), so tests/diffusion/test_qwen_image_edit.py runs it in diffusers' QwenImageEditPipeline.
 # wan makes videos (WanPipeline returns frames, not images): tests/diffusion/test_wan.py runs it.
-OWN_TESTS = ("qwen-image-edit", "wan")
+# qwen3-omni is a transformers model (text and speech): tests/qwen3_omni/ runs it.
+OWN_TESTS = ("qwen-image-edit", "wan", "qwen3-omni")
 TEXT_TO_IMAGE_KINDS = tuple(k for k in KINDS if k not in OWN_TESTS)
 
 

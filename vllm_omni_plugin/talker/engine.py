@@ -126,12 +126,22 @@ class TalkerEngine:
         outputs: list[TalkerOutput] = []
         with self._lock:
             items = list(self._requests.items())
-        for _rid, req in items:
+        for rid, req in items:
             if req.cache is None and req.text_ids:
                 self._prefill(req)
+                if req.code0 == self.runner.eos:  # the talker ends before its first frame
+                    with self._lock:
+                        if self._requests.get(rid) is req:
+                            del self._requests[rid]
+                            empty = torch.zeros(self.runner.num_groups, 0, dtype=torch.long)
+                            outputs.append(TalkerOutput(rid, empty, True))
         batch, texts = [], []
         for rid, req in items:
-            if req.cache is None or len(batch) >= self.max_batch_size:
+            if (
+                req.cache is None
+                or req.code0 == self.runner.eos
+                or len(batch) >= self.max_batch_size
+            ):
                 continue
             entry = self._text_entry(req)
             if entry is None:
@@ -158,14 +168,6 @@ class TalkerEngine:
                 outputs.append(TalkerOutput(rid, frames[i][:, None], done))
                 if done:
                     del self._requests[rid]
-        # A request whose very first code is EOS ends without a frame.
-        with self._lock:
-            for rid, req in list(self._requests.items()):
-                if req.cache is not None and req.frames == 0 and req.code0 == r.eos:
-                    outputs.append(
-                        TalkerOutput(rid, torch.zeros(r.num_groups, 0, dtype=torch.long), True)
-                    )
-                    del self._requests[rid]
         return outputs
 
     def _prefill(self, req: _Request) -> None:
@@ -180,8 +182,10 @@ class TalkerEngine:
         k = req.frames  # decode step k reads entry k: generated token k + 1
         c = self.conditioner
         if k + 1 < len(req.text_ids):
-            if req.trailing is None or req.trailing.shape[0] < len(req.text_ids) - 1:
-                req.trailing = c.trailing(req.text_ids)
+            known = 0 if req.trailing is None else req.trailing.shape[0]
+            if known < len(req.text_ids) - 1:  # project only the ids that arrived since
+                new = c.trailing(req.text_ids[known:])
+                req.trailing = new if req.trailing is None else torch.cat([req.trailing, new])
             return req.trailing[k]
         if not req.text_finished:
             return None
