@@ -123,10 +123,10 @@ async def describe_stages(request: Request) -> Response:
     API server; under /v1, so --api-key guards it too. With `?live=1`, each stage also answers
     what it holds right now ("live": the requests in its engine, its count of Submits),
     between two of its steps; null for a stage that is down or cannot be asked (remote)."""
-    if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
-        return _error(APIError(404, "not found", code="not_found"))
     try:
         await refuse_body(request)
+        if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
+            raise APIError(404, "not found", code="not_found")
         orchestrator = _service(request).orchestrator
     except APIError as exc:
         return _error(exc)
