@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from pathlib import Path
+
+from .private_files import PrivateFileError, shared_secret
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
 
@@ -41,38 +42,12 @@ class RayAuthError(RuntimeError):
     """The Ray cluster cannot be joined with token authentication; the message says why."""
 
 
-def private_dir() -> Path:
-    """The user's runtime folder ($XDG_RUNTIME_DIR) or, without one, cache folder, plus
-    `vllm-omni`: mode 0700, refused when it is a link or another user's."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME")
-    root = Path(base) if base else Path.home() / ".cache"
-    path = root / "vllm-omni"
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise RayAuthError(f"{path} belongs to another user (uid {st.st_uid})")
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
-    return path
-
-
 def own_token_file() -> Path:
     """Our token file (created with a random token, 0600, if missing)."""
-    path = private_dir() / TOKEN_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return path
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path
+        return shared_secret(TOKEN_FILE)[1]
+    except PrivateFileError as exc:
+        raise RayAuthError(str(exc)) from None
 
 
 def use_token_auth(address: str) -> None:
