@@ -376,8 +376,9 @@ def test_stream_disconnect_aborts_the_work(qwen_server):
 
 
 def test_request_timeout_is_a_504_and_aborts_the_work(qwen_server):
-    # Four 1024x1024 images of 200 steps: well past the server's limit, REQUEST_TIMEOUT_S.
-    huge = {**LONG, "n": 4}
+    # 1024x1024 images of 200 steps, as many as one request may ask here (n is bounded by the
+    # stage's max_batch_size): well past the server's limit, REQUEST_TIMEOUT_S.
+    huge = {**LONG, "n": QWEN_MAX_BATCH}
     t0 = time.monotonic()
     r = httpx.post(
         f"{qwen_server.url}/v1/images/generations", headers=auth(), json=huge, timeout=120
