@@ -56,7 +56,7 @@ def setup(tiny_models, tmp_path_factory):
 
 
 # The second server (after the restart): small job bounds that its last test exceeds.
-BOUNDED = "videos:\n  max_running_jobs: 1\n  max_queued_jobs: 1\n  job_timeout_s: 4\n"
+BOUNDED = "videos:\n  max_running_jobs: 1\n  max_queued_jobs: 1\n  job_timeout_s: 2\n"
 BOUNDED += "  max_event_streams: 1\n"
 
 
@@ -382,12 +382,14 @@ def test_restarted_server_keeps_finished_jobs_and_content(server, setup, shared)
 
 def test_job_bounds_queue_timeout_and_event_streams(shared):
     """The second server runs 1 job, lets 1 wait (the next gets 429 with Retry-After), fails a
-    job past job_timeout_s (4 s) and frees its stage for the waiting one, and keeps at most one
+    job past job_timeout_s (2 s) and frees its stage for the waiting one, and keeps at most one
     /events stream open."""
     second = shared.pop("second")
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
-        long = create(second, seed=20, steps=200, frames=65, size="64x64")
+        # The largest job the stage takes (200 steps of 65 frames at 256x256): far past 2 s on
+        # this CPU (200 steps of 9 frames at 32x32 take about 1 s); the small one takes ~0.1 s.
+        long = create(second, seed=20, steps=200, frames=65, size="256x256")
         waiting = create(second, seed=21)
         with pytest.raises(RateLimitError) as refused:
             create(second, seed=22)
