@@ -300,13 +300,13 @@ async def test_default_is_loopback_and_works_without_a_key(monkeypatch):
 
 
 async def test_with_the_key_the_registry_listens_on_all_interfaces(monkeypatch):
-    monkeypatch.setenv(AUTHKEY_ENV, "a shared secret")
+    monkeypatch.setenv(AUTHKEY_ENV, "a shared secret of at least 32 bytes")
     h = remote.head_from_args(cfg(), head_args("0.0.0.0"))
     h.client_for(stage_init(cfg(), 1))
     await h.start()
     try:
         assert h._sock.getsockname()[0] == "0.0.0.0"
-        link, reply = await register(h.port, key=b"a shared secret")
+        link, reply = await register(h.port, key=b"a shared secret of at least 32 bytes")
         assert isinstance(reply, Welcome)
         link.close()
     finally:
@@ -410,3 +410,67 @@ def test_stage_info_crosses_the_link_typed():
     frame = link_mod.encode(Heartbeat({1: StageStatus("diffusion", True, info)}))
     back = msgspec.msgpack.decode(frame[4:], type=Heartbeat).stages[1].info
     assert back == info and back.limits.max_steps == 9
+
+
+# ---- the key (issue 31 item 1) ---------------------------------------------------------------
+def test_a_key_shorter_than_32_bytes_is_refused(monkeypatch):
+    monkeypatch.setenv(AUTHKEY_ENV, "x" * 31)
+    with pytest.raises(SystemExit, match="at least 32"):
+        authkey(cfg(), "127.0.0.1", "head")
+    monkeypatch.setenv(AUTHKEY_ENV, "x" * 32)
+    assert authkey(cfg(), "0.0.0.0", "head") == b"x" * 32
+
+
+def test_the_same_host_key_is_random_private_and_shared(monkeypatch, tmp_path):
+    import hashlib
+
+    monkeypatch.delenv(AUTHKEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    head = authkey(cfg(), "127.0.0.1", "head")
+    assert authkey(cfg(), "localhost", "node") == head  # what a node of this user reads
+    path = tmp_path / "vllm-omni" / "node_link_key"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "vllm-omni").stat().st_mode & 0o777 == 0o700
+    assert len(head) == 64 and head == path.read_bytes()
+    # Nothing public gives it: not the pipeline's shape (the key derived before issue 31).
+    shape = ",".join(f"{s.stage_id}:{s.kind}:{sorted(s.inputs)}" for s in cfg().topology.stages)
+    derived = hashlib.sha256(f"vllm-omni-plugin/{cfg().pipeline}/{shape}".encode()).digest()
+    assert head != derived
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+    assert authkey(cfg(), "127.0.0.1", "head") != head  # another user's folder, another key
+
+
+def test_a_loose_or_linked_key_file_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv(AUTHKEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    authkey(cfg(), "127.0.0.1", "head")
+    path = tmp_path / "vllm-omni" / "node_link_key"
+    path.chmod(0o644)
+    with pytest.raises(SystemExit, match="readable by others"):
+        authkey(cfg(), "127.0.0.1", "node")
+    path.unlink()
+    planted = tmp_path / "planted"
+    planted.write_text("0" * 64)
+    planted.chmod(0o600)
+    path.symlink_to(planted)
+    with pytest.raises((SystemExit, OSError)):
+        authkey(cfg(), "127.0.0.1", "node")
+
+
+async def test_a_node_with_the_derived_key_is_refused(monkeypatch, tmp_path):
+    import hashlib
+
+    monkeypatch.delenv(AUTHKEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    h = remote.head_from_args(cfg(), head_args(None))
+    h.client_for(stage_init(cfg(), 1))
+    await h.start()
+    try:
+        shape = ",".join(f"{s.stage_id}:{s.kind}:{sorted(s.inputs)}" for s in cfg().topology.stages)
+        derived = hashlib.sha256(f"vllm-omni-plugin/{cfg().pipeline}/{shape}".encode()).digest()
+        with pytest.raises((AuthenticationError, ConnectionError, OSError)):
+            await register(h.port, key=derived)
+    finally:
+        h.close()

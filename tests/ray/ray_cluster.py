@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -64,9 +65,25 @@ class TwoNodeRay:
         self.tmp = tmp
         # Ray's unix sockets live under its temp dir: keep the path short.
         self.temp_dirs = [f"/tmp/omni-ray-{tag}-h", f"/tmp/omni-ray-{tag}-n"]
+        # Ray's token authentication, as the project runs it (orchestrator/ray_auth.py), with a
+        # token of this cluster's own in a temporary home: nothing is read from or written to
+        # the user's ~/.ray (a token left there changes what `ray start` does).
+        home = tmp / "home"
+        home.mkdir()
+        token = tmp / "ray_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if k != "VLLM_PLUGINS" and not k.startswith(("RAY_AUTH", "XDG_"))
+        }
         self.env = {
-            **{k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"},
+            **inherited,
+            "HOME": str(home),
             "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
         }
         self.server: subprocess.Popen | None = None
         self.server_log = tmp / "server.log"

@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import pytest
-from omni_server import API_KEY, REPO, REQUEST_TIMEOUT_S, Server
+from omni_server import (
+    API_KEY,
+    OTHER_KEY,
+    QWEN_MAX_BATCH,
+    QWEN_MAX_QUEUED,
+    REPO,
+    REQUEST_TIMEOUT_S,
+    Server,
+)
 
 
 @pytest.fixture(scope="module")
 def qwen_server(tiny_models, tmp_path_factory):
     model = tiny_models("qwen-image")
     root = tmp_path_factory.mktemp("qwen-server")
-    # The bundled CPU config plus a short serving.request_timeout_s, which one test exceeds.
+    # The bundled CPU config plus a short serving.request_timeout_s, which one test exceeds,
+    # and small bounds a burst can exceed: 2 requests run (max_batch_size), 2 more may wait.
     config = root / "qwen_image_tiny_timeout.yaml"
     config.write_text(
         f"base_config: {REPO / 'stage_configs' / 'qwen_image_tiny.yaml'}\n"
         f"serving:\n  request_timeout_s: {REQUEST_TIMEOUT_S}\n"
+        f"  max_queued_requests: {QWEN_MAX_QUEUED}\n"
+        f"stages:\n  - stage_id: 0\n    max_batch_size: {QWEN_MAX_BATCH}\n"
     )
     server = Server(
-        [str(model), "--stage-config", str(config), "--api-key", API_KEY], root / "server.log"
+        [str(model), "--stage-config", str(config), "--api-key", API_KEY, OTHER_KEY],
+        root / "server.log",
     )
     try:
         server.startup_s = server.wait_healthy()
@@ -35,6 +47,8 @@ SHARED_ENV = {"VLLM_OMNI_DESCRIBE_STAGES": "1"}
 # Qwen-Image with small limits, so whatever valid request the fuzzer finds costs little:
 # up to 128x128, 4 steps, 2 images (the rest gets a 400 before any stage).
 GREEDY_GLM_OVERRIDES = '{"0": {"default_sampling_params": {"temperature": 0.0}}}'
+# test_soak.py runs 64 clients at once against both shared servers: all are admitted.
+SOAK_QUEUE = 64
 SMALL_QWEN_OVERRIDES = '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4}}'
 
 
@@ -59,6 +73,7 @@ def small_qwen_server(tiny_models, tmp_path_factory):
     config = root / "qwen_image_small.yaml"
     config.write_text(
         f"base_config: {REPO / 'stage_configs' / 'qwen_image_tiny.yaml'}\nserving:\n  max_n: 2\n"
+        f"  max_queued_requests: {SOAK_QUEUE}\n"
     )
     server = start_shared(
         tiny_models("qwen-image"), config, root, "--stage-overrides", SMALL_QWEN_OVERRIDES
@@ -72,7 +87,11 @@ def small_qwen_server(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="session")
 def shared_glm_server(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("shared-glm-server")
-    config = REPO / "stage_configs" / "glm_image_tiny.yaml"
+    config = root / "glm_image_tiny_soak.yaml"
+    config.write_text(
+        f"base_config: {REPO / 'stage_configs' / 'glm_image_tiny.yaml'}\n"
+        f"serving:\n  max_queued_requests: {SOAK_QUEUE}\n"
+    )
     # The AR stage greedy, so that test_glm_edits_serve.py can compare served images with
     # transformers' greedy AR + diffusers' DiT (sampling in vLLM and transformers differs).
     server = start_shared(

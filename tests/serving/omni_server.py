@@ -16,6 +16,13 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 VLLM = str(Path(sys.executable).parent / "vllm")
 API_KEY = "test-key"
+OTHER_KEY = "other-key"  # a second key on servers that test what one key cannot see of another
+QWEN_MAX_BATCH, QWEN_MAX_QUEUED = 2, 2  # qwen_server (conftest.py): what runs, what may wait
+# A multipart body whose one file part (an image) is the zeros send_chunked streams after it.
+MULTIPART_FILE_START = (
+    b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n'
+    b"Content-Type: image/png\r\n\r\n"
+)
 # serving.request_timeout_s of the Qwen test server; its ordinary test requests take
 # 0.1-1 s on a busy box.
 REQUEST_TIMEOUT_S = 5
@@ -81,3 +88,58 @@ def alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def send_chunked(
+    url: str,
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    total: int = 256 << 20,
+    chunk: int = 1 << 20,
+    prefix: bytes = b"",
+) -> tuple[int, dict, int]:
+    """Send a chunked body of `prefix` then zeros, `total` bytes in all, to `path`, stopping as
+    soon as the server answers; (status, JSON body or {}, bytes sent). Raw HTTP/1.1: clients
+    would send the whole body before reading an early answer."""
+    import json
+    import select
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    head = f"{method} {path} HTTP/1.1\r\nHost: {where.netloc}\r\nTransfer-Encoding: chunked\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "Connection: close\r\n\r\n"
+    piece = f"{chunk:x}\r\n".encode() + bytes(chunk) + b"\r\n"
+    sent = 0
+    with socket.create_connection((where.hostname, where.port), timeout=60) as s:
+        s.sendall(head.encode())
+        if prefix:
+            s.sendall(f"{len(prefix):x}\r\n".encode() + prefix + b"\r\n")
+            sent += len(prefix)
+        try:
+            while sent < total:
+                readable, _, _ = select.select([s], [], [], 0)
+                if readable:
+                    break
+                s.sendall(piece)
+                sent += chunk
+            else:
+                s.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed: read its answer
+        reply = b""
+        try:
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    break
+                reply += data
+        except (ConnectionResetError, TimeoutError):
+            pass
+    status_line, _, rest = reply.partition(b"\r\n")
+    status = int(status_line.split()[1])
+    _, _, body = rest.partition(b"\r\n\r\n")
+    try:
+        return status, json.loads(body), sent
+    except ValueError:
+        return status, {}, sent

@@ -6,6 +6,7 @@ own VllmConfig, the diffusion engine's config, each stage process's environment
 from __future__ import annotations
 
 import base64
+import json
 import os
 
 import httpx
@@ -139,13 +140,17 @@ def test_every_owner_reads_back_from_the_live_stages(server):
 
     # Placement and env: each stage process's own os.environ, as the stage reports it
     # (/proc/<pid>/environ is overwritten once the stage sets its process title).
-    for sid, mark in ((0, "ar-stage"), (1, "dit-stage")):
-        environ = stages[sid]["info"]["effective"]["environ"]
-        assert environ["OMNI_EFFECT_MARK"] == mark
-        assert environ["CUDA_VISIBLE_DEVICES"] == "0"
+    # Names only (issue 31): the route never shows an env value, only whether the stage
+    # process has the configured one.
+    for sid in (0, 1):
+        effective = stages[sid]["info"]["effective"]
+        assert effective["environ"]["OMNI_EFFECT_MARK"] == "as configured"
+        assert effective["environ"]["CUDA_VISIBLE_DEVICES"] == "0"
         assert psutil.pid_exists(stages[sid]["pid"])
-    assert ar["info"]["effective"]["environ"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert ar["info"]["effective"]["environ"]["OMNI_AR_WORKER_NICE"] == "19"  # from the base file
+    assert ar["info"]["effective"]["environ"]["VLLM_CPU_KVCACHE_SPACE"] == "as configured"
+    assert ar["info"]["effective"]["environ"]["OMNI_AR_WORKER_NICE"] == "as configured"
+    shown = json.dumps(stages)
+    assert all(mark not in shown for mark in ("ar-stage", "dit-stage"))
 
 
 def test_serving_limits_and_the_connector_edge_act(server):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 
 import httpx
 import numpy as np
@@ -247,3 +248,26 @@ def test_bad_uploads_are_4xx_before_any_stage(edit_server):
     with pytest.raises(BadRequestError):
         client(edit_server).images.generate(model=edit_server.model, prompt="x", size="64x64")
     assert completed() == before
+
+
+def test_a_source_with_a_4_mib_icc_profile_is_edited_like_one_without(edit_server):
+    """A JPEG carrying a 4 MiB ICC profile (more than a PNG reader accepts in one chunk) is
+    converted at the route without its profile: the stage edits it (200), the same image as the
+    same pixels without a profile."""
+    rgb = Image.open(io.BytesIO(source_png())).convert("RGB")
+    plain, tagged = io.BytesIO(), io.BytesIO()
+    rgb.save(plain, format="JPEG", quality=95)
+    rgb.save(tagged, format="JPEG", quality=95, icc_profile=os.urandom(4 << 20))
+    assert len(tagged.getvalue()) > 4 << 20
+
+    def edit(data: bytes) -> np.ndarray:
+        res = client(edit_server).images.edit(
+            model=edit_server.model,
+            image=("src.jpg", data, "image/jpeg"),
+            prompt=PROMPT,
+            size="64x64",
+            extra_body={"seed": 5, "num_inference_steps": 2},
+        )
+        return decode(res.data[0].b64_json)
+
+    assert np.array_equal(edit(tagged.getvalue()), edit(plain.getvalue()))

@@ -222,3 +222,122 @@ def test_fuzz_route(fuzz_target, method, path):
     )
     if not generates:  # nothing this route answered may have reached a stage
         assert stage_submits(server) == submits_at_start, seen
+
+
+# ---- Multipart and chunked bodies (issue 31 item 6) ----------------------------------------
+FORM_NAMES = [
+    "image",
+    "image[]",
+    "mask",
+    "prompt",
+    "n",
+    "size",
+    "seed",
+    "stream",
+    "input_reference",
+    "model",
+    "response_format",
+    "num_inference_steps",
+    "x",
+]
+
+
+def _png(width: int, height: int, mode: str) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new(mode, (width, height)).save(out, format="PNG")
+    return out.getvalue()
+
+
+FILE_BYTES = st.one_of(
+    st.binary(max_size=256),
+    st.builds(_png, st.integers(1, 96), st.integers(1, 96), st.sampled_from(["RGB", "RGBA", "L"])),
+)
+FORM_PART = st.tuples(
+    st.sampled_from(FORM_NAMES),
+    st.one_of(st.text(max_size=20).map(str.encode), FILE_BYTES),
+    st.booleans(),  # as a file part
+)
+
+
+def multipart(parts: list[tuple[str, bytes, bool]], boundary: str, truncate: int | None) -> bytes:
+    out = b""
+    for name, value, is_file in parts:
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"'.encode()
+        out += b'; filename="f.png"\r\nContent-Type: image/png' if is_file else b""
+        out += b"\r\n\r\n" + value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return out if truncate is None else out[:truncate]
+
+
+def chunks(body: bytes, size: int):
+    for i in range(0, len(body), size):
+        yield body[i : i + size]
+
+
+POST_ROUTES = [path for method, path in our_routes() if method == "POST"]
+
+
+@pytest.mark.parametrize("path", POST_ROUTES)
+def test_fuzz_multipart_and_chunked_bodies(fuzz_target, path):
+    """Multipart forms (valid and broken, files and fields of every name the routes know, real
+    and garbage images) and chunked bodies to every POST route: no 5xx, every 4xx OpenAI-shaped,
+    and a stage sees exactly the requests answered 200."""
+    server, _ = fuzz_target
+    failures: list[str] = []
+    seen: dict[int, int] = {}
+    started = time.monotonic()
+
+    @settings(
+        max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(
+        parts=st.lists(FORM_PART, max_size=5),
+        boundary=st.sampled_from(["b", "xYz-123", "=="]),
+        truncate=st.one_of(st.none(), st.integers(0, 200)),
+        chunked=st.booleans(),
+        chunk=st.integers(1, 64),
+        as_form=st.booleans(),
+        raw=body_strategy(None),
+    )
+    def one(parts, boundary, truncate, chunked, chunk, as_form, raw) -> None:
+        if (
+            sum(seen.values()) >= MIN_EXAMPLES
+            and time.monotonic() - started > BUDGET_S["other"] * 2
+        ):
+            return
+        if as_form:
+            body = multipart(parts, boundary, truncate)
+            kind = f"multipart/form-data; boundary={boundary}"
+        else:
+            body, kind = raw, "application/json"
+        before = stage_submits(server)
+        r = httpx.post(
+            f"{server.url}{path}",
+            content=chunks(body, chunk) if chunked else body,
+            headers={**HEADERS, "content-type": kind},
+            timeout=120,
+        )
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        note = (
+            f"POST {path} {kind} chunked={chunked} {body[:200]!r} -> {r.status_code} {r.text[:300]}"
+        )
+        if r.status_code >= 500:
+            failures.append(f"5xx: {note}")
+        elif r.status_code >= 400:
+            try:
+                assert_openai_error(r)
+            except AssertionError as exc:
+                failures.append(f"not OpenAI-shaped ({exc}): {note}")
+        reached = stage_submits(server) - before
+        if reached != (1 if r.status_code == 200 else 0):
+            failures.append(f"{reached} stage submit(s) for: {note}")
+
+    one()
+    assert sum(seen.values()) >= MIN_EXAMPLES, seen
+    assert not failures, f"{len(failures)} failing of {sum(seen.values())}:\n" + "\n".join(
+        failures[:8]
+    )

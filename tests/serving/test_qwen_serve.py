@@ -18,7 +18,16 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from omni_server import API_KEY, REQUEST_TIMEOUT_S, alive
+from omni_server import (
+    API_KEY,
+    MULTIPART_FILE_START,
+    OTHER_KEY,
+    QWEN_MAX_BATCH,
+    QWEN_MAX_QUEUED,
+    REQUEST_TIMEOUT_S,
+    alive,
+    send_chunked,
+)
 from openai import OpenAI
 from PIL import Image
 
@@ -213,6 +222,112 @@ def test_stream_partial_images_then_the_same_image(qwen_server):
     assert "partial_image" not in text and text.count("event: image_generation.completed") == 1
 
 
+# ---- Bounds (issue 31): admission, bodies, owners, nested JSON ----------------------------
+def _metric(server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_burst_past_the_bound_gets_429s_and_every_other_request_its_image(qwen_server):
+    """qwen_server holds QWEN_MAX_BATCH running + QWEN_MAX_QUEUED waiting requests; a burst of
+    10 gets exactly the excess answered 429 (OpenAI's shape, Retry-After) and an image for every
+    other request, and nothing stays held afterwards."""
+    held = QWEN_MAX_BATCH + QWEN_MAX_QUEUED
+    # Requests of ~0.4 s: long enough that the whole burst arrives while the first ones still
+    # run, short enough that the waiting ones finish well within REQUEST_TIMEOUT_S.
+    t0 = time.monotonic()
+    generate(qwen_server, seed=1, num_inference_steps=8)
+    per_step = (time.monotonic() - t0) / 8
+    steps = min(200, max(4, round(0.4 / per_step)))
+    burst = 10
+    barrier = threading.Barrier(burst)
+
+    def one(seed: int) -> httpx.Response:
+        barrier.wait()
+        return httpx.post(
+            f"{qwen_server.url}/v1/images/generations",
+            headers=auth(),
+            json={
+                "prompt": PROMPT,
+                "size": "64x64",
+                "seed": seed,
+                "num_inference_steps": steps,
+            },
+            timeout=60,
+        )
+
+    with ThreadPoolExecutor(burst) as pool:
+        answers = list(pool.map(one, range(100, 100 + burst)))
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [200] * held + [429] * (burst - held), statuses
+    for r in answers:
+        if r.status_code == 429:
+            err = r.json()["error"]
+            assert err["code"] == "too_many_requests" and "max_queued_requests" in err["message"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert int(r.headers["retry-after"]) >= 1
+        else:
+            assert decode(r.json()["data"][0]["b64_json"]).shape == (64, 64, 3)
+    assert _metric(qwen_server, "omni_image_requests_running") == 0
+    assert _metric(qwen_server, "omni_image_requests_waiting") == 0
+
+
+def test_a_256_mib_chunked_body_gets_413_on_every_route_with_memory_flat(qwen_server):
+    """Every route the plugin adds (the videos routes have their own server, test_videos.py)
+    stops reading a chunked body at its limit: 413, long before 256 MiB were sent, and the API
+    server's memory does not grow by the body."""
+    from test_fuzz import our_routes
+
+    server_proc = psutil.Process(qwen_server.proc.pid)
+    rss0 = server_proc.memory_info().rss
+    routes = [(m, p.replace("{token}", "x")) for m, p in our_routes() if "/videos" not in p]
+    assert ("POST", "/v1/images/edits") in routes and ("POST", "/v1/images/generations") in routes
+    for method, path in routes:
+        edits = path.endswith("edits")
+        kind = "multipart/form-data; boundary=b" if edits else "application/json"
+        status, body, sent = send_chunked(
+            qwen_server.url,
+            method,
+            path,
+            {**auth(), "Content-Type": kind},
+            prefix=MULTIPART_FILE_START if edits else b"",
+        )
+        assert status == 413, (method, path, status, body)
+        assert body["error"]["code"] == "body_too_large", (method, path, body)
+        assert sent < 128 << 20, (method, path, sent)  # the server stopped reading early
+    growth = server_proc.memory_info().rss - rss0
+    assert growth < 32 << 20, growth
+
+
+def test_a_url_image_is_only_for_the_key_that_made_it(qwen_server):
+    res = client(qwen_server).images.generate(
+        model=qwen_server.model,
+        prompt=PROMPT,
+        size="64x64",
+        response_format="url",
+        extra_body={"seed": 4, "num_inference_steps": 2},
+    )
+    url = res.data[0].url
+    assert httpx.get(url, headers=auth()).status_code == 200
+    other = httpx.get(url, headers={"Authorization": f"Bearer {OTHER_KEY}"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
+
+
+def test_deeply_nested_json_is_a_400(qwen_server):
+    for body in (
+        '{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"prompt": "a", "x": ' + '{"a":' * 40 + "1" + "}" * 40 + "}",
+    ):
+        r = httpx.post(
+            f"{qwen_server.url}/v1/images/generations",
+            headers={**auth(), "Content-Type": "application/json"},
+            content=body,
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
 def _in_flight(server) -> float:
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():
         if line.startswith("omni_stage_requests_in_flight"):
@@ -261,8 +376,9 @@ def test_stream_disconnect_aborts_the_work(qwen_server):
 
 
 def test_request_timeout_is_a_504_and_aborts_the_work(qwen_server):
-    # Four 1024x1024 images of 200 steps: well past the server's limit, REQUEST_TIMEOUT_S.
-    huge = {**LONG, "n": 4}
+    # 1024x1024 images of 200 steps, as many as one request may ask here (n is bounded by the
+    # stage's max_batch_size): well past the server's limit, REQUEST_TIMEOUT_S.
+    huge = {**LONG, "n": QWEN_MAX_BATCH}
     t0 = time.monotonic()
     r = httpx.post(
         f"{qwen_server.url}/v1/images/generations", headers=auth(), json=huge, timeout=120

@@ -22,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import av
 import httpx
 import numpy as np
+import psutil
 import pytest
-from omni_server import API_KEY, REPO, Server
-from openai import BadRequestError, NotFoundError, OpenAI
+from omni_server import API_KEY, MULTIPART_FILE_START, OTHER_KEY, REPO, Server, send_chunked
+from openai import BadRequestError, NotFoundError, OpenAI, RateLimitError
 from PIL import Image
 
 from vllm_omni_plugin.stages.videos_encode import encode_mp4
@@ -54,10 +55,21 @@ def setup(tiny_models, tmp_path_factory):
     return model, config, root
 
 
-def start(setup, name: str) -> Server:
+# The second server (after the restart): small job bounds that its last test exceeds.
+BOUNDED = "videos:\n  max_running_jobs: 1\n  max_queued_jobs: 1\n  job_timeout_s: 2\n"
+BOUNDED += "  max_event_streams: 1\n"
+
+
+def start(setup, name: str, extra: str = "") -> Server:
     model, config, root = setup
+    if extra:  # the same store, plus `extra` (a replaced section keeps the store folder)
+        derived = root / f"{name}.yaml"
+        derived.write_text(
+            f"base_config: {config}\n{extra}  store_dir: {root / 'store'}\n  max_num_frames: 65\n"
+        )
+        config = derived
     server = Server(
-        [str(model), "--stage-config", str(config), "--api-key", API_KEY],
+        [str(model), "--stage-config", str(config), "--api-key", API_KEY, OTHER_KEY],
         root / f"{name}.log",
         env={"VLLM_OMNI_DESCRIBE_STAGES": "1"},
     )
@@ -78,8 +90,8 @@ def shared() -> dict:
     return {}
 
 
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def client(server, key: str = API_KEY) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def create(server, size="32x32", frames=9, seed=0, steps=4, **kw):
@@ -90,10 +102,12 @@ def create(server, size="32x32", frames=9, seed=0, steps=4, **kw):
     )
 
 
-def wait(server, video_id: str, timeout: float = 120) -> tuple[object, list[int]]:
+def wait(
+    server, video_id: str, timeout: float = 120, key: str = API_KEY
+) -> tuple[object, list[int]]:
     seen, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
-        v = client(server).videos.retrieve(video_id)
+        v = client(server, key).videos.retrieve(video_id)
         seen.append(v.progress)
         if v.status in ("completed", "failed"):
             return v, seen
@@ -187,6 +201,54 @@ def test_list_and_delete(server, shared):
     assert wait(server, after.id)[0].status == "completed"
     with pytest.raises(NotFoundError):
         client(server).videos.retrieve(running.id)
+
+
+def test_another_key_sees_nothing_of_a_job(server, shared):
+    mine = next(iter(shared["finished"]))
+    theirs = client(server, OTHER_KEY)
+    assert mine not in [v.id for v in theirs.videos.list(limit=100)]
+    for call in (
+        lambda: theirs.videos.retrieve(mine),
+        lambda: theirs.videos.download_content(mine),
+        lambda: theirs.videos.delete(mine),
+        lambda: theirs.videos.list(after=mine),
+    ):
+        with pytest.raises(NotFoundError):
+            call()
+    events = httpx.get(
+        f"{server.url}/v1/videos/{mine}/events",
+        headers={"Authorization": f"Bearer {OTHER_KEY}"},
+    )
+    assert events.status_code == 404
+    assert client(server).videos.retrieve(mine).status == "completed"  # still there for me
+    other = theirs.videos.create(prompt=PROMPT, size="32x32", extra_body={"num_frames": 5})
+    assert other.id not in [v.id for v in client(server).videos.list(limit=100)]
+    with pytest.raises(NotFoundError):
+        client(server).videos.retrieve(other.id)
+    assert wait(server, other.id, key=OTHER_KEY)[0].status == "completed"
+
+
+def test_a_256_mib_chunked_body_gets_413_on_every_videos_route(server, shared):
+    mine = next(iter(shared["finished"]))
+    proc = psutil.Process(server.proc.pid)
+    rss0 = proc.memory_info().rss
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path, kind, prefix in (
+        ("POST", "/v1/videos", "application/json", b""),
+        ("POST", "/v1/videos", "multipart/form-data; boundary=b", MULTIPART_FILE_START),
+        ("GET", "/v1/videos", "application/json", b""),
+        ("GET", f"/v1/videos/{mine}", "application/json", b""),
+        ("GET", f"/v1/videos/{mine}/content", "application/json", b""),
+        ("GET", f"/v1/videos/{mine}/events", "application/json", b""),
+        ("DELETE", f"/v1/videos/{mine}", "application/json", b""),
+    ):
+        status, body, sent = send_chunked(
+            server.url, method, path, {**auth, "Content-Type": kind}, prefix=prefix
+        )
+        assert status == 413 and body["error"]["code"] == "body_too_large", (method, path, body)
+        assert sent < 64 << 20, (method, path, sent)
+    assert proc.memory_info().rss - rss0 < 32 << 20
+    assert client(server).videos.retrieve(mine).status == "completed"  # not deleted
 
 
 @pytest.mark.parametrize(
@@ -298,7 +360,8 @@ def test_restarted_server_keeps_finished_jobs_and_content(server, setup, shared)
     for p in procs:
         p.kill()
     server.proc.wait()
-    second = start(setup, "second")
+    second = start(setup, "second", BOUNDED)
+    shared["second"] = second
     try:
         for video_id, mp4 in shared["finished"].items():
             v = client(second).videos.retrieve(video_id)
@@ -312,5 +375,39 @@ def test_restarted_server_keeps_finished_jobs_and_content(server, setup, shared)
             headers={"Authorization": f"Bearer {API_KEY}"},
         )
         assert r.status_code == 404 and r.json()["error"]["code"] == "video_failed"
+    except BaseException:
+        second.stop()
+        raise
+
+
+def test_job_bounds_queue_timeout_and_event_streams(shared):
+    """The second server runs 1 job, lets 1 wait (the next gets 429 with Retry-After), fails a
+    job past job_timeout_s (2 s) and frees its stage for the waiting one, and keeps at most one
+    /events stream open."""
+    second = shared.pop("second")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        # The largest job the stage takes (200 steps of 65 frames at 256x256): far past 2 s on
+        # this CPU (200 steps of 9 frames at 32x32 take about 1 s); the small one takes ~0.1 s.
+        long = create(second, seed=20, steps=200, frames=65, size="256x256")
+        waiting = create(second, seed=21)
+        with pytest.raises(RateLimitError) as refused:
+            create(second, seed=22)
+        assert refused.value.body["code"] == "too_many_requests"
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        with httpx.stream("GET", f"{second.url}/v1/videos/{long.id}/events", headers=auth) as r:
+            assert r.status_code == 200
+            busy = httpx.get(f"{second.url}/v1/videos/{waiting.id}/events", headers=auth)
+            assert busy.status_code == 429, busy.text
+            assert busy.json()["error"]["code"] == "too_many_requests"
+        t0 = time.monotonic()
+        failed, _ = wait(second, long.id, timeout=60)
+        assert failed.status == "failed" and failed.error.code == "job_timeout", failed.error
+        assert "videos.job_timeout_s" in failed.error.message
+        done, _ = wait(second, waiting.id, timeout=60)  # the stage was freed for it
+        assert done.status == "completed", done.error
+        assert time.monotonic() - t0 < 60
+        again = httpx.get(f"{second.url}/v1/videos/{done.id}/events", headers=auth)
+        assert again.status_code == 200 and "video.completed" in again.text  # the slot came back
     finally:
         second.stop()

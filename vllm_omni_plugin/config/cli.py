@@ -90,6 +90,14 @@ def _validate(args: argparse.Namespace) -> int:
         print(
             f"  edge {edge.from_stage} -> {edge.to_stage} via {edge.connector} ({cfg.connectors[edge.connector].type})"
         )
+    # Request and job bounds, each with the layer that set it ("default" when none did).
+    for section in ("serving", "videos"):
+        values = getattr(cfg, section).model_dump()
+        shown = " ".join(
+            f"{k}={v} ({cfg.provenance.get(f'{section}.{k}', 'default')})"
+            for k, v in values.items()
+        )
+        print(f"  {section}: {shown}")
     return 0
 
 

@@ -209,6 +209,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "max_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "max_negative_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
+    ("ServingLimits", "max_queued_requests"): {"pipeline": Code("serving/app_state.py")},
     # PipelineRuntime (top-level `runtime:`)
     ("PipelineRuntime", "backend"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},
@@ -221,6 +222,13 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     },
     **{
         ("VideoJobs", f): {"pipeline": Code("serving/videos.py")}
-        for f in ("max_running_jobs", "max_num_frames", "default_fps")
+        for f in (
+            "max_running_jobs",
+            "max_num_frames",
+            "default_fps",
+            "max_queued_jobs",
+            "job_timeout_s",
+            "max_event_streams",
+        )
     },
 }

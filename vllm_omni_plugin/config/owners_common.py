@@ -178,3 +178,6 @@ class ServingLimits(Owner):
     """Longest negative prompt accepted, in characters."""
     request_timeout_s: float = Field(600.0, gt=0)
     """A request still unfinished after this long fails with a timeout error."""
+    max_queued_requests: int = Field(32, ge=0, le=100_000)
+    """Image requests admitted but not yet running (beyond the final stage's max_batch_size per
+    replica, which run); past it a request gets 429 with Retry-After. Uploads count too."""

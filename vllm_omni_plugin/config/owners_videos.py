@@ -31,6 +31,12 @@ class VideoJobs(Owner):
     """Most frames one video may have (`num_frames`, or `seconds` x `fps` + 1)."""
     default_fps: int = Field(16, ge=1, le=120)
     """Frames per second of the MP4 when a request names none (Wan2.2 A14B: 16)."""
+    max_queued_jobs: int = Field(16, ge=0, le=10_000)
+    """Jobs waiting for a running slot; past it `POST /v1/videos` gets 429 with Retry-After."""
+    job_timeout_s: float = Field(3600.0, gt=0)
+    """A job still running after this long fails (code `job_timeout`) and its stage work stops."""
+    max_event_streams: int = Field(64, ge=1, le=10_000)
+    """Open `GET /v1/videos/{id}/events` streams per server; past it a new one gets 429."""
 
 
 def video_jobs(raw: Any, sink: ProblemSink) -> VideoJobs:

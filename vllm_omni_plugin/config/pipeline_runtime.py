@@ -27,9 +27,9 @@ class PipelineRuntime(Owner):
     backend: Literal["local", "ray"] = "local"
     """"local": one process per stage on this host (or a headless node); "ray": each stage
     replica is a Ray actor, placed and restarted by Ray."""
-    address: str = "auto"
-    """Ray cluster to join: "auto" (RAY_ADDRESS or the cluster started on this host, else a new
-    local one) or "host:port" of its head; ray backend only."""
+    address: str = Field("auto", pattern=r"^(auto|local|[^\s:/]+:[0-9]{1,5})$")
+    """Ray cluster to join: "auto" (RAY_ADDRESS or the cluster started on this host; none is an
+    error), "local" (the server starts a private one) or "host:port" of its head; ray only."""
     node_ip_address: str | None = None
     """This host's address inside the Ray cluster (ray.init's `_node_ip_address`); None: Ray
     picks the interface that reaches the head; ray backend only."""

@@ -193,8 +193,25 @@ def load_deploy_config(
         provenance={
             "model": "cli" if model else ("yaml" if top.get("model") else "default"),
             "pipeline": "yaml" if top.get("pipeline") else "derived:detected",
+            **_section_provenance(docs, path, {"serving": serving, "videos": videos}),
         },
     )
+
+
+def _section_provenance(
+    docs: list[tuple[LoadedFile, dict[str, Any]]], main: Path, sections: dict[str, Any]
+) -> dict[str, str]:
+    """ "<section>.<field>" -> the file layer that set it, or "default". A section in a later
+    file replaces the earlier one whole (_merge_top), so the last file that has it decides."""
+    out: dict[str, str] = {}
+    for name, owner in sections.items():
+        last = [(f, d[name]) for f, d in docs if isinstance(d.get(name), dict)]
+        for field in type(owner).model_fields:
+            layer = "default"
+            if last and field in last[-1][1]:
+                layer = _layer_name(last[-1][0], main)
+            out[f"{name}.{field}"] = layer
+    return out
 
 
 def _migrated(f: LoadedFile, sink: ProblemSink, warnings: list[str]) -> dict[str, Any]:

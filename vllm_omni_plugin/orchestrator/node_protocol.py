@@ -10,10 +10,10 @@ peer, even one holding the key, cannot make the other side run code. No pickle o
 The key:
 * `VLLM_OMNI_AUTHKEY` (same value on the head and every node). Required whenever the registry
   listens on, or a node connects to, an address that is not loopback; start-up refuses otherwise.
-* On loopback only, without it, both sides derive a key from the pipeline's name and topology.
-  It is not a secret (it stops a node of another pipeline, not a local user), and it needs no
-  side channel between the separately started head and node processes; what a local process
-  holding it can do is bounded by the typed protocol (register as a node), not code execution.
+  It must be at least 32 bytes (node_key.py).
+* On loopback only, without it, a random key in a file only this user can read (0600, in the
+  user's runtime or cache folder), created by the head or node that starts first and read by
+  the others on this host: another local user cannot join.
 
 Payloads never ride this link: a Submit/Result carries a connector descriptor (the consumer
 pulls the payload over NIXL/shm), the final stage's encoded images (bytes), or, for an edge
@@ -23,13 +23,13 @@ Either side declares the other dead on EOF or after DEAD_AFTER_S without a messa
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import socket
 from typing import Any, Literal
 
-AUTHKEY_ENV = "VLLM_OMNI_AUTHKEY"
+from .node_key import AUTHKEY_ENV, explicit_key, same_host_key
+
 HEARTBEAT_ENV = "VLLM_OMNI_HEARTBEAT_S"
 
 HEARTBEAT_S = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
@@ -59,14 +59,14 @@ def explicit_authkey() -> bool:
 
 
 def authkey(cfg: Any, host: str, role: Literal["head", "node"]) -> bytes:
-    """The connection key: $VLLM_OMNI_AUTHKEY; on loopback only, else one derived from the
-    pipeline (see above). SystemExit naming the variable when `host` is not loopback."""
-    explicit = os.environ.get(AUTHKEY_ENV)
-    if explicit:
-        return explicit.encode()
+    """The connection key (node_key.py): $VLLM_OMNI_AUTHKEY (at least 32 bytes); on loopback
+    only, else this user's random same-host key. SystemExit naming the variable when `host` is
+    not loopback, or the key is too short."""
+    explicit = explicit_key()
+    if explicit is not None:
+        return explicit
     require_explicit_key(host, role)
-    shape = ",".join(f"{s.stage_id}:{s.kind}:{sorted(s.inputs)}" for s in cfg.topology.stages)
-    return hashlib.sha256(f"vllm-omni-plugin/{cfg.pipeline}/{shape}".encode()).digest()
+    return same_host_key()
 
 
 def require_explicit_key(host: str, role: Literal["head", "node"]) -> None:

@@ -30,6 +30,7 @@ from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
 from .pending import PendingRequests, stall_timeout_of
+from .ray_auth import START_HINT, RayAuthError, use_token_auth
 from .replicas import ReplicaLostError, ReplicaSet
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
@@ -55,6 +56,26 @@ def replica_resources(stage: Any, platform: str) -> dict[str, float]:
     return {"num_cpus": 1, "num_gpus": gpus}
 
 
+def cluster_address(address: str) -> str:
+    """The cluster `runtime.address` names: "local" (the server starts one), or the head's
+    host:port ("auto": RAY_ADDRESS, else the cluster started on this host). "auto" without a
+    cluster is refused (RayAuthError) with how to start one, never silently a new cluster."""
+    if address != "auto":
+        return address
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        found = get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        found = None
+    if not found or found == "auto":
+        raise RayAuthError(
+            "runtime.address is auto but no Ray cluster runs on this host and RAY_ADDRESS is "
+            "unset; " + START_HINT
+        )
+    return found
+
+
 class RayBackend:
     """Connects to (or starts) a Ray cluster and makes each stage a ReplicaSet of actors."""
 
@@ -68,7 +89,8 @@ class RayBackend:
 
     # ---- cluster -----------------------------------------------------------------------
     async def connect(self) -> None:
-        """Join the cluster at `runtime.address` and reserve every stage's bundles."""
+        """Join the cluster at `runtime.address` (with token authentication, ray_auth.py) and
+        reserve every stage's bundles."""
         await asyncio.to_thread(self._connect)
 
     def _connect(self) -> None:
@@ -77,14 +99,13 @@ class RayBackend:
         kwargs: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": True}
         if self.runtime.node_ip_address:
             kwargs["_node_ip_address"] = self.runtime.node_ip_address
-        if self.runtime.address == "auto":
-            try:
-                ray.init(address="auto", **kwargs)
-            except ConnectionError:
-                logger.info("no running Ray cluster found: starting a local one")
-                ray.init(**kwargs)
+        address = cluster_address(self.runtime.address)
+        use_token_auth(address)  # token authentication, checked against the cluster
+        if address == "local":
+            logger.info("runtime.address is local: starting a private Ray cluster")
+            ray.init(**kwargs)
         else:
-            ray.init(address=self.runtime.address, **kwargs)
+            ray.init(address=address, **kwargs)
         self._connected = True
         logger.info("Ray cluster: %s", ray.cluster_resources())
         from ray.util.placement_group import placement_group

@@ -107,8 +107,8 @@ class StageHead:
         self.port = sock.getsockname()[1]
         if not explicit_authkey():
             logger.info(
-                "node registry: no VLLM_OMNI_AUTHKEY set; loopback only, with a key derived "
-                "from the pipeline (not a secret: it keeps other pipelines' nodes out)"
+                "node registry: no VLLM_OMNI_AUTHKEY set; loopback only, with this user's "
+                "random same-host key (a 0600 file, orchestrator/node_key.py)"
             )
         if is_loopback(self.bind):
             logger.info(

@@ -11,6 +11,7 @@ import argparse
 import time
 from typing import Any
 
+from .admission import Admission
 from .deferred_limits import limits_or_deferred
 from .engine_client import OmniEngineClient
 from .handlers import ImageService
@@ -72,16 +73,26 @@ async def init_omni_app_state(
     state.server_load_metrics = 0
 
 
+def running_capacity(cfg: Any) -> int:
+    """Requests that run at once: the final stage's batch (max_batch_size) in each replica."""
+    final = cfg.final_stage
+    batch = final.diffusion.max_batch_size if getattr(final, "diffusion", None) else 1
+    return batch * final.num_replicas
+
+
 def init_image_service(client: OmniEngineClient, state: Any, args: argparse.Namespace) -> None:
     """Called by the endpoint plugin: the handler state behind /v1/images/*."""
     orchestrator = client.orchestrator
+    serving = getattr(client.cfg, "serving", None)
+    queued = serving.max_queued_requests if serving is not None else 32
     service = ImageService(
         orchestrator,
         # Deferred while a remote final stage has not registered (multi-node heads).
         limits_or_deferred(orchestrator, getattr(client.cfg, "serving", None)),
         served_names(client, args),
         pipeline=client.cfg.pipeline,
-        request_timeout_s=getattr(getattr(client.cfg, "serving", None), "request_timeout_s", None),
+        request_timeout_s=getattr(serving, "request_timeout_s", None),
+        admission=Admission(running_capacity(client.cfg), queued, "serving.max_queued_requests"),
     )
     state.omni_images = service
     register(OmniCollector(orchestrator, service, client.cfg.pipeline))

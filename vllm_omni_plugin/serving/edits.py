@@ -175,8 +175,11 @@ def _too_large(param: str, what: str) -> APIError:
 
 
 def to_rgb_png(im: Image.Image) -> bytes:
-    """The stages' form of a source image: RGB, EXIF rotation applied, lossless PNG."""
+    """The stages' form of a source image: RGB, EXIF rotation applied, lossless PNG, and no
+    metadata: an embedded ICC profile (which can be megabytes, more than the stage's PNG reader
+    accepts) or text chunks are not carried over."""
     rgb = ImageOps.exif_transpose(im).convert("RGB")
+    rgb.info.clear()  # the PNG writer would copy the ICC profile and other metadata from here
     out = io.BytesIO()
     rgb.save(out, format="PNG", compress_level=1)  # lossless; level 1: fast to encode
     return out.getvalue()

@@ -13,10 +13,12 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from ..pipelines import get_pipeline
+from .admission import ReleasingStream
+from .bodies import read_form
 from .edits import (
     MAX_EDIT_BODY_BYTES,
     auto_size,
@@ -28,6 +30,7 @@ from .edits import (
 )
 from .errors import APIError, invalid, unavailable
 from .handlers import ClientDisconnected, ImageService
+from .owners import owner_of
 from .protocol import ValidRequest
 
 router = APIRouter()
@@ -40,22 +43,6 @@ def _service(request: Request) -> ImageService:
     return service
 
 
-async def _read_limited(request: Request) -> bytes:
-    declared = request.headers.get("content-length")
-    too_big = APIError(
-        413, f"request body exceeds {MAX_EDIT_BODY_BYTES} bytes", code="body_too_large"
-    )
-    if declared is not None and declared.isdigit() and int(declared) > MAX_EDIT_BODY_BYTES:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_EDIT_BODY_BYTES:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def check_edit(request: Request, service: ImageService) -> ValidRequest:
     """The whole edit request checked, uploads converted; APIError before any stage."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -64,11 +51,8 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
             None,
             "invalid_content_type",
         )
-    request._body = await _read_limited(request)  # form() parses the body read above
-    try:
-        form = await request.form(max_files=32, max_fields=64)
-    except Exception as exc:  # python-multipart / Starlette parse errors
-        raise invalid(f"malformed multipart body: {exc}", None, "invalid_multipart") from None
+    # Parsed while it arrives, counted: 413 past MAX_EDIT_BODY_BYTES; uploads spool to disk.
+    form = await read_form(request, MAX_EDIT_BODY_BYTES, max_files=32, max_fields=64)
     try:
         data, image_files, mask_file = form_fields(list(form.multi_items()))
         topology = get_pipeline(service.pipeline)
@@ -106,31 +90,44 @@ async def _wait_disconnect(request: Request) -> None:
 
 @router.post("/v1/images/edits")
 async def edit_image(request: Request) -> Response:
-    service = None
+    service = ticket = None
+    streaming = False
     try:
         t0 = time.perf_counter()
         service = _service(request)
+        # Admitted before the uploads are read or decoded: they count against the same bound.
+        ticket = service.admission.admit()
         valid = await check_edit(request, service)
         if valid.stream:
             request_id = f"img-{uuid.uuid4().hex}"
-            return StreamingResponse(
-                service.stream(valid, request_id),
+            streaming = True
+            return ReleasingStream(
+                service.stream(valid, request_id, ticket),
                 media_type="text/event-stream",
                 headers={
                     "cache-control": "no-cache",
                     "x-accel-buffering": "no",
                     "x-omni-request-id": request_id,
                 },
+                release=ticket.release,
             )
         data, headers = await service.respond(
-            valid, t0, str(request.base_url), lambda: _wait_disconnect(request)
+            valid,
+            t0,
+            str(request.base_url),
+            lambda: _wait_disconnect(request),
+            ticket,
+            owner_of(request),
         )
     except APIError as exc:
         if service is not None:
             service.outcomes[str(exc.status)] += 1
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return exc.response()
     except ClientDisconnected:
         service.outcomes["499"] += 1
         return Response(status_code=499)
+    finally:
+        if ticket is not None and not streaming:
+            ticket.release()
     service.outcomes["200"] += 1
     return JSONResponse(data, headers=headers)

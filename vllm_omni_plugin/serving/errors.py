@@ -16,8 +16,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}  # e.g. Retry-After on a 429
         self.status = status
         self.message = message
         self.param = param
@@ -33,6 +35,12 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+    def response(self) -> Any:
+        """The JSON response: this error's body, status and headers."""
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def _default_type(status: int) -> str:

@@ -16,6 +16,7 @@ from ..common.media import MEDIA_TYPES
 from ..common.messages import GenerationParams, Progress
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
 from ..pipelines import get_pipeline
+from .admission import Admission, Ticket
 from .errors import APIError, invalid, unavailable
 from .protocol import ImageLimits, ValidRequest
 from .streaming import KEEPALIVE, completed_event, error_event, progress_events
@@ -50,8 +51,11 @@ class ImageService:
         url_store: UrlStore | None = None,
         pipeline: str = "",
         request_timeout_s: float | None = None,
+        admission: Admission | None = None,
     ):
         self.orchestrator = orchestrator
+        # Requests held at once (running + `serving.max_queued_requests` waiting); 429 beyond.
+        self.admission = admission or Admission(8, 32, "serving.max_queued_requests")
         # `serving.request_timeout_s`: past it a request fails with 504 and its work is
         # aborted in every stage (None: no limit).
         self.request_timeout_s = request_timeout_s
@@ -91,18 +95,29 @@ class ImageService:
     async def generate(self, body: bytes, base_url: str, disconnected: Any) -> tuple[dict, dict]:
         """(response body, timing headers). Raises APIError for every failure."""
         t0 = time.perf_counter()
-        return await self.respond(self.check(body), t0, base_url, disconnected)
+        ticket = self.admission.admit()
+        try:
+            return await self.respond(self.check(body), t0, base_url, disconnected, ticket)
+        finally:
+            ticket.release()
 
     async def respond(
-        self, valid: ValidRequest, t0: float, base_url: str, disconnected: Any
+        self,
+        valid: ValidRequest,
+        t0: float,
+        base_url: str,
+        disconnected: Any,
+        ticket: Ticket,
+        owner: str | None = None,
     ) -> tuple[dict, dict]:
-        """The non-streaming response of a checked request."""
+        """The non-streaming response of a checked, admitted request (the caller releases its
+        ticket). `owner`: who may fetch its `url` files (None: anyone with a key)."""
         request_id = f"img-{uuid.uuid4().hex}"
-        result = await self._run(request_id, valid, disconnected)
+        result = await self._run(request_id, valid, disconnected, ticket)
         out = []
         for image in result.images:
             if valid.response_format == "url":
-                token = self.url_store.put(image, MEDIA_TYPES[valid.output_format])
+                token = self.url_store.put(image, MEDIA_TYPES[valid.output_format], owner)
                 out.append({"url": f"{base_url}v1/images/files/{token}"})
             else:
                 out.append({"b64_json": base64.b64encode(image).decode("ascii")})
@@ -121,19 +136,21 @@ class ImageService:
         }
         return response, headers
 
-    async def stream(self, valid: ValidRequest, request_id: str) -> AsyncIterator[str]:
+    async def stream(
+        self, valid: ValidRequest, request_id: str, ticket: Ticket
+    ) -> AsyncIterator[str]:
         """SSE text of a streaming request (serving/streaming.py has the event shapes).
 
         Its progress and previews arrive from the stages while it runs. Closing this generator
         (the client went away: Starlette cancels it, or a write fails, which the keep-alive
         comments make happen within a second) cancels the orchestrator call, which aborts the
-        request in the stage that holds it. Failures after the 200 are `error` events.
+        request in the stage that holds it. Failures after the 200 are `error` events. It
+        releases its admission `ticket` when it ends (the route also does, in case it never
+        starts).
         """
         queue: asyncio.Queue[Progress | None] = asyncio.Queue()
         work = asyncio.ensure_future(
-            self.orchestrator.generate(
-                request_id, self._params(valid), on_progress=queue.put_nowait
-            )
+            self._started(ticket, request_id, self._params(valid), on_progress=queue.put_nowait)
         )
         work.add_done_callback(lambda _f: queue.put_nowait(None))
         loop = asyncio.get_running_loop()
@@ -173,6 +190,7 @@ class ImageService:
                 work.cancel()  # aborts the request in the stage holding it
                 if outcome == "499":
                     logger.info("request %s cancelled: client disconnected", request_id)
+            ticket.release()
             self.outcomes[outcome] += 1
 
     @staticmethod
@@ -205,9 +223,9 @@ class ImageService:
                 raise invalid(exc.message, exc.field) from None
             raise APIError(500, str(exc), code="stage_error") from None
 
-    async def _run(self, request_id: str, valid: ValidRequest, disconnected: Any):
+    async def _run(self, request_id: str, valid: ValidRequest, disconnected: Any, ticket: Ticket):
         params = self._params(valid)
-        work = asyncio.ensure_future(self.orchestrator.generate(request_id, params))
+        work = asyncio.ensure_future(self._started(ticket, request_id, params))
         watch = asyncio.ensure_future(disconnected())
         try:
             done, _ = await asyncio.wait(
@@ -226,6 +244,14 @@ class ImageService:
             )
             raise _timeout_error(self.request_timeout_s)
         return self._result(work)
+
+    async def _started(
+        self, ticket: Ticket, request_id: str, params: GenerationParams, **kwargs: Any
+    ):
+        """The orchestrator call once the request has a running slot (its wait counts toward
+        the request's timeout)."""
+        await ticket.start()
+        return await self.orchestrator.generate(request_id, params, **kwargs)
 
 
 def _timeout_error(limit_s: float) -> APIError:

@@ -54,6 +54,18 @@ class OmniCollector:
         for status, count in sorted(self.service.outcomes.items()):
             requests.add_metric([self.pipeline, status], float(count))
         yield requests
+        admission = self.service.admission
+        for name, value, doc in (
+            ("omni_image_requests_running", admission.started, "Requests in the stages"),
+            (
+                "omni_image_requests_waiting",
+                admission.waiting,
+                "Requests admitted, waiting to run (bound: serving.max_queued_requests)",
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["pipeline"])
+            gauge.add_metric([self.pipeline], float(value))
+            yield gauge
         yield from stage_engine_families(self.orchestrator.engine_metrics())
         yield from self._replica_families()
 

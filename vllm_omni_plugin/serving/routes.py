@@ -11,10 +11,13 @@ import uuid
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from .admission import ReleasingStream
+from .bodies import read_body, refuse_body
 from .errors import APIError
 from .handlers import ClientDisconnected, ImageService
+from .owners import owner_of
 from .protocol import ImageGenerationRequest
 from .validation import MAX_BODY_BYTES
 
@@ -32,23 +35,7 @@ def _service(request: Request) -> ImageService:
 
 
 def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, refusing oversized ones before buffering them."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return exc.response()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -72,25 +59,34 @@ _GENERATIONS_BODY = {
 
 @router.post("/v1/images/generations", openapi_extra=_GENERATIONS_BODY)
 async def create_image(request: Request) -> Response:
-    service = None
+    service = ticket = None
+    streaming = False
     try:
         t0 = time.perf_counter()
         service = _service(request)
-        body = await _read_body(request)
+        ticket = service.admission.admit()  # before the body is read: 429 costs nothing
+        body = await read_body(request, MAX_BODY_BYTES)
         valid = service.check(body)
         if valid.stream:
             request_id = f"img-{uuid.uuid4().hex}"
-            return StreamingResponse(
-                service.stream(valid, request_id),
+            streaming = True
+            return ReleasingStream(
+                service.stream(valid, request_id, ticket),
                 media_type="text/event-stream",
                 headers={
                     "cache-control": "no-cache",
                     "x-accel-buffering": "no",  # proxies: pass events on as they come
                     "x-omni-request-id": request_id,
                 },
+                release=ticket.release,
             )
         data, headers = await service.respond(
-            valid, t0, str(request.base_url), lambda: _wait_disconnect(request)
+            valid,
+            t0,
+            str(request.base_url),
+            lambda: _wait_disconnect(request),
+            ticket,
+            owner_of(request),
         )
     except APIError as exc:
         if service is not None:
@@ -99,14 +95,19 @@ async def create_image(request: Request) -> Response:
     except ClientDisconnected:
         service.outcomes["499"] += 1
         return Response(status_code=499)
+    finally:
+        if ticket is not None and not streaming:
+            ticket.release()
     service.outcomes["200"] += 1
     return JSONResponse(data, headers=headers)
 
 
 @router.get("/v1/images/files/{token}")
 async def get_image_file(token: str, request: Request) -> Response:
+    """A `response_format=url` image, for the key that created it (when the server has keys)."""
     try:
-        found = _service(request).url_store.get(token)
+        await refuse_body(request)
+        found = _service(request).url_store.get(token, owner_of(request))
     except APIError as exc:
         return _error(exc)
     if found is None:
@@ -122,9 +123,10 @@ async def describe_stages(request: Request) -> Response:
     API server; under /v1, so --api-key guards it too. With `?live=1`, each stage also answers
     what it holds right now ("live": the requests in its engine, its count of Submits),
     between two of its steps; null for a stage that is down or cannot be asked (remote)."""
-    if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
-        return _error(APIError(404, "not found", code="not_found"))
     try:
+        await refuse_body(request)
+        if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
+            raise APIError(404, "not found", code="not_found")
         orchestrator = _service(request).orchestrator
     except APIError as exc:
         return _error(exc)
@@ -158,9 +160,17 @@ def _no_text_stage(request: Request) -> JSONResponse:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
+    try:
+        await read_body(request, MAX_BODY_BYTES)
+    except APIError as exc:
+        return _error(exc)
     return _no_text_stage(request)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
+    try:
+        await read_body(request, MAX_BODY_BYTES)
+    except APIError as exc:
+        return _error(exc)
     return _no_text_stage(request)

@@ -2,7 +2,8 @@
 
 Tokens are unguessable (secrets.token_urlsafe); entries expire after `ttl_s` and the oldest are
 evicted once either the entry count or the byte total would exceed its bound, so a flood of url
-requests cannot grow the server's memory without limit.
+requests cannot grow the server's memory without limit. Expiry is checked on every read. An
+entry made for an API key is served only to that key (serving/owners.py).
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .owners import visible
+
 
 @dataclass
 class _Entry:
     data: bytes
     media_type: str
     expires: float
+    owner: str | None = None
 
 
 class UrlStore:
@@ -30,11 +34,11 @@ class UrlStore:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, data: bytes, media_type: str) -> str:
+    def put(self, data: bytes, media_type: str, owner: str | None = None) -> str:
         token = secrets.token_urlsafe(24)
         with self._lock:
             self._expire(time.monotonic())
-            self._entries[token] = _Entry(data, media_type, time.monotonic() + self.ttl_s)
+            self._entries[token] = _Entry(data, media_type, time.monotonic() + self.ttl_s, owner)
             self._bytes += len(data)
             while self._entries and (
                 len(self._entries) > self.max_items or self._bytes > self.max_bytes
@@ -43,11 +47,14 @@ class UrlStore:
                 self._bytes -= len(old.data)
         return token
 
-    def get(self, token: str) -> tuple[bytes, str] | None:
+    def get(self, token: str, requester: str | None = None) -> tuple[bytes, str] | None:
+        """(bytes, media type), or None: unknown, expired, or another key's."""
         with self._lock:
             self._expire(time.monotonic())
             entry = self._entries.get(token)
-            return None if entry is None else (entry.data, entry.media_type)
+            if entry is None or not visible(entry.owner, requester):
+                return None
+            return entry.data, entry.media_type
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -16,6 +16,9 @@ from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
 
 MAX_BODY_BYTES = 1 << 20  # far above any legal request (prompts are bounded in characters)
+# No request field nests more than a couple of levels; deeper bodies are refused (400) instead
+# of recursing through them.
+MAX_JSON_DEPTH = 32
 _SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -29,11 +32,38 @@ def json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object, or an OpenAI-shaped 400."""
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("request body must be a JSON object", None, "invalid_json")
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise _too_deep()
     return data
+
+
+def json_depth(value: Any) -> int:
+    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _too_deep() -> APIError:
+    return invalid(
+        f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels",
+        None,
+        "invalid_json",
+    )
 
 
 def _pydantic_error(exc: ValidationError) -> APIError:

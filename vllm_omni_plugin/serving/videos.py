@@ -6,6 +6,11 @@ max_batch_size, so they share denoising steps). A job that waits while a stage r
 once the pipeline is healthy again; a job that was inside a stage that died fails with that
 error (it is not retried). `progress` is the job's denoising steps of (steps + 1): the decode
 and MP4 encoding are the last unit, so 100 means the file is stored.
+
+Bounded: at most `videos.max_queued_jobs` wait (a new job past it gets 429 with Retry-After), a
+job running longer than `videos.job_timeout_s` fails (`job_timeout`) and its stage work is
+aborted, and at most `videos.max_event_streams` progress streams are open at once. When the
+server has API keys, a job is visible only to the key that created it (serving/owners.py).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any
 from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
 from .errors import APIError, invalid
+from .owners import visible
 from .validation import json_object
+from .videos_queue import JobQueue
 from .videos_store import VideoStore
 
 logger = logging.getLogger("vllm_omni_plugin.serving.videos")
@@ -71,7 +78,8 @@ class VideoService:
         self.max_running = jobs_cfg.max_running_jobs or max_batch_size
         self.default_fps = jobs_cfg.default_fps
         self.max_num_frames = jobs_cfg.max_num_frames
-        self._queue: asyncio.Queue[str] | None = None
+        self.job_timeout_s = jobs_cfg.job_timeout_s
+        self.queue = JobQueue(jobs_cfg.max_queued_jobs, jobs_cfg.max_event_streams)
         self._workers: list[asyncio.Task] = []
         self._running: dict[str, asyncio.Task] = {}
         self._seen_facts: tuple[Any, dict[str, int]] | None = None
@@ -194,25 +202,30 @@ class VideoService:
             "seed": seed,
         }
 
-    def create(self, data: dict[str, Any]) -> dict[str, Any]:
+    def create(self, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
+        # (The route also asks before reading the body; other jobs may have come meanwhile.)
+        self.queue.admit()
         request = self.check(data)
         job_id = f"video_{uuid.uuid4().hex}"
-        job = self.store.create(job_id, request)
+        job = self.store.create(job_id, request, owner)
         self._ensure_workers()
-        assert self._queue is not None
-        self._queue.put_nowait(job_id)
+        self.queue.put(job_id)
         return video_object(job)
 
-    def get(self, job_id: str) -> dict[str, Any]:
-        return video_object(self._job(job_id))
+    def get(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
+        return video_object(self._job(job_id, owner))
 
-    def list(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    def list(
+        self, after: str | None, limit: int, order: str, owner: str | None = None
+    ) -> dict[str, Any]:
         if order not in ("asc", "desc"):
             raise invalid("order must be 'asc' or 'desc'", "order")
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise invalid(f"limit must be between 1 and {MAX_LIST_LIMIT}", "limit")
         self.store.prune()
-        jobs, more = self.store.list(after, limit, order)
+        if after is not None:
+            self._job(after, owner)  # another key's id pages nothing (404, as if unknown)
+        jobs, more = self.store.list(after, limit, order, owner)
         data = [video_object(j) for j in jobs]
         return {
             "object": "list",
@@ -222,8 +235,8 @@ class VideoService:
             "has_more": more,
         }
 
-    def content_path(self, job_id: str, variant: str | None):
-        job = self._job(job_id)
+    def content_path(self, job_id: str, variant: str | None, owner: str | None = None):
+        job = self._job(job_id, owner)  # an expired job is deleted here, never served
         if variant not in (None, "video"):
             raise invalid(f"variant {variant!r} is not available; only 'video'", "variant")
         path = self.store.content_path(job["id"])
@@ -236,17 +249,19 @@ class VideoService:
             )
         return path
 
-    def delete(self, job_id: str) -> dict[str, Any]:
-        job = self._job(job_id)
+    def delete(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
+        job = self._job(job_id, owner)
         task = self._running.pop(job["id"], None)
         if task is not None:
             task.cancel()  # aborts it in the stage that holds it
+        self.queue.discard(job["id"])
         self.store.delete(job["id"])
+        self.queue.notify()
         return {"id": job["id"], "object": "video.deleted", "deleted": True}
 
-    def _job(self, job_id: str) -> dict[str, Any]:
+    def _job(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
         job = self.store.get(job_id) if _ID_RE.match(job_id) else None
-        if job is None:
+        if job is None or not visible(job["owner"], owner):
             raise APIError(
                 404, f"video {job_id!r} not found", param="video_id", code="video_not_found"
             )
@@ -254,29 +269,40 @@ class VideoService:
 
     # ---- running jobs ------------------------------------------------------------------
     def _ensure_workers(self) -> None:
-        if self._queue is None:
-            self._queue = asyncio.Queue()
+        if not self._workers:
             self._workers = [asyncio.ensure_future(self._worker()) for _ in range(self.max_running)]
 
     async def _worker(self) -> None:
-        assert self._queue is not None
         while True:
-            job_id = await self._queue.get()
+            job_id = await self.queue.take(self.orchestrator.healthy)
             job = self.store.get(job_id)
             if job is None or job["status"] != "queued":
-                continue  # deleted while queued
-            # A stage that is restarting takes no work; queued jobs wait for it.
-            while not self.orchestrator.healthy():
-                await asyncio.sleep(0.2)
+                continue  # deleted while it waited
             task = asyncio.ensure_future(self._run(job_id, job["request"]))
             self._running[job_id] = task
             try:
-                await task
+                done, _ = await asyncio.wait({task}, timeout=self.job_timeout_s)
+                if not done:
+                    await self._time_out(job_id, task)
+                elif not task.cancelled():
+                    task.result()
             except asyncio.CancelledError:
                 if not task.cancelled():
                     raise
             finally:
                 self._running.pop(job_id, None)
+                self.queue.notify()
+
+    async def _time_out(self, job_id: str, task: asyncio.Task) -> None:
+        """A job past `videos.job_timeout_s`: its stage work is aborted, the job fails."""
+        task.cancel()  # cancelling the orchestrator call aborts the request in its stage
+        await asyncio.wait({task})
+        message = (
+            f"the job did not finish within the server's limit of {self.job_timeout_s:g} s "
+            "(videos.job_timeout_s); it was cancelled"
+        )
+        logger.warning("video job %s: %s", job_id, message)
+        self.store.fail(job_id, "job_timeout", message)
 
     async def _run(self, job_id: str, req: dict[str, Any]) -> None:
         params = GenerationParams(
@@ -294,10 +320,12 @@ class VideoService:
             fps=req["fps"],
         )
         self.store.set_progress(job_id, 0)
+        self.queue.notify()
 
         def on_progress(p: Progress) -> None:
             if p.stage == "diffusion" and p.total_steps > 0:
                 self.store.set_progress(job_id, 100 * p.step // (p.total_steps + 1))
+                self.queue.notify()
 
         try:
             result = await self.orchestrator.generate(job_id, params, on_progress=on_progress)

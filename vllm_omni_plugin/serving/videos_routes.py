@@ -1,6 +1,8 @@
 """HTTP routes of OpenAI's Videos API (/v1/videos jobs); serving/videos.py does the work.
 
-Under /v1, so vLLM's --api-key middleware guards them like its own routes.
+Under /v1, so vLLM's --api-key middleware guards them like its own routes; with keys, each job
+is visible only to the key that created it (serving/owners.py). Bodies are counted as they
+arrive (serving/bodies.py): 413 past MAX_BODY_BYTES, JSON or form alike.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ import asyncio
 import json
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ..common.media import MEDIA_TYPES
+from .admission import ReleasingStream
+from .bodies import read_body, read_form, refuse_body
 from .errors import APIError, invalid
+from .owners import owner_of
 from .validation import MAX_BODY_BYTES
 from .videos import VideoService, parse_create_body
 
@@ -32,37 +37,26 @@ def _service(request: Request) -> VideoService:
 
 
 def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return exc.response()
 
 
 @router.post("/v1/videos")
 async def create_video(request: Request) -> Response:
     try:
         service = _service(request)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large"
-            )
+        service.queue.admit()  # a full queue answers 429 before the body is read
         content_type = request.headers.get("content-type", "")
         if content_type.startswith("multipart/form-data") or content_type.startswith(
             "application/x-www-form-urlencoded"
         ):
+            form = await read_form(request, MAX_BODY_BYTES, max_files=4, max_fields=64)
             try:
-                form = await request.form()
-            except Exception as exc:  # a malformed form is the client's error, not ours
-                raise APIError(
-                    400, f"could not parse the form body: {exc}", code="invalid_body"
-                ) from None
-            data = parse_create_body(b"", content_type, dict(form))
+                data = parse_create_body(b"", content_type, dict(form))
+            finally:
+                await form.close()
         else:
-            body = await request.body()
-            if len(body) > MAX_BODY_BYTES:
-                raise APIError(
-                    413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large"
-                )
-            data = parse_create_body(body, content_type, None)
-        return JSONResponse(service.create(data))
+            data = parse_create_body(await read_body(request, MAX_BODY_BYTES), content_type, None)
+        return JSONResponse(service.create(data, owner_of(request)))
     except APIError as exc:
         return _error(exc)
 
@@ -73,9 +67,10 @@ async def list_videos(
 ) -> Response:
     # `limit` arrives as text and is checked here: FastAPI's own 422 is not OpenAI-shaped.
     try:
+        await refuse_body(request)
         if not limit.isascii() or not limit.isdigit():
             raise invalid(f"limit must be an integer, got {limit!r}", "limit")
-        return JSONResponse(_service(request).list(after, int(limit), order))
+        return JSONResponse(_service(request).list(after, int(limit), order, owner_of(request)))
     except APIError as exc:
         return _error(exc)
 
@@ -83,7 +78,8 @@ async def list_videos(
 @router.get("/v1/videos/{video_id}")
 async def get_video(video_id: str, request: Request) -> Response:
     try:
-        return JSONResponse(_service(request).get(video_id))
+        await refuse_body(request)
+        return JSONResponse(_service(request).get(video_id, owner_of(request)))
     except APIError as exc:
         return _error(exc)
 
@@ -93,7 +89,8 @@ async def get_video_content(
     video_id: str, request: Request, variant: str | None = None
 ) -> Response:
     try:
-        path = _service(request).content_path(video_id, variant)
+        await refuse_body(request)
+        path = _service(request).content_path(video_id, variant, owner_of(request))
     except APIError as exc:
         return _error(exc)
     return FileResponse(path, media_type=MEDIA_TYPES["mp4"], filename=f"{video_id}.mp4")
@@ -102,13 +99,13 @@ async def get_video_content(
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, request: Request) -> Response:
     try:
-        return JSONResponse(_service(request).delete(video_id))
+        await refuse_body(request)
+        return JSONResponse(_service(request).delete(video_id, owner_of(request)))
     except APIError as exc:
         return _error(exc)
 
 
 # A vendor extension (OpenAI's Videos API has no stream): a job's progress as server-sent events.
-EVENTS_POLL_S = 0.2
 EVENTS_KEEPALIVE_S = 1.0
 
 
@@ -116,35 +113,48 @@ EVENTS_KEEPALIVE_S = 1.0
 async def video_events(video_id: str, request: Request) -> Response:
     """SSE: `event: video.progress` with the video object each time its status or progress
     changes, then one `video.completed` or `video.failed`, and the stream ends. A `: keep-alive`
-    comment every second while nothing changes."""
+    comment every second while nothing changes. The stream waits on the service's change
+    notices (nothing polls the store), reads the job off the event loop, and counts against
+    `videos.max_event_streams` (429 past it)."""
+    owner = owner_of(request)
     try:
+        await refuse_body(request)
         service = _service(request)
-        first = service.get(video_id)
+        first = service.get(video_id, owner)
+        close_stream = service.queue.open_stream()
     except APIError as exc:
         return _error(exc)
 
     async def events():
-        job, last, quiet = first, None, 0.0
-        while True:
-            key = (job["status"], job["progress"])
-            if key != last:
-                last, quiet = key, 0.0
-                done = job["status"] in ("completed", "failed")
-                kind = f"video.{job['status']}" if done else "video.progress"
-                yield f"event: {kind}\ndata: {json.dumps(job)}\n\n"
-                if done:
+        job, last = first, None
+        try:
+            while True:
+                changed = service.queue.changed()  # before the read: no change is missed
+                if job is not None:
+                    key = (job["status"], job["progress"])
+                    if key != last:
+                        last = key
+                        done = job["status"] in ("completed", "failed")
+                        kind = f"video.{job['status']}" if done else "video.progress"
+                        yield f"event: {kind}\ndata: {json.dumps(job)}\n\n"
+                        if done:
+                            return
+                try:
+                    await asyncio.wait_for(changed.wait(), EVENTS_KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                try:
+                    job = await asyncio.to_thread(service.get, video_id, owner)
+                except APIError as exc:  # deleted (or expired) meanwhile
+                    yield f"event: error\ndata: {json.dumps(exc.body())}\n\n"
                     return
-            elif quiet >= EVENTS_KEEPALIVE_S:
-                quiet = 0.0
-                yield ": keep-alive\n\n"
-            await asyncio.sleep(EVENTS_POLL_S)
-            quiet += EVENTS_POLL_S
-            try:
-                job = service.get(video_id)
-            except APIError as exc:  # deleted meanwhile
-                yield f"event: error\ndata: {json.dumps(exc.body())}\n\n"
-                return
+        finally:
+            close_stream()
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+    return ReleasingStream(
+        events(),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache"},
+        release=close_stream,
     )

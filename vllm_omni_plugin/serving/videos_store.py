@@ -4,7 +4,13 @@ A server restart reopens the same folder (`videos.store_dir`), so finished jobs 
 content survive it; jobs that were queued or running when the server stopped are marked failed
 on open (they do not resume: their stage work died with the server). Disk is bounded: finished
 jobs expire `videos.max_age_s` after completion, and past `videos.max_store_bytes` the oldest
-finished jobs are deleted first. File names are job ids the server made, never user input.
+finished jobs are deleted first; expiry is also checked whenever a job is read, so an expired
+file is never served. File names are job ids the server made, never user input.
+
+Other local users see nothing of it: the folders are 0700 and the files 0600, created without
+following links (a folder that is a link, or one owned by another user, is refused), and the
+partial files a crash can leave are removed on open. Each job records its owner (a digest of the
+API key that created it, serving/owners.py) so that other keys cannot see it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
@@ -28,7 +35,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     expires_at INTEGER,
     error TEXT,
     bytes INTEGER NOT NULL DEFAULT 0,
-    request TEXT NOT NULL
+    request TEXT NOT NULL,
+    owner TEXT
 )
 """
 UNFINISHED = ("queued", "in_progress")
@@ -40,53 +48,127 @@ def default_store_dir() -> Path:
     return Path(base) / "vllm-omni-videos"
 
 
+class StoreError(RuntimeError):
+    """The store folder cannot be used safely (a link, another user's, not a folder)."""
+
+
+def private_dir(path: Path) -> None:
+    """`path` as a folder only this user can enter (0700): created if missing (its parents with
+    the usual modes), refused if it is a link, not a folder, or owned by another user."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise StoreError(f"video store {path} is not a folder (or is a link): {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StoreError(
+                f"video store {path} is owned by uid {st.st_uid}, not this user "
+                f"({os.geteuid()}); choose another videos.store_dir"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def private_file(path: Path, *, exclusive: bool) -> int:
+    """A writable descriptor of `path`, mode 0600, never through a link (O_NOFOLLOW)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    if exclusive:
+        flags |= os.O_EXCL
+    fd = os.open(path, flags, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise StoreError(f"{path} is not a regular file of this user")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class VideoStore:
     """Thread-safe (one connection behind a lock; every call is a short transaction)."""
 
     def __init__(self, store_dir: str | None, max_store_bytes: int, max_age_s: float) -> None:
         self.root = Path(store_dir) if store_dir else default_store_dir()
         self.files = self.root / "files"
-        self.files.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
+        private_dir(self.files)
+        for leftover in self.files.glob("*.part"):  # a write a crash interrupted
+            leftover.unlink(missing_ok=True)
         self.max_store_bytes = max_store_bytes
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            self.root / "jobs.sqlite3", check_same_thread=False, isolation_level=None
-        )
+        db = self.root / "jobs.sqlite3"
+        os.close(private_file(db, exclusive=False))  # SQLite's -wal/-shm files copy its mode
+        self._db = sqlite3.connect(db, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(_SCHEMA)
+            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
+            if "owner" not in columns:  # a store from before owners: its jobs have none
+                self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
 
     # ---- jobs --------------------------------------------------------------------------
-    def create(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    def create(
+        self, job_id: str, request: dict[str, Any], owner: str | None = None
+    ) -> dict[str, Any]:
         now = int(time.time())
         with self._lock:
             self._db.execute(
-                "INSERT INTO jobs (id, created_at, status, request) VALUES (?, ?, 'queued', ?)",
-                (job_id, now, json.dumps(request)),
+                "INSERT INTO jobs (id, created_at, status, request, owner) "
+                "VALUES (?, ?, 'queued', ?, ?)",
+                (job_id, now, json.dumps(request), owner),
             )
         return self.get(job_id)  # type: ignore[return-value]
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str, now: float | None = None) -> dict[str, Any] | None:
+        """The job, or None: unknown, or expired (then deleted, with its file)."""
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else _job(row)
+        if row is None:
+            return None
+        job = _job(row)
+        if self._expired(job, time.time() if now is None else now):
+            self.delete(job_id)
+            return None
+        return job
 
-    def list(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
-        """Jobs by creation, `order` "asc" or "desc", after the job `after`; (jobs, has_more)."""
+    def _expired(self, job: dict[str, Any], now: float) -> bool:
+        if job["status"] not in FINISHED or job["completed_at"] is None:
+            return False
+        expires = job["expires_at"] or job["completed_at"] + int(self.max_age_s)
+        return expires <= now
+
+    def list(
+        self, after: str | None, limit: int, order: str, owner: str | None = None
+    ) -> tuple[list[dict], bool]:
+        """Jobs by creation, `order` "asc" or "desc", after the job `after`; (jobs, has_more).
+        With `owner`, only that owner's jobs."""
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        args: list[Any] = []
-        where = ""
+        where = ["owner = ?"] if owner is not None else []
+        args: list[Any] = [owner] if owner is not None else []
         with self._lock:
             if after is not None:
                 row = self._db.execute("SELECT seq FROM jobs WHERE id = ?", (after,)).fetchone()
                 if row is None:
                     return [], False
-                where = f"WHERE seq {op} ?"
+                where.append(f"seq {op} ?")
                 args.append(row["seq"])
+            clause = f"WHERE {' AND '.join(where)}" if where else ""
             rows = self._db.execute(
-                f"SELECT * FROM jobs {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)
+                f"SELECT * FROM jobs {clause} ORDER BY seq {direction} LIMIT ?",
+                (*args, limit + 1),
             ).fetchall()
         return [_job(r) for r in rows[:limit]], len(rows) > limit
 
@@ -110,7 +192,10 @@ class VideoStore:
         """Write the MP4 (atomically: a crash leaves no half file under its name), then the row."""
         path = self.content_path(job_id)
         tmp = path.with_suffix(".part")
-        tmp.write_bytes(content)
+        tmp.unlink(missing_ok=True)
+        fd = private_file(tmp, exclusive=True)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
         os.replace(tmp, path)
         now = int(time.time())
         with self._lock:

@@ -23,6 +23,14 @@ from ..config.stage_init import StageInit
 from .stats_relay import StatsRelay
 
 
+def env_state(name: str, configured: object) -> str:
+    """ "as configured", "differs" or "unset": how this process's `name` compares with `env:`."""
+    value = os.environ.get(name)
+    if value is None:
+        return "unset"
+    return "as configured" if value == str(configured) else "differs"
+
+
 def _set_title(init: StageInit) -> None:
     try:
         from setproctitle import setproctitle
@@ -69,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     # StatsRelay: each Result carries this process's connector counters to /metrics.
     runner = make_runner(init, StatsRelay(conn))
     info = runner.info()
-    # The stage's own environment, read back here: /proc/<pid>/environ is not reliable once
-    # setproctitle has reused the environ block for the title.
-    environ = {k: os.environ.get(k) for k in (*init.stage.env, "CUDA_VISIBLE_DEVICES")}
+    # The stage's own environment, read back here (/proc/<pid>/environ is not reliable once
+    # setproctitle has reused the environ block for the title): for each `env:` name, whether
+    # this process has the configured value. Names only: values can be secrets, and this info
+    # is shown by GET /v1/omni/stages. The devices it sees (from `devices`) stay readable.
+    environ: dict[str, str | None] = {k: env_state(k, v) for k, v in init.stage.env.items()}
+    environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     info.effective = msgspec.structs.replace(info.effective, environ=environ)
     log.info("loaded in %.1f s: %s", time.monotonic() - t0, info)
     try:
