@@ -82,6 +82,7 @@ def init_image_service(client: OmniEngineClient, state: Any, args: argparse.Name
         served_names(client, args),
         pipeline=client.cfg.pipeline,
         request_timeout_s=getattr(getattr(client.cfg, "serving", None), "request_timeout_s", None),
+        edit_url_hosts=tuple(getattr(getattr(client.cfg, "serving", None), "edit_url_hosts", ())),
     )
     state.omni_images = service
     register(OmniCollector(orchestrator, service, client.cfg.pipeline))

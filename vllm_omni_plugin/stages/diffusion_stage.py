@@ -59,6 +59,11 @@ class DiffusionStageRunner(SteppedStageLoop):
         return {
             "kind": "diffusion",
             "pipeline_class": type(self.engine.adapter).pipeline_class,
+            # The request fields this model applies beyond the common ones, and the common
+            # ones it does not (the API server refuses those before they travel).
+            "family": _family(self.engine.adapter),
+            "knobs": [k.to_dict() for k in self.engine.adapter.applied_knobs()],
+            "unsupported": dict(self.engine.adapter.unsupported),
             "limits": self.engine.limits.to_dict(),
             "effective": self.describe(),
             # Video families: what /v1/videos checks requests against (frames = 1 + k * step).
@@ -173,6 +178,7 @@ class DiffusionStageRunner(SteppedStageLoop):
                 # Edits: the API server's checked lossless PNGs (GenerationParams' contract).
                 input_images=[_decode_png(b) for b in p.input_images],
                 mask=None if p.mask is None else _decode_png(p.mask),
+                knobs=dict(p.knobs),
             )
             self.engine.add_request(req)
         except RequestValidationError as exc:
@@ -209,6 +215,10 @@ class DiffusionStageRunner(SteppedStageLoop):
 def _is_video(engine: Any) -> bool:
     """A video family's adapter says what its frames must look like (adapters/wan.py)."""
     return hasattr(engine.adapter, "video_facts")
+
+
+def _family(adapter: Any) -> str:
+    return type(adapter).family or type(adapter).pipeline_class
 
 
 def _decode_png(data: bytes) -> Any:

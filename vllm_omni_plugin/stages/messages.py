@@ -67,6 +67,9 @@ class GenerationParams:
     # size: 255 where the image is to be repainted (OpenAI's fully transparent mask pixels),
     # 0 where it is kept. None: no mask. Only for topologies with `accepts_mask`.
     mask: bytes | None = None
+    # The model family's own knobs this request sets (name -> value, checked by the API server
+    # against the knobs the final stage announced; DiffusionAdapter.knobs).
+    knobs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from ..errors import RequestValidationError
+from ..knobs import Knob
 from ..request import GenerationRequest, RequestState
 
 
@@ -36,6 +38,14 @@ class DiffusionAdapter(ABC):
     """Base class; subclasses set `pipeline_class` and implement the phases."""
 
     pipeline_class: ClassVar[str] = ""
+    # The family's name in messages to users ("Qwen-Image"); the pipeline class when empty.
+    family: ClassVar[str] = ""
+    # Request fields this family applies beyond the routes' common ones, under diffusers' names
+    # (checked in the API server from the stage's Ready info, and again by the engine).
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+    # Common request fields this family does not apply -> why (a request that sets one is
+    # refused, never answered as if it had been applied).
+    unsupported: ClassVar[dict[str, str]] = {}
     # False: the adapter runs each request whole (`generate`), no step batching.
     step_batched: ClassVar[bool] = True
     # model_index.json components this stage never needs (not read from disk).
@@ -66,6 +76,25 @@ class DiffusionAdapter(ABC):
     def check_request(self, req: GenerationRequest) -> None:
         """Family-specific validation (raise RequestValidationError)."""
         return None
+
+    def applied_knobs(self) -> tuple[Knob, ...]:
+        """The knobs the loaded model applies (a family may drop some for a variant)."""
+        return self.knobs
+
+    def check_applied(self, req: GenerationRequest, given: GenerationRequest) -> None:
+        """Refuse a field the request set (`given`, before defaults) that the validated `req`
+        would not use: a negative prompt without an unconditional pass is ignored by diffusers."""
+        for name, why in self.unsupported.items():
+            if getattr(given, name, None) is not None:
+                raise RequestValidationError(name, why)
+        if given.negative_prompt is not None and not self.uses_cfg(req):
+            raise RequestValidationError(
+                "negative_prompt",
+                f"has no effect: this request runs no unconditional pass ({self.cfg_rule})",
+            )
+
+    # How the family decides on classifier-free guidance, for messages (diffusers' rule).
+    cfg_rule: ClassVar[str] = "guidance_scale > 1 turns it on"
 
     def weight_bytes(self) -> int:
         total = 0

@@ -2,9 +2,10 @@
 
 Math follows diffusers 0.42 `pipeline_qwenimage.py`: Qwen2.5-VL hidden states of the templated
 prompt (template tokens dropped, each prompt keeps its own length), packed latents drawn with the
-request's generator, `mu`-shifted linear sigmas, true CFG (`guidance_scale` is diffusers'
-`true_cfg_scale`, on when > 1 and a negative prompt is given) with the norm rescale, and the
-latents_mean/std un-normalisation before the (video-shaped) VAE decode.
+request's generator, `mu`-shifted linear sigmas, true CFG with the norm rescale (diffusers'
+rule: on when `true_cfg_scale` > 1 and a negative prompt is given; a request without
+`true_cfg_scale` uses its `guidance_scale` as that scale, this server's older name for it), and
+the latents_mean/std un-normalisation before the (video-shaped) VAE decode.
 
 Prompts of different lengths share a forward: rows are right-padded and the transformer gets an
 `encoder_hidden_states_mask`, so padding is never attended to and each token keeps its RoPE
@@ -19,14 +20,37 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from ..errors import RequestValidationError
+from ..knobs import Knob
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
 MAX_SEQUENCE_LENGTH = 512
+TRUE_CFG_SCALE = Knob(
+    "true_cfg_scale",
+    "number",
+    "True classifier-free guidance scale (diffusers' true_cfg_scale): on when > 1 and a "
+    "negative_prompt is given",
+    0.0,
+    100.0,
+)
+TRUE_CFG_RULE = "true CFG runs when true_cfg_scale > 1 and a negative_prompt is given"
+
+
+def check_true_cfg(adapter: DiffusionAdapter, req: GenerationRequest, given: GenerationRequest):
+    """true_cfg_scale set by a request that runs no true CFG (no negative prompt) is refused:
+    diffusers would ignore it."""
+    if "true_cfg_scale" in given.knobs and req.negative_prompt is None:
+        raise RequestValidationError(
+            "true_cfg_scale", f"has no effect without a negative_prompt ({TRUE_CFG_RULE})"
+        )
 
 
 class QwenImageAdapter(DiffusionAdapter):
     pipeline_class = "QwenImagePipeline"
+    family = "Qwen-Image"
+    knobs = (TRUE_CFG_SCALE,)
+    cfg_rule = TRUE_CFG_RULE
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -41,8 +65,24 @@ class QwenImageAdapter(DiffusionAdapter):
         cfg = float(self.defaults.get("true_cfg_scale", 4.0))
         return FamilySpec(g, size, size, 50, cfg, g, 2048)
 
+    def cfg_scale(self, req: GenerationRequest) -> float:
+        """diffusers' true_cfg_scale: the request's, else its guidance_scale (filled)."""
+        return float(req.knobs.get("true_cfg_scale", req.guidance_scale or 0))
+
     def uses_cfg(self, req: GenerationRequest) -> bool:
-        return (req.guidance_scale or 0) > 1 and req.negative_prompt is not None
+        return self.cfg_scale(req) > 1 and req.negative_prompt is not None
+
+    def check_applied(self, req: GenerationRequest, given: GenerationRequest) -> None:
+        check_true_cfg(self, req, given)
+        distilled = bool(self.pipe.transformer.config.guidance_embeds)
+        if given.guidance_scale is not None and not distilled and "true_cfg_scale" in given.knobs:
+            # Not guidance-distilled: guidance_scale is read only as the true-CFG scale.
+            raise RequestValidationError(
+                "guidance_scale",
+                "this model is not guidance-distilled, so true_cfg_scale is its only "
+                "guidance scale: send one of the two",
+            )
+        super().check_applied(req, given)
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         cfg = self.pipe.transformer.config
@@ -151,14 +191,13 @@ class QwenImageAdapter(DiffusionAdapter):
         req0, g = states[0].req, self.vae_scale_factor * 2
         return [(1, req0.height // g, req0.width // g)]
 
-    @staticmethod
-    def _apply_cfg(states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+    def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         out, i, j = [], 0, 0
         for s in states:
             c = cond[i : i + s.n]
             if s.do_cfg:
                 u = uncond[j : j + s.n]
-                comb = u + s.req.guidance_scale * (c - u)
+                comb = u + self.cfg_scale(s.req) * (c - u)
                 cond_norm = torch.norm(c, dim=-1, keepdim=True)
                 noise_norm = torch.norm(comb, dim=-1, keepdim=True)
                 c = comb * (cond_norm / noise_norm)

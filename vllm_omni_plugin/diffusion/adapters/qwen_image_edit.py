@@ -53,6 +53,7 @@ def load_processor(folder: Path) -> Qwen2VLProcessor:
 
 class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = "QwenImageEditPipeline"
+    family = "Qwen-Image-Edit"
     # Loaded by `load_processor` instead (diffusers' loader needs torchvision for it).
     skip_components = ("processor",)
     max_input_images: ClassVar[int] = 1
