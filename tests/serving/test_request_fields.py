@@ -15,7 +15,7 @@ import zipfile
 import pytest
 
 from vllm_omni_plugin.config.owners_common import ServingLimits
-from vllm_omni_plugin.diffusion.knobs import Knob, KnobError, check_knobs
+from vllm_omni_plugin.diffusion.knobs import CfgFacts, Knob, KnobError, check_knobs
 from vllm_omni_plugin.diffusion.limits import RequestLimits
 from vllm_omni_plugin.serving import request_fields as rf
 from vllm_omni_plugin.serving.edit_urls import decode_data_url, fetch_url
@@ -26,18 +26,25 @@ from vllm_omni_plugin.serving.validation import validate_request
 from vllm_omni_plugin.serving.videos_request import VideoBounds, check_video_request
 
 STAGE = RequestLimits(16, 16, 16, 256, 256, 50, 4, 32, 32)
+# As the Qwen-Image and Wan2.2 stages announce them (their adapters' knobs and CFG rules).
 QWEN = rf.FamilyFields(
-    "Qwen-Image", (Knob("true_cfg_scale", "number", "true CFG", 0.0, 100.0),), {}
-)
-WAN = rf.FamilyFields(
-    "Wan2.2",
-    (
-        Knob("guidance_scale_2", "number", "g2", 0.0, 100.0),
-        Knob("boundary_ratio", "number", "b", 0.0, 1.0),
-        Knob("flow_shift", "number", "f", 0.1, 100.0),
-    ),
+    "Qwen-Image",
+    (Knob("true_cfg_scale", "number", "true CFG", 0.0, 100.0),),
     {},
+    CfgFacts("true_cfg_scale", 4.0, True, False, True, True),
 )
+WAN_KNOBS = (
+    Knob("guidance_scale_2", "number", "g2", 0.0, 100.0),
+    Knob("boundary_ratio", "number", "b", 0.0, 1.0),
+    Knob("flow_shift", "number", "f", 0.1, 100.0),
+)
+
+
+def wan(default_guidance: float = 5.0) -> rf.FamilyFields:
+    cfg = CfgFacts(
+        "guidance_scale", default_guidance, False, False, False, True, "guidance_scale_2"
+    )
+    return rf.FamilyFields("Wan2.2", WAN_KNOBS, {}, cfg)
 
 
 def image_limits(family=QWEN) -> ImageLimits:
@@ -58,11 +65,25 @@ def test_family_catalogue_is_what_the_adapters_declare():
 
 
 def test_a_knob_of_the_family_is_checked_and_carried():
-    valid = validate_request({"prompt": "a", "true_cfg_scale": 3}, image_limits())
+    body = {"prompt": "a", "true_cfg_scale": 3, "negative_prompt": "n"}
+    valid = validate_request(body, image_limits())
     assert valid.knobs == {"true_cfg_scale": 3.0}
     for value, code in ((-1, "invalid_value"), ("3", "invalid_type"), (True, "invalid_type")):
-        err = refusal(validate_request, {"prompt": "a", "true_cfg_scale": value}, image_limits())
+        err = refusal(validate_request, {**body, "true_cfg_scale": value}, image_limits())
         assert (err.status, err.param, err.code) == (400, "true_cfg_scale", code)
+
+
+def test_fields_the_cfg_rule_leaves_unread_are_refused_before_any_stage():
+    """Qwen-Image's true CFG needs a negative prompt and a scale > 1 (diffusers' rule)."""
+    for body, param in (
+        ({"true_cfg_scale": 3}, "true_cfg_scale"),  # no negative prompt
+        ({"negative_prompt": "n", "true_cfg_scale": 1}, "negative_prompt"),
+        ({"negative_prompt": "n", "guidance_scale": 0.5}, "negative_prompt"),  # the older name
+        ({"negative_prompt": "n", "guidance_scale": 3, "true_cfg_scale": 3}, "guidance_scale"),
+    ):
+        err = refusal(validate_request, {"prompt": "a", **body}, image_limits())
+        assert (err.param, err.code) == (param, "invalid_value"), (body, err.message)
+    validate_request({"prompt": "a", "negative_prompt": "n"}, image_limits())  # default 4.0
 
 
 def test_refusals_name_the_field_and_say_who_takes_it():
@@ -149,8 +170,8 @@ def test_a_route_wide_extension_joins_the_table(monkeypatch):
 
 # ---- videos ------------------------------------------------------------------------------
 def video_bounds(default_guidance: float = 5.0) -> VideoBounds:
-    facts = {"frame_step": 4, "default_num_frames": 81, "default_guidance_scale": default_guidance}
-    return VideoBounds(STAGE, facts, WAN, ServingLimits(), ["wan"], 16, 65)
+    facts = {"frame_step": 4, "default_num_frames": 81}
+    return VideoBounds(STAGE, facts, wan(default_guidance), ServingLimits(), ["wan"], 16, 65)
 
 
 def test_video_size_from_width_and_height_and_conflicts():

@@ -216,7 +216,7 @@ class DiffusionEngine:
             **filled,
         )
         self.adapter.check_request(out)
-        self.adapter.check_applied(out, req)
+        self.adapter.check_applied(req)
         if self._activation_budget is not None:
             rows = n * (2 if self.adapter.uses_cfg(out) else 1)
             need = rows * self.adapter.row_bytes(out.height, out.width)

@@ -96,3 +96,57 @@ def check_knobs(declared: tuple[Knob, ...], values: dict[str, Any]) -> dict[str,
 
 def _fmt(bound: float | None, unbounded: str) -> str:
     return unbounded if bound is None else f"{bound:g}"
+
+
+@dataclass(frozen=True)
+class CfgFacts:
+    """How a family decides on classifier-free guidance (diffusers' rule), as plain data: the
+    stage announces it, and the API server and the engine refuse with it the fields a request
+    sets that the model would not use (`unused_field`)."""
+
+    scale_field: str  # the request field holding the CFG scale ("guidance_scale" or a knob)
+    default_scale: float  # that scale when the request sets none (the stage's default)
+    needs_negative: bool  # true CFG (Qwen-Image, FLUX): on only with a negative prompt
+    default_negative: bool  # the stage has a default negative prompt
+    guidance_alias: bool  # guidance_scale sets the same scale (Qwen-Image's older name)
+    guidance_used: bool  # guidance_scale is applied at all (False: FLUX.1-schnell)
+    second_scale: str | None = None  # a second CFG scale knob (Wan2.2's guidance_scale_2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CfgFacts:
+        return cls(**data)
+
+
+def unused_field(facts: CfgFacts, given: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, why) of a field the request set (`given`: the request's own fields and knobs,
+    None for unset) that this model would not use, or None."""
+    if given.get("guidance_scale") is not None:
+        if not facts.guidance_used:
+            return "guidance_scale", (
+                "this model is not guidance-distilled: diffusers ignores guidance_scale; use "
+                f"{facts.scale_field} with a negative_prompt"
+            )
+        if facts.guidance_alias and given.get(facts.scale_field) is not None:
+            return "guidance_scale", (
+                f"sets the same scale as {facts.scale_field} on this model: send one of the two"
+            )
+    scale = given.get(facts.scale_field)
+    if scale is None and facts.guidance_alias:
+        scale = given.get("guidance_scale")
+    scale = facts.default_scale if scale is None else scale
+    negative = given.get("negative_prompt") is not None or facts.default_negative
+    rule = f"CFG runs when {facts.scale_field} > 1"
+    if facts.needs_negative:
+        rule += " and a negative_prompt is given"
+        if given.get(facts.scale_field) is not None and not negative:
+            return facts.scale_field, f"has no effect without a negative_prompt ({rule})"
+    cfg_on = scale > 1 and (negative or not facts.needs_negative)
+    if given.get("negative_prompt") is not None and not cfg_on:
+        return "negative_prompt", f"has no effect: this request runs no CFG ({rule}: {scale:g})"
+    second = facts.second_scale
+    if second is not None and given.get(second) is not None and not cfg_on:
+        return second, f"has no effect: this request runs no CFG ({rule}: {scale:g})"
+    return None

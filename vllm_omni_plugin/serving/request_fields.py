@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..diffusion.knobs import Knob, KnobError
+from ..diffusion.knobs import CfgFacts, Knob, KnobError, unused_field
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest
 
@@ -159,6 +159,7 @@ class FamilyFields:
     family: str = ""
     knobs: tuple[Knob, ...] = ()
     unsupported: dict[str, str] = field(default_factory=dict)
+    cfg: CfgFacts | None = None  # the family's CFG rule (None: none known)
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> FamilyFields:
@@ -168,7 +169,16 @@ class FamilyFields:
             family=str(info.get("family") or info.get("pipeline_class") or ""),
             knobs=tuple(Knob.from_dict(k) for k in info.get("knobs", ())),
             unsupported=dict(info.get("unsupported", {})),
+            cfg=CfgFacts.from_dict(info["cfg"]) if info.get("cfg") else None,
         )
+
+    def check_used(self, given: dict[str, Any]) -> None:
+        """Refuse a field `given` sets that the family's CFG rule leaves unread (a negative
+        prompt without CFG, ...): 400 naming it, as the engine would refuse it."""
+        unused = None if self.cfg is None else unused_field(self.cfg, given)
+        if unused is not None:
+            name, why = unused
+            raise invalid(f"'{name}' {why}", name, "invalid_value")
 
 
 @functools.cache

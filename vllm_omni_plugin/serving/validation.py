@@ -87,13 +87,17 @@ def validate_request(
     the caller has taken out of `data`)."""
     if "output_format" in data:
         data = {**data, "output_format": output_format(data["output_format"])}
-    common, knobs, extensions = split_fields(route, data, limits.family or FamilyFields())
+    family = limits.family or FamilyFields()
+    common, knobs, extensions = split_fields(route, data, family)
     try:
         req = ImageGenerationRequest.model_validate(
             {k: v for k, v in common.items() if k not in EDIT_ONLY}
         )
     except ValidationError as exc:
         raise _pydantic_error(exc) from None
+    family.check_used(
+        {"guidance_scale": req.guidance_scale, "negative_prompt": req.negative_prompt, **knobs}
+    )
     if req.response_format == "file" and req.stream:
         raise invalid(
             "response_format 'file' answers with the image bytes; a stream sends events: "

@@ -3,9 +3,8 @@
 Every field is applied or refused (serving/request_fields.py), in JSON or in the multipart
 form the official client sends (whose values arrive as text). The frame size comes from `size`
 or from `width` + `height` (both given: they must agree); the length from `num_frames` or from
-`seconds` at `fps` (both given: they must agree). Cross-field rules of the family's CFG (the
-stage's default guidance scale is in its video facts): a negative prompt or `guidance_scale_2`
-without CFG would be ignored, so it is refused.
+`seconds` at `fps` (both given: they must agree). The family's CFG rule (announced by the
+stage): a negative prompt or `guidance_scale_2` without CFG would be ignored, so it is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class VideoBounds:
     family's fields, and the deploy file's `serving:` / `videos:` bounds."""
 
     limits: Any  # diffusion.limits.RequestLimits
-    facts: dict[str, Any]  # the stage's video facts (frame_step, default_guidance_scale, ...)
+    facts: dict[str, Any]  # the stage's video facts (frame_step, default_num_frames)
     family: FamilyFields
     serving: Any  # config ServingLimits
     served_names: list[str]
@@ -83,7 +82,7 @@ def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
     guidance = _float("guidance_scale", fields.get("guidance_scale"))
     if guidance is not None and not 0 <= guidance <= 100:
         raise invalid("guidance_scale must be a finite number in [0, 100]", "guidance_scale")
-    _check_cfg(guidance, negative, knobs, b.facts)
+    b.family.check_used({"guidance_scale": guidance, "negative_prompt": negative, **knobs})
     seed = ints["seed"]
     if seed is not None and not 0 <= seed <= b.limits.max_seed:
         raise invalid(f"seed must be an integer in [0, {b.limits.max_seed}]", "seed")
@@ -113,19 +112,6 @@ def _typed_knobs(data: dict[str, Any], family: FamilyFields) -> dict[str, Any]:
         if isinstance(value, str) and kinds.get(name) in ("number", "integer"):
             out[name] = (_int if kinds[name] == "integer" else _float)(name, value)
     return out
-
-
-def _check_cfg(
-    guidance: float | None, negative: str | None, knobs: dict[str, Any], facts: dict[str, Any]
-) -> None:
-    scale = guidance if guidance is not None else float(facts.get("default_guidance_scale", 0))
-    if scale > 1:
-        return
-    why = f"CFG runs only when guidance_scale > 1 (this request's: {scale:g})"
-    if negative is not None:
-        raise invalid(f"negative_prompt has no effect: {why}", "negative_prompt")
-    if "guidance_scale_2" in knobs:
-        raise invalid(f"guidance_scale_2 has no effect: {why}", "guidance_scale_2")
 
 
 def _frame_size(size: Any, width: int | None, height: int | None, limits: Any) -> tuple[int, int]:

@@ -64,6 +64,7 @@ class DiffusionStageRunner(SteppedStageLoop):
             "family": _family(self.engine.adapter),
             "knobs": [k.to_dict() for k in self.engine.adapter.applied_knobs()],
             "unsupported": dict(self.engine.adapter.unsupported),
+            "cfg": _cfg(self.engine.adapter),
             "limits": self.engine.limits.to_dict(),
             "effective": self.describe(),
             # Video families: what /v1/videos checks requests against (frames = 1 + k * step).
@@ -215,6 +216,11 @@ class DiffusionStageRunner(SteppedStageLoop):
 def _is_video(engine: Any) -> bool:
     """A video family's adapter says what its frames must look like (adapters/wan.py)."""
     return hasattr(engine.adapter, "video_facts")
+
+
+def _cfg(adapter: Any) -> dict[str, Any] | None:
+    facts = adapter.cfg_facts()
+    return None if facts is None else facts.to_dict()
 
 
 def _family(adapter: Any) -> str:

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from ..errors import RequestValidationError
-from ..knobs import Knob
+from ..knobs import CfgFacts, Knob, unused_field
 from ..request import GenerationRequest, RequestState
 
 
@@ -81,20 +81,35 @@ class DiffusionAdapter(ABC):
         """The knobs the loaded model applies (a family may drop some for a variant)."""
         return self.knobs
 
-    def check_applied(self, req: GenerationRequest, given: GenerationRequest) -> None:
-        """Refuse a field the request set (`given`, before defaults) that the validated `req`
-        would not use: a negative prompt without an unconditional pass is ignored by diffusers."""
+    def cfg_facts(self) -> CfgFacts | None:
+        """How this family decides on CFG (None: no rule, e.g. a whole-pipeline adapter).
+        Default: CFG when guidance_scale > 1, with or without a negative prompt."""
+        return CfgFacts(
+            scale_field="guidance_scale",
+            default_scale=float(self.defaults.get("guidance_scale", self.spec.default_guidance)),
+            needs_negative=False,
+            default_negative=self.defaults.get("negative_prompt") is not None,
+            guidance_alias=False,
+            guidance_used=True,
+        )
+
+    def check_applied(self, given: GenerationRequest) -> None:
+        """Refuse a field the request set (`given`, before defaults) that the model would not
+        use: a field of `unsupported`, or one the family's CFG rule leaves unread."""
         for name, why in self.unsupported.items():
             if getattr(given, name, None) is not None:
                 raise RequestValidationError(name, why)
-        if given.negative_prompt is not None and not self.uses_cfg(req):
-            raise RequestValidationError(
-                "negative_prompt",
-                f"has no effect: this request runs no unconditional pass ({self.cfg_rule})",
-            )
-
-    # How the family decides on classifier-free guidance, for messages (diffusers' rule).
-    cfg_rule: ClassVar[str] = "guidance_scale > 1 turns it on"
+        facts = self.cfg_facts()
+        if facts is None:
+            return
+        fields = {
+            "guidance_scale": given.guidance_scale,
+            "negative_prompt": given.negative_prompt,
+            **given.knobs,
+        }
+        unused = unused_field(facts, fields)
+        if unused is not None:
+            raise RequestValidationError(*unused)
 
     def weight_bytes(self) -> int:
         total = 0

@@ -9,16 +9,18 @@ decode.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from ..errors import RequestValidationError
+from ..knobs import CfgFacts
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
-from .qwen_image import TRUE_CFG_RULE, TRUE_CFG_SCALE, check_true_cfg
+from .qwen_image import TRUE_CFG_SCALE
 
 MAX_SEQUENCE_LENGTH = 512
 
@@ -27,7 +29,6 @@ class FluxAdapter(DiffusionAdapter):
     pipeline_class = "FluxPipeline"
     family = "FLUX"
     knobs = (TRUE_CFG_SCALE,)
-    cfg_rule = TRUE_CFG_RULE
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -50,15 +51,16 @@ class FluxAdapter(DiffusionAdapter):
         # diffusers: true CFG iff true_cfg_scale > 1 and a negative prompt is given.
         return self.cfg_scale(req) > 1 and req.negative_prompt is not None
 
-    def check_applied(self, req: GenerationRequest, given: GenerationRequest) -> None:
-        check_true_cfg(self, req, given)
-        if given.guidance_scale is not None and not self.pipe.transformer.config.guidance_embeds:
-            raise RequestValidationError(
-                "guidance_scale",
-                "this FLUX model is not guidance-distilled (as FLUX.1-schnell): diffusers "
-                "ignores guidance_scale; use true_cfg_scale with a negative_prompt",
-            )
-        super().check_applied(req, given)
+    def cfg_facts(self) -> CfgFacts:
+        """True CFG with true_cfg_scale (default: the stage's, else diffusers' 1.0: off);
+        guidance_scale is the embedded guidance, read only by guidance-distilled checkpoints."""
+        return dataclasses.replace(
+            super().cfg_facts(),
+            scale_field="true_cfg_scale",
+            default_scale=self.true_cfg_scale,
+            needs_negative=True,
+            guidance_used=bool(self.pipe.transformer.config.guidance_embeds),
+        )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         cfg = self.pipe.transformer.config

@@ -14,14 +14,15 @@ position (text positions do not depend on the padded length).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from ..errors import RequestValidationError
-from ..knobs import Knob
+from ..knobs import CfgFacts, Knob
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
@@ -34,23 +35,12 @@ TRUE_CFG_SCALE = Knob(
     0.0,
     100.0,
 )
-TRUE_CFG_RULE = "true CFG runs when true_cfg_scale > 1 and a negative_prompt is given"
-
-
-def check_true_cfg(adapter: DiffusionAdapter, req: GenerationRequest, given: GenerationRequest):
-    """true_cfg_scale set by a request that runs no true CFG (no negative prompt) is refused:
-    diffusers would ignore it."""
-    if "true_cfg_scale" in given.knobs and req.negative_prompt is None:
-        raise RequestValidationError(
-            "true_cfg_scale", f"has no effect without a negative_prompt ({TRUE_CFG_RULE})"
-        )
 
 
 class QwenImageAdapter(DiffusionAdapter):
     pipeline_class = "QwenImagePipeline"
     family = "Qwen-Image"
     knobs = (TRUE_CFG_SCALE,)
-    cfg_rule = TRUE_CFG_RULE
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -72,17 +62,16 @@ class QwenImageAdapter(DiffusionAdapter):
     def uses_cfg(self, req: GenerationRequest) -> bool:
         return self.cfg_scale(req) > 1 and req.negative_prompt is not None
 
-    def check_applied(self, req: GenerationRequest, given: GenerationRequest) -> None:
-        check_true_cfg(self, req, given)
+    def cfg_facts(self) -> CfgFacts:
+        """True CFG (diffusers' rule); guidance_scale is the same scale under our older name
+        unless the model is guidance-distilled (then it is the embedded guidance)."""
         distilled = bool(self.pipe.transformer.config.guidance_embeds)
-        if given.guidance_scale is not None and not distilled and "true_cfg_scale" in given.knobs:
-            # Not guidance-distilled: guidance_scale is read only as the true-CFG scale.
-            raise RequestValidationError(
-                "guidance_scale",
-                "this model is not guidance-distilled, so true_cfg_scale is its only "
-                "guidance scale: send one of the two",
-            )
-        super().check_applied(req, given)
+        return dataclasses.replace(
+            super().cfg_facts(),
+            scale_field="true_cfg_scale",
+            needs_negative=True,
+            guidance_alias=not distilled,
+        )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         cfg = self.pipe.transformer.config

@@ -21,6 +21,7 @@ a forward. A video is one request with n = 1; its decode yields its frames.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Hashable
 from functools import lru_cache
 
@@ -28,7 +29,7 @@ import torch
 from PIL import Image
 
 from ..errors import RequestValidationError
-from ..knobs import Knob
+from ..knobs import CfgFacts, Knob
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec
 
@@ -95,12 +96,13 @@ class WanAdapter(DiffusionAdapter):
             out.append(knob)
         return tuple(out)
 
-    def check_applied(self, req: GenerationRequest, given: GenerationRequest) -> None:
-        if "guidance_scale_2" in given.knobs and not self.uses_cfg(req):
-            raise RequestValidationError(
-                "guidance_scale_2", "has no effect: CFG runs only when guidance_scale > 1"
-            )
-        super().check_applied(req, given)
+    def cfg_facts(self) -> CfgFacts:
+        """CFG when guidance_scale > 1 (diffusers' WanPipeline); Wan2.2's low-noise expert
+        guided by guidance_scale_2."""
+        facts = super().cfg_facts()
+        if self.boundary is None:
+            return facts
+        return dataclasses.replace(facts, second_scale="guidance_scale_2")
 
     def _boundary(self, req: GenerationRequest) -> float | None:
         ratio = req.knobs.get("boundary_ratio")
@@ -115,16 +117,11 @@ class WanAdapter(DiffusionAdapter):
             return copy.deepcopy(sched)
         return type(sched).from_config(sched.config, flow_shift=shift)
 
-    def video_facts(self) -> dict[str, float]:
-        """What the API server needs to check a video request: frames are 1 + k * step; the
-        guidance scale a request without one gets (CFG, hence negative_prompt and
-        guidance_scale_2, applies only above 1)."""
+    def video_facts(self) -> dict[str, int]:
+        """What the API server needs to check a video request: frames are 1 + k * step."""
         return {
             "frame_step": self.temporal,
             "default_num_frames": int(self.defaults.get("num_frames", DEFAULT_NUM_FRAMES)),
-            "default_guidance_scale": float(
-                self.defaults.get("guidance_scale", self.spec.default_guidance)
-            ),
         }
 
     def num_frames(self, req: GenerationRequest) -> int:
