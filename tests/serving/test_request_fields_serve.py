@@ -275,6 +275,25 @@ def test_response_format_file_and_output_format_spellings(small_qwen_server):
     assert stream.status_code == 400 and stream.json()["error"]["param"] == "response_format"
 
 
+def test_edit_true_cfg_scale_through_the_openai_client(shared_edit_server):
+    c = client(shared_edit_server)
+    extra = {"seed": 4, "num_inference_steps": 2, "negative_prompt": "blurry"}
+
+    def edit(**more):
+        res = c.images.edit(
+            model=shared_edit_server.model,
+            image=("s.png", source_png(), "image/png"),
+            prompt="make it red",
+            extra_body={**extra, **more},
+        )
+        return png_bytes(res.data[0].b64_json)
+
+    assert np.abs(edit(true_cfg_scale=1.5) - edit(true_cfg_scale=8.0)).mean() > 0
+    with pytest.raises(BadRequestError) as info:
+        edit(true_cfg_scale=1.5, guidance_scale=2.0)  # one scale, two names
+    assert info.value.body["param"] == "guidance_scale"
+
+
 def test_edit_source_as_data_url_equals_the_upload(shared_edit_server):
     url = f"{shared_edit_server.url}/v1/images/edits"
     form = {"prompt": "make it red", "num_inference_steps": "2", "seed": "4"}
