@@ -12,8 +12,9 @@ The table has three parts:
   announced by the running stage (`FamilyFields.from_info`), and the common fields the family
   does not apply (`DiffusionAdapter.unsupported`);
 - route-wide extensions (`EXTENSIONS`: a `RequestField` with its own check; its checked value
-  reaches `ValidRequest.extensions` / the video request under its name), and the fields other
-  servers' clients send that we refuse on purpose (`REFUSED`, with the reason).
+  reaches `ValidRequest.extensions` / the video request's "extensions" under its name, from
+  where the field's owner carries it into `GenerationParams`), and the fields other servers'
+  clients send that we refuse on purpose (`REFUSED`, with the reason).
 
 The same table builds the routes' OpenAPI body schemas (`body_schema`).
 """

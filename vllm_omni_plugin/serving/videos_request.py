@@ -40,7 +40,7 @@ class VideoBounds:
 
 def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
     """The job's request, every field checked and filled; APIError (4xx) otherwise."""
-    fields, knobs, _ = split_fields(VIDEOS, _typed_knobs(data, b.family), b.family)
+    fields, knobs, extensions = split_fields(VIDEOS, _typed_knobs(data, b.family), b.family)
     if fields.get("input_reference") not in (None, ""):
         raise invalid("input_reference (image-to-video) is not supported yet", "input_reference")
     prompt = fields.get("prompt")
@@ -100,6 +100,7 @@ def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
         "guidance_scale": guidance,
         "seed": seed,
         "knobs": knobs,
+        "extensions": extensions,  # request_fields.EXTENSIONS, checked
         "user": user,
     }
 
