@@ -38,11 +38,11 @@ def _best(fn, repeats: int) -> tuple[float, int]:
 def bench_vllm(root: Path, repeats: int) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
-    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-    from vllm_omni_plugin.models.glm_image.processing import (
+    from vllm_omni_plugin.families.glm_image.processing import (
         build_t2i_prompt,
         t2i_sampling_overrides,
     )
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 
     ar, proc = str(root / "vision_language_encoder"), str(root / "processor")
     t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def bench_transformers(root: Path, repeats: int) -> dict[str, float]:
     import torch
     from transformers import AutoProcessor, GlmImageForConditionalGeneration
 
-    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+    from vllm_omni_plugin.families.glm_image.processing import num_image_tokens
 
     model = GlmImageForConditionalGeneration.from_pretrained(root / "vision_language_encoder")
     model.eval()

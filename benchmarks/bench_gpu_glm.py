@@ -293,8 +293,8 @@ def _omni_deploy_yaml(path: Path, size: int) -> Path:
     import vllm_omni
     import yaml
 
+    from vllm_omni_plugin.families.glm_image.processing import num_image_tokens
     from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
 
     src = Path(vllm_omni.__file__).parent / "deploy" / "glm_image.yaml"
     cfg = yaml.safe_load(src.read_text())
@@ -468,11 +468,11 @@ def phase_ar_one(args) -> None:
     """tokens/s of one engine at batch 1 and 8 (prints one JSON line, `{"b1": ...}`)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-    from vllm_omni_plugin.models.glm_image.processing import (
+    from vllm_omni_plugin.families.glm_image.processing import (
         build_t2i_prompt,
         t2i_sampling_overrides,
     )
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 
     root = args.model
     ar, proc = str(root / "vision_language_encoder"), str(root / "processor")
@@ -513,11 +513,11 @@ def phase_ar_tokens(args) -> None:
     dtype and enforce_eager from --stage-overrides' stage 0, top_k 1 as the served parity run."""
     from vllm import LLM, SamplingParams
 
-    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-    from vllm_omni_plugin.models.glm_image.processing import (
+    from vllm_omni_plugin.families.glm_image.processing import (
         build_t2i_prompt,
         t2i_sampling_overrides,
     )
+    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 
     stage = (json.loads(args.stage_overrides) if args.stage_overrides else {}).get("0", {})
     ar, proc = str(args.model / "vision_language_encoder"), str(args.model / "processor")
@@ -541,7 +541,7 @@ def _hf_greedy_tokens(pipe, size: int) -> list[int]:
     `generate` (the processor's ids and grids; the checkpoint's sequence_bias applies)."""
     import torch
 
-    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+    from vllm_omni_plugin.families.glm_image.processing import num_image_tokens
 
     messages = [[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}]]
     inputs = pipe.processor.apply_chat_template(

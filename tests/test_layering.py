@@ -1,6 +1,24 @@
-"""Imports point inward (DESIGN.md): entry_points -> serving -> orchestrator -> stages -> the
-engines, connectors and config. A lower layer never imports a higher one, not even lazily inside
-a function; this reads every module's imports with `ast` (no import runs), so it costs nothing.
+"""Imports point inward, one named step at a time; this reads every module's imports with `ast`
+(no import runs), lazy imports inside functions included, so it costs nothing.
+
+The layers, outermost first (entry_points/ and the package's root modules, cli.py, sit outside
+them; nothing in the package imports entry_points):
+
+    serving       the OpenAI-compatible routes; talks to the orchestrator only
+    orchestrator  stage handles, supervision, the node link, the backend choice
+    stages        the stage processes: each drives one engine
+    diffusion | models | core | connectors   the engines (ours; vLLM's model and scheduler
+                  parts) and the payload transports: independent of each other
+    talker | code2wav   torch engines a model composes (Qwen3-Omni's speech)
+    config        the typed deploy config
+    pipelines     the frozen topologies (stage graphs)
+    families      what one model family's engines share (GLM-Image's processing)
+    common        the leaf: the message schema, payload descriptors, limits, errors, media types
+    testing       test checkpoint builders, used by the console script only
+
+MAY_IMPORT lists each package's direct dependencies. Every one points to a lower rank, and an
+import outside the list fails: an outward one (stages -> serving), a skip-level one (serving ->
+diffusion: the API server never loads an engine) or a sideways one (diffusion -> models).
 """
 
 from __future__ import annotations
@@ -10,9 +28,49 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_omni_plugin"
-# Higher number = outer layer. Folders not named here (diffusion, connectors, config, core,
-# models, pipelines, testing) are the innermost layer.
-RANK = {"serving": 3, "orchestrator": 2, "stages": 1}
+# Higher number = outer layer.
+RANK = {
+    "testing": 9,
+    "serving": 8,
+    "orchestrator": 7,
+    "stages": 6,
+    "diffusion": 5,
+    "models": 5,
+    "core": 5,
+    "connectors": 5,
+    "talker": 4,
+    "code2wav": 4,
+    "config": 3,
+    "pipelines": 2,
+    "families": 1,
+    "common": 0,
+}
+MAY_IMPORT = {
+    "testing": set(),
+    "serving": {"orchestrator", "config", "pipelines", "common"},
+    "orchestrator": {"stages", "connectors", "config", "pipelines", "common"},
+    "stages": {
+        "diffusion",
+        "models",
+        "talker",
+        "code2wav",
+        "connectors",
+        "config",
+        "pipelines",
+        "families",
+        "common",
+    },
+    "diffusion": {"families", "common"},
+    "models": {"talker", "code2wav", "config", "families", "common"},
+    "talker": {"config", "families", "common"},
+    "code2wav": {"config", "families", "common"},
+    "core": {"config", "common"},
+    "connectors": {"common"},
+    "config": {"pipelines", "families", "common"},
+    "pipelines": {"families", "common"},
+    "families": {"common"},
+    "common": set(),
+}
 
 
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -31,34 +89,78 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_no_module_imports_an_outer_layer():
-    upward = []
+def test_the_layer_table_points_inward():
+    assert set(MAY_IMPORT) == set(RANK)
+    for pkg, deps in MAY_IMPORT.items():
+        assert all(RANK[d] < RANK[pkg] for d in deps), (pkg, deps)
+
+
+def test_every_package_has_a_layer():
+    on_disk = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert on_disk - {"entry_points", "stage_configs"} <= set(RANK), "give it a layer"
+
+
+def test_no_module_imports_outside_its_layer():
+    wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE).parts
         if len(parts) < 2:
             continue  # package root modules (cli, __init__) sit outside the layers
-        rank = RANK.get(parts[0], 0)
+        own = parts[0]
         for line, module in _imported_modules(path):
-            if module.startswith("entry_points"):
-                upward.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
+            where = f"{path.relative_to(PACKAGE)}:{line} imports {module}"
+            if module.startswith("entry_points") or module.startswith(
+                "vllm_omni_plugin.entry_points"
+            ):
+                wrong.append(where)
                 continue
             if not module.startswith("vllm_omni_plugin."):
                 continue
             target = module.split(".")[1]
-            if RANK.get(target, 0) > rank:
-                upward.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
-    assert not upward, "imports that point outward:\n" + "\n".join(upward)
+            if target != own and target not in MAY_IMPORT.get(own, set()):
+                wrong.append(where)
+    assert not wrong, "imports outside the layers (see the module doc):\n" + "\n".join(wrong)
 
 
-def test_the_check_sees_an_outward_import(tmp_path, monkeypatch):
-    # The check must be able to fail: a stage module importing serving is caught.
+def test_the_check_sees_outward_skip_level_and_sideways_imports(tmp_path, monkeypatch):
+    # The check must be able to fail: a stage importing serving (outward), serving importing
+    # the diffusion engine (skip-level) and diffusion importing models (sideways) are caught.
     fake = tmp_path / "vllm_omni_plugin"
-    (fake / "stages").mkdir(parents=True)
-    (fake / "stages" / "bad.py").write_text("def f():\n    from ..serving.images import x\n")
+    bad = {
+        "stages": "def f():\n    from ..serving.images import x\n",
+        "serving": "from vllm_omni_plugin.diffusion.engine import DiffusionEngine\n",
+        "diffusion": "import vllm_omni_plugin.models.glm_image\n",
+        "common": "from ..config import StageConfig\n",
+    }
+    for pkg, text in bad.items():
+        (fake / pkg).mkdir(parents=True)
+        (fake / pkg / "bad.py").write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     try:
-        test_no_module_imports_an_outer_layer()
+        test_no_module_imports_outside_its_layer()
     except AssertionError as exc:
-        assert "stages/bad.py:2 imports vllm_omni_plugin.serving.images" in str(exc)
+        found = str(exc)
     else:
-        raise AssertionError("an outward import went unnoticed")
+        raise AssertionError("an import outside the layers went unnoticed")
+    assert "stages/bad.py:2 imports vllm_omni_plugin.serving.images" in found
+    assert "serving/bad.py:1 imports vllm_omni_plugin.diffusion.engine" in found
+    assert "diffusion/bad.py:1 imports vllm_omni_plugin.models.glm_image" in found
+    assert "common/bad.py:1 imports vllm_omni_plugin.config" in found
+
+
+def test_serving_loads_no_engine():
+    """Importing every serving module (what the API server loads) pulls in no engine, no stage
+    code and no torch: the API server validates and routes, the stages compute."""
+    import subprocess
+
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import vllm_omni_plugin.serving as s\n"
+        "for m in pkgutil.iter_modules(s.__path__):\n"
+        "    importlib.import_module('vllm_omni_plugin.serving.' + m.name)\n"
+        "heavy = ('torch', 'diffusers', 'transformers') + tuple(\n"
+        "    'vllm_omni_plugin.' + p for p in ('diffusion', 'models', 'stages', 'connectors'))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m.startswith(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -91,18 +91,36 @@ def test_deterministic_from_seed(tiny_models, tmp_path, kind):
     assert all(other[name] != reference[name] for name in reference)
 
 
-def test_cli_writes_the_same_checkpoint(tiny_models, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen-image", "wan"])
+def test_cli_writes_the_same_checkpoint(tiny_models, tmp_path, kind):
     cli = Path(sys.executable).with_name("vllm-omni-plugin")
-    out = tmp_path / "cli-qwen"
+    out = tmp_path / f"cli-{kind}"
     done = subprocess.run(
-        [str(cli), "make-tiny-model", "qwen-image", str(out), "--seed", "0"],
+        [str(cli), "make-tiny-model", kind, str(out), "--seed", "0"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert str(out) in done.stdout
-    assert _weights(out) == _weights(tiny_models("qwen-image"))
+    assert _weights(out) == _weights(tiny_models(kind))
+
+
+def test_the_console_script_takes_every_kind_the_builders_know():
+    """One table: the console script's kinds are the builders' kinds, no more, no fewer."""
+    from vllm_omni_plugin.cli import build_parser
+
+    parser = build_parser()
+    for kind in KINDS:
+        assert parser.parse_args(["make-tiny-model", kind, "/unused"]).kind == kind
+    tiny = next(
+        a
+        for a in parser._subparsers._group_actions[0].choices["make-tiny-model"]._actions
+        if a.dest == "kind"
+    )
+    assert tuple(tiny.choices) == KINDS
+    with pytest.raises(SystemExit):
+        parser.parse_args(["make-tiny-model", "sd3", "/unused"])
 
 
 def test_unknown_kind_is_rejected(tmp_path):

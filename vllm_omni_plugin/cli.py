@@ -21,21 +21,22 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The builders' own table: a kind they know is a kind this command takes (no second list).
+    from vllm_omni_plugin.testing.tiny_models import FULL_KINDS, KINDS, SIZES
+
     parser = argparse.ArgumentParser(prog="vllm-omni-plugin")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
-    from vllm_omni_plugin.testing.tiny_models import KINDS
-
-    tiny.add_argument("kind", choices=list(KINDS))
+    tiny.add_argument("kind", choices=KINDS)
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
         "--size",
-        choices=["tiny", "full"],
+        choices=SIZES,
         default="tiny",
-        help="full: the published model sizes with random bf16 weights (glm-image ~34 GB, "
-        "qwen3-omni ~70 GB; built on the GPU when one is present)",
+        help=f"full: the published model sizes with random bf16 weights ({', '.join(FULL_KINDS)} "
+        "only; glm-image ~34 GB, qwen3-omni ~70 GB; built on the GPU when one is present)",
     )
     tiny.add_argument(
         "--num-layers",

@@ -43,7 +43,7 @@ def hf_greedy(hf_ar):
     `generate`: the processor's ids, grids and budget), cached for the session."""
     import torch
 
-    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+    from vllm_omni_plugin.families.glm_image.processing import num_image_tokens
 
     model, processor = hf_ar
     cache: dict[tuple[int, int], list[int]] = {}

@@ -11,13 +11,13 @@ import gc
 
 import pytest
 
-from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-from vllm_omni_plugin.models.glm_image.processing import (
+from vllm_omni_plugin.families.glm_image.processing import (
     build_t2i_prompt,
     num_image_tokens,
     t2i_sampling_overrides,
     tokens_to_prior_token_ids,
 )
+from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 
 PROMPT = "a red cat"  # the prompt tests/ar/conftest.py uses for references
 ASYNC_SCHED = "vllm_omni_plugin.core.sched.OmniARAsyncScheduler"

@@ -13,8 +13,7 @@ import gc
 import pytest
 import torch
 
-from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-from vllm_omni_plugin.models.glm_image.processing import (
+from vllm_omni_plugin.families.glm_image.processing import (
     build_i2i_prompt,
     build_t2i_prompt,
     fit_source_image,
@@ -24,6 +23,7 @@ from vllm_omni_plugin.models.glm_image.processing import (
     t2i_sampling_overrides,
     tokens_to_prior_token_ids,
 )
+from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
 
 PROMPT = "make it blue"
 T2I_PROMPT = "a red cat"  # tests/ar/conftest.py's reference prompt

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni_plugin.models.glm_image.positions import (
+from vllm_omni_plugin.families.glm_image.positions import (
     GridPositionCodec,
     T2ILayout,
     reference_positions,
 )
-from vllm_omni_plugin.models.glm_image.processing import (
+from vllm_omni_plugin.families.glm_image.processing import (
     GRID_EXTRA_ARG,
     build_t2i_prompt,
     num_image_tokens,

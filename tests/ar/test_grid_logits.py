@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_leaves
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from vllm_omni_plugin.families.glm_image.processing import GRID_EXTRA_ARG
 from vllm_omni_plugin.models.glm_image.logits import ImageGridLogitsProcessor
-from vllm_omni_plugin.models.glm_image.processing import GRID_EXTRA_ARG
 
 VOCAB = 200
 FORCED_EOS = 7

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from PIL import Image
 
+from vllm_omni_plugin.families.glm_image.processing import load_processor
 from vllm_omni_plugin.models.glm_image.mm_processing import SourceImageProcessor
-from vllm_omni_plugin.models.glm_image.processing import load_processor
 
 
 def test_text_alone_keeps_the_placeholder_and_an_image_expands_it(glm_tiny):

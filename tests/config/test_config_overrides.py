@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pickle
-
 from config_helpers import GLM_MIN, load, problems, write
 
+from vllm_omni_plugin.common.messages import decode_to_stage, encode
 from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.config.stage_init import StageInit
 
 BASE = """
 pipeline: glm_image
@@ -117,7 +117,9 @@ def test_bad_overrides(tmp_path):
 
 def test_env_survives_to_the_stage_process(tmp_path):
     cfg = load(tmp_path, BASE, stage_overrides={"0": {"env": {"B": 2}}})
-    stage = pickle.loads(pickle.dumps(cfg.stage(0)))  # as it travels to the stage process
+    spec = cfg.topology.stages[0]
+    sent = StageInit(cfg.stage(0), spec, cfg.pipeline).to_message()
+    stage = StageInit.from_message(decode_to_stage(encode(sent))).stage  # as the stage reads it
     assert stage.env == {"A": "1", "B": "2"}
     assert stage.provenance["env.A"] == "yaml" and stage.provenance["env.B"] == "stage-overrides"
 

@@ -16,6 +16,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import payload_structs  # noqa: F401  (registers the tests' struct payloads)
 import torch
 
 

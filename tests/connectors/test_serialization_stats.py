@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import gc
-import pickle
+import logging
 
+import msgspec
 import pytest
 import torch
+from payload_structs import PriorSketch, Unregistered, evil_pickle
 from prometheus_client import CollectorRegistry, generate_latest
 
+from vllm_omni_plugin.common.messages import ConnectorSnapshot
 from vllm_omni_plugin.connectors import (
     ConnectorError,
     make_connector,
     register_prometheus,
     set_remote_snapshot,
 )
-from vllm_omni_plugin.connectors.serialization import decode, encode
+from vllm_omni_plugin.connectors.serialization import bytes_view, decode, encode
 from vllm_omni_plugin.connectors.staging import StagingPool
 
 
@@ -36,19 +39,40 @@ def test_tensors_travel_raw(payload):
     assert out.dtype == payload.dtype and torch.equal(out, payload)
 
 
-def test_bytes_and_objects():
+def test_bytes_and_structs():
     for payload in [b"", b"\x00\x01", bytearray(b"xyz"), memoryview(b"mv")]:
         enc = encode(payload)
         assert enc.kind == "bytes" and decode("bytes", None, enc.shape, enc.data.clone()) == bytes(
             payload
         )
-    obj = {"a": (1, 2.5, None), "t": torch.arange(3)}
-    enc = encode(obj)
-    assert enc.kind == "object"
-    back = decode("object", None, enc.shape, enc.data.clone())
-    assert back["a"] == obj["a"] and torch.equal(back["t"], obj["t"])
+    sketch = PriorSketch([1, 2, 3], 64, "é")
+    enc = encode(sketch)
+    assert (enc.kind, enc.dtype) == ("struct", "PriorSketch")
+    assert decode("struct", "PriorSketch", enc.shape, enc.data.clone()) == sketch
     with pytest.raises(ConnectorError):
         decode("tensor", "not_a_dtype", (1,), torch.zeros(1, dtype=torch.uint8))
+
+
+def test_no_other_payload_travels():
+    """No pickle: a dict, an object or an unregistered struct cannot be sent at all."""
+    for payload in ({"a": 1}, object(), Unregistered(1), [1, 2]):
+        with pytest.raises(ConnectorError, match="cannot travel"):
+            encode(payload)
+
+
+def test_an_object_payload_is_refused_before_it_is_read(tmp_path, caplog):
+    """A forged kind "object" whose bytes are a pickle that would create a file: refused with a
+    logged error, and the file never appears. So is a struct name nobody registered."""
+    marker = tmp_path / "ran"
+    blob = evil_pickle(str(marker))
+    with caplog.at_level(logging.ERROR, logger="vllm_omni_plugin.connectors"):
+        with pytest.raises(ConnectorError, match="kind 'object' refused"):
+            decode("object", None, (len(blob),), bytes_view(blob))
+    assert not marker.exists()
+    assert any("kind 'object' is not one of" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConnectorError, match="unknown type"):
+        decode("struct", "Unregistered", (len(blob),), bytes_view(blob))
+    assert not marker.exists()
 
 
 def test_staging_pool_allocates_frees_and_coalesces():
@@ -84,7 +108,9 @@ def test_prometheus_export_with_connector_label():
     # Counters of another process (e.g. a headless stage node) arrive as snapshots.
     remote = make_connector("inproc", name="metrics-remote").stats.snapshot()
     remote["roles"]["consumer"]["transfers"] = 5
-    set_remote_snapshot("node-1", [pickle.loads(pickle.dumps(remote))])
+    # As it crosses a link: the typed ConnectorSnapshot of the message schema, in msgpack.
+    typed = msgspec.msgpack.decode(msgspec.msgpack.encode(remote), type=ConnectorSnapshot)
+    set_remote_snapshot("node-1", [msgspec.to_builtins(typed)])
     registry = CollectorRegistry()
     register_prometheus(registry)
     register_prometheus(registry)  # idempotent

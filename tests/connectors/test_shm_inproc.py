@@ -6,10 +6,12 @@ import gc
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 from conn_peer import pattern
 from conn_peerctl import PeerProcess
+from payload_structs import PriorSketch, evil_pickle
 
 from vllm_omni_plugin.connectors import ConnectorError, make_connector
 
@@ -29,8 +31,10 @@ def test_inproc_hands_over_the_object():
         conn.get(desc, timeout=1)
     desc = conn.put("r", 0, 1, bytearray(b"abc"))
     assert conn.get(desc, timeout=1) == b"abc"
-    obj = {"k": [1, 2]}
+    obj = PriorSketch([1, 2], 64, "x")
     assert conn.get(conn.put("r", 1, 2, obj), timeout=1) is obj
+    with pytest.raises(ConnectorError, match="cannot travel"):
+        conn.put("r", 1, 2, {"k": [1, 2]})  # payloads are tensors, bytes or typed structs
     snap = conn.stats.snapshot()
     assert snap["puts"] == 3 and snap["roles"]["consumer"]["transfers"] == 4
     assert (
@@ -72,21 +76,37 @@ def test_shm_bytes_exact_across_processes(shm_producer, nbytes):
 
 def test_shm_types_and_errors(shm_producer):
     conn = make_connector("shm", name="shm-consumer")
-    payload = {"ids": torch.arange(6).reshape(2, 3), "s": "é"}
+    payload = PriorSketch([0, 1, 2, 3, 4, 5], 64, "é")
     desc = shm_producer.call("put", "obj", payload)
+    assert desc.kind == "struct"
     got = conn.get(desc, timeout=5)
-    assert torch.equal(got["ids"], payload["ids"]) and got["s"] == "é"
+    assert got == payload
     conn.release(desc)
     with pytest.raises(ConnectorError, match="not readable"):
         conn.get(desc, timeout=5)  # released
     desc = shm_producer.call("put", "bytes", b"")
     assert conn.get(desc, timeout=5) == b""
     conn.release(desc)
-    forged = type(desc)(**{**desc.__dict__, "location": "/etc/passwd"})
+    forged = msgspec.structs.replace(desc, location="/etc/passwd")
     with pytest.raises(ConnectorError, match="does not name an omni shm file"):
         conn.get(forged, timeout=5)
     conn.release(forged)  # must not unlink anything outside our files
     assert os.path.exists("/etc/passwd")
+
+
+def test_shm_refuses_an_object_payload_before_reading_it(shm_producer, tmp_path):
+    """A real shm file holding a pickle that would create a file, described as kind "object"
+    (what the old encoding produced and a peer could forge): refused, the file never made."""
+    marker = tmp_path / "ran"
+    blob = evil_pickle(str(marker))
+    desc = shm_producer.call("put", "evil", blob)  # the bytes, in a real omni shm file
+    forged = msgspec.structs.replace(desc, kind="object")
+    conn = make_connector("shm", name="shm-consumer")
+    with pytest.raises(ConnectorError, match="kind 'object' refused"):
+        conn.get(forged, timeout=5)
+    assert not marker.exists()
+    assert conn.get(desc, timeout=5) == blob  # the honest descriptor still reads: bytes
+    conn.release(desc)
 
 
 def test_shm_orphans_of_dead_producers_are_removed():

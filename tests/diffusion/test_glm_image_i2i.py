@@ -141,7 +141,7 @@ def reference(pipe, priors, sources, r: GenerationRequest, k: int | None):
 
 def test_source_codes_equal_diffusers(engine, priors, sources):
     """The engine's own tokenization of the source equals diffusers' (AR vision tokenizer)."""
-    from vllm_omni_plugin.models.glm_image.processing import source_image_codes, upsample_codes
+    from vllm_omni_plugin.families.glm_image.processing import source_image_codes, upsample_codes
 
     processor, visual, vq = engine.adapter._vision_tokenizer()
     for (_, img_ids, grids), img in zip(priors, sources, strict=True):

@@ -237,3 +237,19 @@ def test_wan_refusals_name_the_field(wan):
     assert refused(engine, video_req("t", {"true_cfg_scale": 2.0})) == "true_cfg_scale"
     announced = {k.name for k in engine.adapter.applied_knobs()}
     assert announced == {"guidance_scale_2", "boundary_ratio", "flow_shift"}
+
+
+def test_each_adapter_declares_its_family_knobs_from_the_table():
+    """The API server's table of families (common/knobs.py) is what the adapters apply."""
+    from vllm_omni_plugin.common.knobs import FAMILY_KNOBS
+    from vllm_omni_plugin.diffusion.adapters import get_adapter_class
+
+    for pipeline_class in (
+        "QwenImagePipeline",
+        "QwenImageEditPipeline",
+        "FluxPipeline",
+        "WanPipeline",
+        "GlmImagePipeline",
+    ):
+        adapter = get_adapter_class(pipeline_class)
+        assert adapter.knobs == FAMILY_KNOBS[adapter.family], pipeline_class

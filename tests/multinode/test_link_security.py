@@ -26,29 +26,39 @@ import msgspec
 import pytest
 import torch
 
+from vllm_omni_plugin.common.limits import RequestLimits
+from vllm_omni_plugin.common.messages import (
+    DiffusionSettings,
+    Heartbeat,
+    Register,
+    Result,
+    StageInfo,
+    StageStatus,
+    Welcome,
+    decode_link,
+)
+from vllm_omni_plugin.common.payload import InlineTensor, Via
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.orchestrator import link as link_mod
 from vllm_omni_plugin.orchestrator import remote
 from vllm_omni_plugin.orchestrator.link import MAGIC, AuthenticationError, Link, accept, connect
-from vllm_omni_plugin.orchestrator.node import _plain, shutdown_concurrently, stage_init
-from vllm_omni_plugin.orchestrator.node_protocol import (
-    AUTHKEY_ENV,
-    Heartbeat,
-    Register,
-    StageStatus,
-    Welcome,
-    WireValue,
-    authkey,
-    is_loopback,
-    value_from_wire,
-    value_to_wire,
-)
+from vllm_omni_plugin.orchestrator.node import shutdown_concurrently, stage_init
+from vllm_omni_plugin.orchestrator.node_protocol import AUTHKEY_ENV, authkey, is_loopback
 from vllm_omni_plugin.orchestrator.stage_process import stage_env
-from vllm_omni_plugin.stages.payloads import _Via
+from vllm_omni_plugin.stages.payloads import from_inline, inline
 
 KEY = b"link-security-test-key"
-DIT = {1: StageStatus("diffusion", True, {"kind": "diffusion"}, pid=4242)}
+
+
+def dit_info(**limits: int) -> StageInfo:
+    """A diffusion stage's Ready info as a node relays it (settings: plain placeholders)."""
+    settings = DiffusionSettings({}, "cpu", "torch.float32", None, 1, 0.0, None, None, 1, None)
+    bounds = RequestLimits(16, 64, 64, 1024, 1024, 50, 4, 512, 512)
+    return StageInfo("diffusion", settings, limits=RequestLimits(**{**bounds.to_dict(), **limits}))
+
+
+DIT = {1: StageStatus("diffusion", True, dit_info(), pid=4242)}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -335,10 +345,10 @@ async def test_send_never_blocks_on_a_peer_that_stops_reading(monkeypatch):
     link.start_reader(
         asyncio.get_running_loop(), lambda *_: None, lambda _l, why: lost.set_result(why)
     )
-    blob = {"blob": b"x" * (1 << 20)}
+    blob = Result("big", output=[b"x" * (1 << 20)])
     t0 = time.monotonic()
     for _ in range(48):  # far more than the kernel's socket buffers hold
-        link.send(Heartbeat({1: StageStatus("diffusion", True, blob)}))
+        link.send(blob)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.0, f"send() blocked for {elapsed:.1f} s"
     assert link._queued > 8 << 20  # most of it is waiting for the writer thread
@@ -348,7 +358,7 @@ async def test_send_never_blocks_on_a_peer_that_stops_reading(monkeypatch):
     # (seen once in make test).
     monkeypatch.setattr(link_mod, "MAX_QUEUED_BYTES", 8 << 20)
     with pytest.raises(BrokenPipeError):
-        link.send(Heartbeat({1: StageStatus("diffusion", True, blob)}))
+        link.send(blob)
     assert "not reading" in await asyncio.wait_for(lost, 5)
     assert not link.alive
     peer.close()
@@ -372,8 +382,9 @@ def test_node_stops_its_stages_concurrently():
 
 # ---- values on the link: typed, explicit ---------------------------------------------------
 def through_the_wire(value):
-    data = msgspec.msgpack.encode(value_to_wire(value))
-    return value_from_wire(msgspec.msgpack.decode(data, type=WireValue))
+    """`value` as a stage's Result output, across the link's encoding, read back."""
+    got = decode_link(link_mod.encode(Result("r", output=inline(value)))[4:]).output
+    return from_inline(got) if isinstance(got, InlineTensor) else got
 
 
 def test_descriptors_and_inline_tensors_round_trip_typed():
@@ -381,7 +392,7 @@ def test_descriptors_and_inline_tensors_round_trip_typed():
 
     loc = NixlLocation("agent", "inc", b"\x00md", None, 4096, 128, 0, "DRAM", 7)
     desc = PayloadDescriptor("nixl", "nixl", "k", "r", 0, 1, "tensor", "int64", (4,), 32, 9.0, loc)
-    back = through_the_wire(_Via("nixl", desc))
+    back = through_the_wire(Via("nixl", desc))
     assert back.connector == "nixl" and back.desc == desc and back.desc.location == loc
 
     tensors = (torch.arange(12).reshape(3, 4), torch.ones(2, dtype=torch.bfloat16), torch.tensor(5))
@@ -390,12 +401,12 @@ def test_descriptors_and_inline_tensors_round_trip_typed():
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
     assert through_the_wire([b"png"]) == [b"png"] and through_the_wire(None) is None
     with pytest.raises(TypeError, match="connector"):
-        value_to_wire({"a": object()})
+        inline({"a": object()})
 
 
-def test_stray_values_in_stage_info_do_not_stop_heartbeats():
-    """A non-plain value in a stage's info is sent as its str(); bytes stay bytes."""
-    info = _plain({"limits": {"max_steps": 9}, "path": Path("/m"), "md": b"\x00"})
-    assert info == {"limits": {"max_steps": 9}, "path": "/m", "md": b"\x00"}
+def test_stage_info_crosses_the_link_typed():
+    """A stage's Ready info rides the heartbeats as the typed StageInfo, limits included."""
+    info = dit_info(max_steps=9)
     frame = link_mod.encode(Heartbeat({1: StageStatus("diffusion", True, info)}))
-    assert msgspec.msgpack.decode(frame[4:], type=Heartbeat).stages[1].info == info
+    back = msgspec.msgpack.decode(frame[4:], type=Heartbeat).stages[1].info
+    assert back == info and back.limits.max_steps == 9

@@ -1,6 +1,6 @@
 """The head's node registry over real TCP connections (no stage processes: seconds, not minutes).
 
-The test plays the node's side of the protocol (node_protocol.py) with the same `connect` and
+The test plays the node's side of the protocol (common/messages.py, link.py) with the same `connect` and
 `Link` the real node uses, against a real StageHead + RemoteStageClient on this test's event loop.
 """
 
@@ -9,43 +9,51 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
-from vllm_omni_plugin.config import load_deploy_config
-from vllm_omni_plugin.connectors.base import PayloadDescriptor
-from vllm_omni_plugin.connectors.stats import all_snapshots
-from vllm_omni_plugin.diffusion.limits import RequestLimits
-from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote, remote_stage
-from vllm_omni_plugin.orchestrator.connector_stats import KEY as STATS_KEY
-from vllm_omni_plugin.orchestrator.connector_stats import absorb
-from vllm_omni_plugin.orchestrator.link import AuthenticationError, Link, connect
-from vllm_omni_plugin.orchestrator.node import stage_init
-from vllm_omni_plugin.orchestrator.node_protocol import (
+from vllm_omni_plugin.common.limits import RequestLimits
+from vllm_omni_plugin.common.messages import (
+    Abort,
+    ConnectorCounters,
+    DiffusionSettings,
+    GenerationParams,
     Heartbeat,
     Ping,
+    Progress,
+    Pulse,
     Register,
     Rejected,
-    StageAbort,
-    StageProgress,
-    StagePulse,
-    StageResult,
+    Result,
+    StageInfo,
     StageStatus,
-    StageSubmit,
+    Submit,
     Superseded,
     ToStage,
     Welcome,
-    parse_stage_ids,
-    submit_from_wire,
-    value_from_wire,
 )
+from vllm_omni_plugin.common.payload import Via
+from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.connectors.base import PayloadDescriptor
+from vllm_omni_plugin.connectors.stats import all_snapshots
+from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError, remote, remote_stage
+from vllm_omni_plugin.orchestrator.connector_stats import absorb
+from vllm_omni_plugin.orchestrator.link import AuthenticationError, Link, connect
+from vllm_omni_plugin.orchestrator.node import stage_init
+from vllm_omni_plugin.orchestrator.node_protocol import parse_stage_ids
 from vllm_omni_plugin.serving.deferred_limits import limits_or_deferred
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.handlers import ImageService
-from vllm_omni_plugin.stages.messages import GenerationParams, Result, Submit
-from vllm_omni_plugin.stages.payloads import _Via
 
 KEY = b"registry-test-key"
-DIT = {1: StageStatus("diffusion", True, {"max_steps": 9}, pid=4242)}
+SETTINGS = DiffusionSettings({}, "cpu", "torch.float32", None, 1, 0.0, None, None, 1, None)
+
+
+def dit_info(limits: RequestLimits | None = None) -> StageInfo:
+    return StageInfo("diffusion", SETTINGS, limits=limits)
+
+
+DIT = {1: StageStatus("diffusion", True, dit_info(), pid=4242)}
 
 
 @pytest.fixture
@@ -86,7 +94,7 @@ DESC = PayloadDescriptor(
 
 def submit(rid: str) -> Submit:
     params = GenerationParams("x", seed=7)
-    return Submit(rid, params, inputs={0: _Via("shm", DESC)}, to_stage=None)
+    return Submit(rid, params, inputs={0: Via("shm", DESC)}, to_stage=None)
 
 
 async def test_wrong_key_is_refused(head):
@@ -112,17 +120,16 @@ async def test_submit_abort_result_and_status_round_trip(head):
     conn, reply = await register(h.port)
     assert isinstance(reply, Welcome)
     await until(lambda: client.ready)
-    assert client.describe() == {"max_steps": 9} and client.pid == 4242
+    assert client.describe() == dit_info() and client.pid == 4242
 
     task = asyncio.ensure_future(client.submit(submit("r1")))
     routed = await recv(conn)
     assert isinstance(routed, ToStage) and routed.stage_id == 1
-    assert isinstance(routed.msg, StageSubmit) and routed.msg.request_id == "r1"
-    assert routed.msg.params["prompt"] == "x" and routed.msg.params["seed"] == 7
-    assert submit_from_wire(routed.msg).params == GenerationParams("x", seed=7)
-    via = value_from_wire(routed.msg.inputs[0])  # the descriptor, rebuilt typed on the node
-    assert isinstance(via, _Via) and via.connector == "shm" and via.desc == DESC
-    conn.send(StageResult("r1", output=[b"png"], stage_s=0.25))
+    assert isinstance(routed.msg, Submit) and routed.msg.request_id == "r1"
+    assert routed.msg.params == GenerationParams("x", seed=7)
+    via = routed.msg.inputs[0]  # the descriptor, decoded typed on the node
+    assert isinstance(via, Via) and via.connector == "shm" and via.desc == DESC
+    conn.send(Result("r1", output=[b"png"], stage_s=0.25))
     result = await asyncio.wait_for(task, 5)
     stats = client.stats()
     assert result.output == [b"png"] and stats.completed == 1 and stats.busy_s == 0.25
@@ -131,9 +138,9 @@ async def test_submit_abort_result_and_status_round_trip(head):
     assert (await recv(conn)).msg.request_id == "r2"
     task.cancel()
     aborted = await recv(conn)
-    assert isinstance(aborted.msg, StageAbort) and aborted.msg.request_id == "r2"
+    assert isinstance(aborted.msg, Abort) and aborted.msg.request_id == "r2"
 
-    conn.send(Heartbeat({1: StageStatus("diffusion", False, {"max_steps": 9})}))
+    conn.send(Heartbeat({1: StageStatus("diffusion", False, dit_info())}))
     assert isinstance(await recv(conn), Ping)  # the head answers heartbeats
     await until(lambda: not client.ready)  # the node's stage is restarting: 503s
     with pytest.raises(StageUnavailableError):
@@ -219,11 +226,11 @@ async def test_a_heartbeating_node_whose_stage_stops_producing_is_dropped(head, 
         task = asyncio.ensure_future(client.submit(submit("r1"), on_progress=seen.append))
         await routed()
         for step in range(1, 21):
-            conn.send(StagePulse(1))
-            conn.send(StageProgress("r1", 1, "diffusion", step, 20))
+            conn.send(Pulse(1))
+            conn.send(Progress("r1", 1, "diffusion", step, 20))
             await asyncio.sleep(0.1)
         assert not task.done() and client.ready
-        conn.send(StageResult("r1", output=[b"png"]))
+        conn.send(Result("r1", output=[b"png"]))
         assert (await asyncio.wait_for(task, 5)).output == [b"png"]
         assert [(p.stage, p.step, p.total_steps) for p in seen] == [
             ("diffusion", i, 20) for i in range(1, 21)
@@ -272,7 +279,7 @@ async def test_head_answers_503_until_nodes_register_then_validates_with_their_l
             default_height=64,
             default_width=64,
         )
-        info = {"kind": "diffusion", "limits": limits.to_dict()}  # plain data over the link
+        info = dit_info(limits)  # typed over the link
         conn, _ = await register(h.port, stages={1: StageStatus("diffusion", True, info)})
         await until(lambda: orchestrator.stages[1].ready)
         # The final stage's limits now apply on the head; stage 0 still has no node: 503.
@@ -303,9 +310,10 @@ def test_connector_counters_ride_results_into_the_exporter():
             for role in ("producer", "consumer")
         },
     }
-    result = Result("r", metrics={STATS_KEY: {"source": "n:1", "snapshots": [snap]}, "k": 1})
+    counters = msgspec.convert({"source": "n:1", "snapshots": [snap]}, ConnectorCounters)
+    result = Result("r", metrics={"k": 1}, connector_stats=counters)
     absorb(result)
-    assert result.metrics == {"k": 1}  # taken off the result
+    assert result.metrics == {"k": 1} and result.connector_stats is None  # taken off
     merged = {s["name"]: s for s in all_snapshots()}["registry-test"]
     assert merged["roles"]["consumer"]["transfers"] == 2
 

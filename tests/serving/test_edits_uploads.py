@@ -135,25 +135,25 @@ def test_uploads_become_rgb_pngs_and_an_l_mask():
 
 def test_edit_params_cross_the_multinode_link():
     """GenerationParams carries the uploads as PNG bytes so they stay plain data on the
-    msgpack node link too (arrays would not encode there)."""
-    import msgspec
-
-    from vllm_omni_plugin.orchestrator.node_protocol import (
-        StageSubmit,
-        submit_from_wire,
-        submit_to_wire,
+    msgpack links (the node link and a stage's socket; arrays would not encode there)."""
+    from vllm_omni_plugin.common.messages import (
+        GenerationParams,
+        Submit,
+        ToStage,
+        decode_link,
+        decode_to_stage,
+        encode,
     )
-    from vllm_omni_plugin.stages.messages import GenerationParams, Submit
 
     images, mask = decode_uploads([png(), png((32, 24), "RGB", (1, 2, 3))], png((32, 24), "RGBA"))
     params = GenerationParams("x", seed=3, input_images=images, mask=mask)
-    wire = msgspec.msgpack.encode(submit_to_wire(Submit("r", params)))
-    back = submit_from_wire(msgspec.msgpack.decode(wire, type=StageSubmit)).params
+    back = decode_link(encode(ToStage(1, Submit("r", params)))).msg.params
     assert back == params and back.input_images[1] == images[1]
+    assert decode_to_stage(encode(Submit("r", params))).params == params
 
 
 def test_auto_size_keeps_the_source_aspect_at_the_default_area():
-    from vllm_omni_plugin.diffusion.limits import RequestLimits
+    from vllm_omni_plugin.common.limits import RequestLimits
     from vllm_omni_plugin.serving.edits import auto_size
     from vllm_omni_plugin.serving.protocol import ImageLimits
 

@@ -26,7 +26,7 @@ from omni_server import API_KEY
 from openai import OpenAI
 from PIL import Image
 
-from vllm_omni_plugin.stages.messages import ENGINE_METRICS_INTERVAL_S
+from vllm_omni_plugin.common.messages import ENGINE_METRICS_INTERVAL_S
 
 pytestmark = pytest.mark.slow
 SIZE, STEPS, SEED = 64, 2, 5

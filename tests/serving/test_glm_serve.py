@@ -193,7 +193,7 @@ def _ar_engine_sample(metrics: str, name: str) -> float | None:
 def test_ar_engine_metrics_reach_metrics_labelled_by_stage(glm):
     # vLLM's own engine metrics live in the AR stage's process; the stage sends them every 2 s
     # and /metrics shows them under vLLM's names with stage_id/stage labels, beside ours.
-    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+    from vllm_omni_plugin.families.glm_image.processing import num_image_tokens
 
     def scrape() -> str:
         return httpx.get(f"{glm.url}/metrics", timeout=10).text

@@ -14,9 +14,9 @@ import zipfile
 
 import pytest
 
+from vllm_omni_plugin.common.knobs import CfgFacts, Knob, KnobError, check_knobs
+from vllm_omni_plugin.common.limits import RequestLimits
 from vllm_omni_plugin.config.owners_common import ServingLimits
-from vllm_omni_plugin.diffusion.knobs import CfgFacts, Knob, KnobError, check_knobs
-from vllm_omni_plugin.diffusion.limits import RequestLimits
 from vllm_omni_plugin.serving import request_fields as rf
 from vllm_omni_plugin.serving.edit_urls import decode_data_url, fetch_url
 from vllm_omni_plugin.serving.errors import APIError

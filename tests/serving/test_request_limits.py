@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_omni_plugin.common.limits import MAX_SEED, RequestLimits, size_granularity
 from vllm_omni_plugin.config.owners_common import ServingLimits
-from vllm_omni_plugin.diffusion.limits import MAX_SEED, RequestLimits, size_granularity
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.protocol import ImageLimits
 from vllm_omni_plugin.serving.validation import validate_request

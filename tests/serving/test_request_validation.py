@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vllm_omni_plugin.diffusion.limits import RequestLimits
+from vllm_omni_plugin.common.limits import RequestLimits
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.protocol import ImageLimits
 from vllm_omni_plugin.serving.url_store import UrlStore

@@ -15,10 +15,10 @@ import resource
 import pytest
 
 from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.config.stage_init import StageInit
 from vllm_omni_plugin.orchestrator import stage_client
 from vllm_omni_plugin.orchestrator.errors import StageStartupError
 from vllm_omni_plugin.orchestrator.stage_client import StageClient
-from vllm_omni_plugin.stages.messages import StageInit
 
 
 def open_fds() -> set[int]:
@@ -73,7 +73,7 @@ def test_spawn_oserror_is_retried_then_given_up_leaving_nothing(init, caplog, mo
 def test_only_work_messages_count_as_progress_for_the_stall_watchdog(init):
     # An AR stage's control loop answers inspections and sends metrics even while its engine is
     # stuck: neither may reset the stall clock; a Pulse from the engine loop does.
-    from vllm_omni_plugin.stages.messages import EngineMetrics, Inspection, Pulse
+    from vllm_omni_plugin.common.messages import EngineMetrics, Inspection, Pulse
 
     client = StageClient(init, startup_timeout_s=5)
     client.pending.last_progress = 0.0

@@ -13,7 +13,8 @@ import pytest
 from openai._streaming import SSEDecoder
 from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 
-from vllm_omni_plugin.diffusion.limits import RequestLimits
+from vllm_omni_plugin.common.limits import RequestLimits
+from vllm_omni_plugin.common.messages import Progress
 from vllm_omni_plugin.diffusion.request import preview_steps
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.protocol import ImageLimits
@@ -23,7 +24,6 @@ from vllm_omni_plugin.serving.streaming import (
     progress_events,
 )
 from vllm_omni_plugin.serving.validation import validate_request
-from vllm_omni_plugin.stages.messages import Progress
 
 LIMITS = ImageLimits.build(
     RequestLimits(

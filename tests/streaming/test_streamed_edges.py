@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from vllm_omni_plugin.common.messages import GenerationParams
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError
 from vllm_omni_plugin.orchestrator.streaming import OutputChunk
-from vllm_omni_plugin.stages.messages import GenerationParams
 from vllm_omni_plugin.stages.stream_test_stages import chunk_tensor, expected_checksum
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]

@@ -1,7 +1,7 @@
 """The stage connector contract: put a payload, hand a small descriptor to the next stage, get it.
 
 A producer stage calls `put(request_id, from_stage, to_stage, payload)` and sends the returned
-`PayloadDescriptor` through the control path (it is small and picklable). The consumer stage calls
+`PayloadDescriptor` (common/payload.py, a typed msgspec struct) through the control path. The consumer stage calls
 `get(descriptor, timeout)`, which returns a payload of the same type, then `release(descriptor)`.
 The producer keeps the payload alive until it is released or its lease expires, whichever first.
 
@@ -11,15 +11,18 @@ dead or hung peer becomes a `ConnectorError` / `ConnectorTimeout` instead of a h
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from vllm_omni_plugin.common.payload import PAYLOAD_KINDS, PayloadDescriptor, PayloadKind
 from vllm_omni_plugin.connectors.stats import ConnectorStats
 
-PayloadKind = Literal["tensor", "bytes", "object"]
+__all__ = ["ConnectorError", "ConnectorTimeout", "PayloadDescriptor", "PayloadKind"]
+
+logger = logging.getLogger("vllm_omni_plugin.connectors")
 
 
 class ConnectorError(RuntimeError):
@@ -28,28 +31,6 @@ class ConnectorError(RuntimeError):
 
 class ConnectorTimeout(ConnectorError, TimeoutError):
     """A get did not finish within its deadline (e.g. the peer hangs)."""
-
-
-@dataclass(frozen=True)
-class PayloadDescriptor:
-    """What travels on the control path instead of the payload (picklable, a few hundred bytes).
-
-    `location` is transport specific (a file path for shm, agent metadata + remote address for
-    NIXL) and opaque to everyone but the connector kind that made it.
-    """
-
-    connector: str  # kind of the connector that made it: inproc | shm | nixl
-    name: str  # the connector's name (metrics label)
-    key: str  # unique per put
-    request_id: str
-    from_stage: int
-    to_stage: int
-    kind: PayloadKind
-    dtype: str | None  # torch dtype name for tensors, e.g. "float16"
-    shape: tuple[int, ...]
-    nbytes: int
-    lease_s: float
-    location: Any = field(default=None, repr=False)
 
 
 def new_key(request_id: str, from_stage: int, to_stage: int) -> str:
@@ -142,6 +123,23 @@ class StageConnector(ABC):
                 f"descriptor {desc.key} was made by a {desc.connector!r} connector, "
                 f"not {self.kind!r}"
             )
+        check_kind(desc.kind, desc.key, desc.request_id)
+
+
+def check_kind(kind: str, key: str = "-", request_id: str = "-") -> None:
+    """Refuse a payload kind outside PAYLOAD_KINDS before anything is fetched or decoded: a
+    logged error, then ConnectorError (the one request fails; the stage keeps serving)."""
+    if kind not in PAYLOAD_KINDS:
+        logger.error(
+            "refused payload %s of request %s: kind %r is not one of %s (nothing was read)",
+            key,
+            request_id,
+            kind,
+            ", ".join(PAYLOAD_KINDS),
+        )
+        raise ConnectorError(
+            f"payload kind {kind!r} refused: only {', '.join(PAYLOAD_KINDS)} payloads travel"
+        )
 
     def __enter__(self) -> StageConnector:
         return self

@@ -8,8 +8,10 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import torch
 
+from vllm_omni_plugin.common.payload import PAYLOAD_STRUCTS
 from vllm_omni_plugin.connectors.base import (
     ConnectorError,
     Deadline,
@@ -25,7 +27,12 @@ def _describe(payload: Any) -> tuple[str, str | None, tuple[int, ...], int]:
         return "tensor", dtype_name(payload.dtype), tuple(payload.shape), payload.nbytes
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return "bytes", None, (len(payload),), len(payload)
-    return "object", None, (), 0  # size unknown without pickling; not worth it in-process
+    if isinstance(payload, msgspec.Struct) and PAYLOAD_STRUCTS.get(type(payload).__name__):
+        return "struct", type(payload).__name__, (), 0  # handed over as is: nothing encoded
+    raise ConnectorError(
+        f"a {type(payload).__name__} cannot travel between stages: payloads are tensors, "
+        "bytes or a struct registered with common.payload.payload_struct"
+    )
 
 
 class InProcConnector(StageConnector):

@@ -8,24 +8,14 @@ from typing import Any
 
 import torch
 
+from vllm_omni_plugin.common.payload import NixlLocation
 from vllm_omni_plugin.connectors.staging import ALIGN
+
+__all__ = ["HEADER", "Lease", "MiB", "NixlLocation", "RELEASE_PREFIX"]
 
 HEADER = ALIGN  # tag in the first 8 bytes; the payload after it stays aligned
 RELEASE_PREFIX = b"omni-rel:"
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class NixlLocation:
-    agent_name: str
-    incarnation: str
-    agent_md: bytes
-    region_md: bytes | None  # partial metadata of a payload registered on its own
-    addr: int
-    length: int  # bytes to READ (header + payload for pool slots)
-    dev_id: int
-    mem_type: str  # DRAM | VRAM
-    tag: int  # 0: no header
 
 
 @dataclass

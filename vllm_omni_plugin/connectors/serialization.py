@@ -1,19 +1,21 @@
-"""Payload <-> flat byte tensor. Tensors travel raw (their own bytes); anything else is pickled.
+"""Payload <-> flat byte tensor. Tensors and bytes travel raw (their own bytes); a msgspec
+struct registered in common/payload.py travels as its msgpack, decoded against its own type.
 
-Pickle is only safe between processes of one deployment that trust each other: stage payloads
-come from our own stages, never from clients.
+Nothing else travels: there is no pickle, and `decode` refuses any other kind (or an unknown
+struct name) before it reads a byte, so a forged descriptor cannot make a stage run code.
 """
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
-from vllm_omni_plugin.connectors.base import ConnectorError, PayloadKind
+from vllm_omni_plugin.common.payload import PAYLOAD_STRUCTS, PayloadKind
+from vllm_omni_plugin.connectors.base import ConnectorError, check_kind
 
 
 @dataclass
@@ -60,18 +62,30 @@ def encode(payload: Any) -> Encoded:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         buf = payload.cast("B") if isinstance(payload, memoryview) else payload
         return Encoded("bytes", None, (len(buf),), bytes_view(buf))
-    blob = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-    return Encoded("object", None, (len(blob),), bytes_view(blob))
+    name = type(payload).__name__
+    if isinstance(payload, msgspec.Struct) and PAYLOAD_STRUCTS.get(name) is type(payload):
+        blob = msgspec.msgpack.encode(payload)
+        return Encoded("struct", name, (len(blob),), bytes_view(blob))
+    raise ConnectorError(
+        f"a {name} cannot travel between stages: payloads are tensors, bytes or a struct "
+        "registered with common.payload.payload_struct"
+    )
 
 
 def decode(kind: PayloadKind, dtype: str | None, shape: tuple[int, ...], data: torch.Tensor) -> Any:
-    """Inverse of `encode`. For tensors the result aliases `data` (the caller owns that buffer)."""
+    """Inverse of `encode`. For tensors the result aliases `data` (the caller owns that buffer).
+    Any other kind, or a struct name not registered, is refused before `data` is read."""
+    check_kind(kind)
+    struct_type = PAYLOAD_STRUCTS.get(dtype or "") if kind == "struct" else None
+    if kind == "struct" and struct_type is None:
+        raise ConnectorError(f"struct payload of unknown type {dtype!r} refused")
     if kind == "tensor":
         assert dtype is not None
         return data.view(dtype_from_name(dtype)).reshape(shape)
     raw = memoryview(data.cpu().numpy()) if data.numel() else memoryview(b"")
     if kind == "bytes":
         return raw.tobytes()
-    if kind == "object":
-        return pickle.loads(raw)
-    raise ConnectorError(f"unknown payload kind {kind!r}")
+    try:
+        return msgspec.msgpack.decode(raw, type=struct_type)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConnectorError(f"struct payload {dtype!r} does not decode: {exc}") from None

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from ..common.knobs import KnobError, check_knobs
+from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter
 from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
-from .knobs import KnobError, check_knobs
-from .limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner

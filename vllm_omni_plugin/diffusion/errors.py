@@ -1,10 +1,20 @@
 """Typed errors of the diffusion engine.
 
-Validation errors carry the offending field so the HTTP layer can answer a 400 that names it,
-and are raised before anything reaches the model.
+Request validation errors (common/errors.py: every stage kind raises them, the API server maps
+them to a 400 naming the field) are raised before anything reaches the model.
 """
 
 from __future__ import annotations
+
+from ..common.errors import CapacityError, RequestValidationError
+
+__all__ = [
+    "CapacityError",
+    "DeviceError",
+    "DiffusionEngineError",
+    "RequestValidationError",
+    "UnsupportedModelError",
+]
 
 
 class DiffusionEngineError(RuntimeError):
@@ -18,16 +28,3 @@ class DeviceError(DiffusionEngineError):
 
 class UnsupportedModelError(DiffusionEngineError):
     """The checkpoint's pipeline class has no adapter and cannot run through the fallback."""
-
-
-class RequestValidationError(ValueError):
-    """A request parameter is invalid; `field` names it (e.g. "height", "num_inference_steps")."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class CapacityError(RequestValidationError):
-    """The request can never fit the engine's limits (max batch size or memory budget)."""

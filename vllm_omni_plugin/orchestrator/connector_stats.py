@@ -1,7 +1,8 @@
 """Connector counters from stage processes to the API server's /metrics.
 
 A connector counts its transfers in the process that uses it: the stage processes, possibly on
-another node. Each stage process attaches a snapshot of its counters to every Result it sends
+another node. Each stage process attaches a snapshot of its counters to every Result it sends (its typed
+`connector_stats` field)
 (`stages/stats_relay.py` wraps its control connection), and the orchestrator hands them to the connector
 package's exporter, keyed by the sending process so counters stay monotonic across restarts.
 The snapshot rides the Result itself, so /metrics is current as soon as the request returns.
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from ..stages.messages import Result
-from ..stages.stats_relay import KEY
+import msgspec
+
+from ..common.messages import ConnectorCounters, Result
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -21,16 +23,17 @@ _exported = False
 
 def absorb(result: Result) -> None:
     """Take the counters off a Result (API server side) and feed them to /metrics."""
-    absorb_relayed(result.metrics.pop(KEY, None) if isinstance(result.metrics, dict) else None)
+    relayed, result.connector_stats = result.connector_stats, None
+    absorb_relayed(relayed)
 
 
-def absorb_relayed(relayed: dict | None) -> None:
+def absorb_relayed(relayed: ConnectorCounters | None) -> None:
     """Feed one relayed snapshot (a Result's or an EngineMetrics') to /metrics."""
-    if not relayed:
+    if relayed is None:
         return
     from vllm_omni_plugin.connectors import set_remote_snapshot
 
-    set_remote_snapshot(relayed["source"], relayed["snapshots"])
+    set_remote_snapshot(relayed.source, msgspec.to_builtins(relayed.snapshots))
     ensure_exported()
 
 

@@ -10,17 +10,18 @@ Writes to a stage take the same care (FrameWriter): the stage may be busy or sto
 reading, and a blocking `send` would then stall every request the server handles.
 
 Framing (CPython's `Connection._send_bytes`, unchanged since 3.3): a 4-byte big-endian signed
-length, or -1 followed by an 8-byte length for frames over 2 GiB, then the pickled bytes.
+length, or -1 followed by an 8-byte length for frames over 2 GiB, then one message of the
+schema (common/messages.py) in msgpack. Never pickle: a frame decodes to a known struct or
+fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import struct
-from multiprocessing.reduction import ForkingPickler
-from typing import Any
+
+from ..common.messages import FromStageMessage, ToStageMessage, decode_from_stage, encode
 
 READ_CHUNK = 1 << 20
 # Unsent bytes a stage may fall behind by before sends to it fail (BrokenPipeError -> 503):
@@ -28,9 +29,9 @@ READ_CHUNK = 1 << 20
 MAX_UNSENT_BYTES = 256 << 20
 
 
-def encode_frame(msg: Any) -> bytes:
-    """`msg` framed as `Connection.send` frames it (what the stage's `Connection.recv` reads)."""
-    data = bytes(ForkingPickler.dumps(msg))
+def encode_frame(msg: ToStageMessage) -> bytes:
+    """`msg` framed as `Connection.send_bytes` frames it (what the stage's channel reads)."""
+    data = encode(msg)
     if len(data) > 0x7FFFFFFF:
         return struct.pack("!iQ", -1, len(data)) + data
     return struct.pack("!i", len(data)) + data
@@ -83,8 +84,9 @@ class FrameReader:
         self.fd = fd
         self._buf = bytearray()
 
-    def read(self) -> list[Any] | None:
+    def read(self) -> list[FromStageMessage] | None:
         """Messages completed by what is readable now; None once the peer closed the socket.
+        A frame outside the schema raises msgspec's DecodeError / ValidationError.
 
         Call only when the fd is readable (one `os.read`, so it never blocks)."""
         try:
@@ -96,7 +98,7 @@ class FrameReader:
         if not data:
             return None
         self._buf += data
-        return [pickle.loads(frame) for frame in self._frames()]
+        return [decode_from_stage(frame) for frame in self._frames()]
 
     def _frames(self) -> list[bytes]:
         frames = []

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ..stages.messages import Progress, Result, Submit
+from ..common.limits import RequestLimits
+from ..common.messages import Progress, Result, StageInfo, Submit
 from .errors import StageUnavailableError
 
 
@@ -103,14 +104,14 @@ class StageHandle(Protocol):
         """The stage's process id where there is one process (None otherwise)."""
         ...
 
-    def describe(self) -> dict[str, Any]:
-        """The stage's Ready info: "kind", its "limits" (final diffusion stages) and the
-        "effective" settings read back from its engine. Empty until it was first ready; kept
+    def describe(self) -> StageInfo | None:
+        """The stage's Ready info: its kind, its limits (final diffusion stages) and the
+        effective settings read back from its engine. None until it was first ready; kept
         while it restarts (the limits do not change)."""
         ...
 
-    def limits(self) -> dict[str, Any] | None:
-        """The request limits the stage announced (RequestLimits.to_dict()), or None."""
+    def limits(self) -> RequestLimits | None:
+        """The request limits the stage announced, or None."""
         ...
 
     async def start(self) -> None: ...
@@ -162,6 +163,5 @@ class StageHandle(Protocol):
         ...
 
 
-def limits_of(info: dict[str, Any]) -> dict[str, Any] | None:
-    limits = info.get("limits")
-    return dict(limits) if isinstance(limits, dict) else None
+def limits_of(info: StageInfo | None) -> RequestLimits | None:
+    return None if info is None else info.limits

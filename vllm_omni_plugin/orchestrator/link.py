@@ -1,7 +1,8 @@
 """One authenticated head <-> node connection, bridged into an asyncio loop.
 
 Wire: after the handshake below, frames of a 4-byte big-endian length and one msgpack message
-of node_protocol.Message (typed msgspec structs; never pickle: decoding cannot run code).
+of common/messages.py's LINK union (typed msgspec structs; never pickle: decoding cannot run
+code).
 
 Handshake (both directions authenticated with the shared key, HMAC-SHA256; the role label in
 each MAC keeps one side's proof from being replayed as the other's, fresh nonces from both
@@ -34,22 +35,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from .node_protocol import AUTHKEY_ENV, Message
+from ..common.messages import DecodeError, decode_link
+from ..common.messages import encode as encode_message
+from .node_protocol import AUTHKEY_ENV
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.link")
 
-MAGIC = b"vllm-omni-link/1"  # protocol name + version: a mismatch fails fast and says so
+MAGIC = b"vllm-omni-link/2"  # protocol name + version: a mismatch fails fast and says so
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 << 20  # a Result with a batch of encoded images fits many times over
 MAX_QUEUED_BYTES = 512 << 20  # unsent bytes before a peer that does not read is dropped
 FLUSH_TIMEOUT_S = 2.0  # close(flush=True): how long a last message may take to leave
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
 
 
 class AuthenticationError(ConnectionError):
@@ -61,8 +59,8 @@ class UnreadableMessage(ValueError):
 
 
 def encode(msg: Any) -> bytes:
-    """One frame for `msg` (a node_protocol message). TypeError for anything else."""
-    data = _encoder.encode(msg)
+    """One frame for `msg` (a message of the LINK union). TypeError for anything else."""
+    data = encode_message(msg)
     if len(data) > MAX_FRAME_BYTES:
         raise ValueError(
             f"{type(msg).__name__} is {len(data)} bytes, over the link's {MAX_FRAME_BYTES}-byte "
@@ -90,8 +88,8 @@ def read_message(sock: socket.socket) -> Any:
         raise UnreadableMessage(f"frame of {size} bytes announced (limit {MAX_FRAME_BYTES})")
     data = _read_exact(sock, size)
     try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return decode_link(data)
+    except DecodeError as exc:
         raise UnreadableMessage(str(exc)) from None
 
 

@@ -6,7 +6,7 @@ StageProcess -> `python -m vllm_omni_plugin.stages.worker`, titled `omni-stage-<
 when it dies), then registers with the head and relays: Submit/Abort in, Result out. Stage
 payloads never pass through here: the descriptor in a Submit is resolved by the stage process
 itself (NIXL READ from the producer). The stages' Progress and Pulse messages are relayed to
-the head as they arrive (StageProgress, StagePulse): streaming works across nodes, and the
+the head as they arrive (the same Progress and Pulse messages): streaming works across nodes, and the
 head's stall watchdog sees a stage that stops producing while this node still heartbeats.
 The node's own StageClient runs the same watchdog and restarts such a stage here. The node
 heartbeats; if the head goes silent or away it aborts its in-flight work and registers again
@@ -27,33 +27,31 @@ import threading
 import time
 from typing import Any
 
-import msgspec
-
-from ..stages.messages import Progress, Pulse, Result, StageInit, Submit
+from ..common.messages import (
+    Abort,
+    Heartbeat,
+    Ping,
+    Progress,
+    Pulse,
+    Register,
+    Rejected,
+    Result,
+    StageStatus,
+    Submit,
+    Superseded,
+    ToStage,
+    Unavailable,
+    Welcome,
+)
+from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect
 from .node_protocol import (
     DEAD_AFTER_S,
     HEARTBEAT_S,
     REGISTER_TIMEOUT_S,
-    Heartbeat,
-    Ping,
-    Register,
-    Rejected,
-    StageAbort,
-    StageProgress,
-    StagePulse,
-    StageResult,
-    StageStatus,
-    StageSubmit,
-    Superseded,
-    ToStage,
-    Unavailable,
-    Welcome,
     authkey,
     parse_stage_ids,
-    result_to_wire,
-    submit_from_wire,
 )
 from .stage_client import StageClient
 
@@ -98,7 +96,7 @@ class HeadlessNode:
 
     def statuses(self) -> dict[int, StageStatus]:
         return {
-            sid: StageStatus(s.kind, s.ready, _plain(s.describe()), s.restarts, s.deaths, s.pid)
+            sid: StageStatus(s.kind, s.ready, s.describe(), s.restarts, s.deaths, s.pid)
             for sid, s in self.stages.items()
         }
 
@@ -203,14 +201,14 @@ class HeadlessNode:
         link = self.link
         if link is not None:
             with contextlib.suppress(OSError):  # a lost head is noticed by the reader
-                link.send(StagePulse(msg.stage_id))
+                link.send(msg)
 
     # ---- messages from the head --------------------------------------------------------
     def _on_message(self, link: Link, msg: Any) -> None:
-        if isinstance(msg, ToStage) and isinstance(msg.msg, StageSubmit):
+        if isinstance(msg, ToStage) and isinstance(msg.msg, Submit):
             rid = msg.msg.request_id
             self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, msg.msg))
-        elif isinstance(msg, ToStage) and isinstance(msg.msg, StageAbort):
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, Abort):
             task = self.tasks.pop(msg.msg.request_id, None)
             if task is not None:
                 task.cancel()  # StageClient.submit aborts the request in the stage
@@ -221,56 +219,27 @@ class HeadlessNode:
         elif not isinstance(msg, (Ping, Welcome, Rejected)):  # Ping: only feeds last_seen
             link.drop(f"unexpected {type(msg).__name__} from the head")
 
-    async def _run(self, link: Link, stage_id: int, wire: StageSubmit) -> None:
-        rid = wire.request_id
+    async def _run(self, link: Link, stage_id: int, msg: Submit) -> None:
+        rid = msg.request_id
         stage = self.stages.get(stage_id)
-        reply: StageResult | Unavailable
+        reply: Result | Unavailable
         try:
             if stage is None:
                 raise StageUnavailableError(f"node {self.name} does not run stage {stage_id}")
-            msg: Submit = submit_from_wire(wire)
 
             def relay(progress: Progress) -> None:
                 with contextlib.suppress(OSError):
-                    link.send(_progress_to_wire(progress))
+                    link.send(progress)
 
-            reply = _result_to_wire(await stage.submit(msg, on_progress=relay))
+            reply = await stage.submit(msg, on_progress=relay)
         except StageUnavailableError as exc:
             reply = Unavailable(rid, str(exc))
         except asyncio.CancelledError:
             return
-        except ValueError as exc:  # an inline value this node cannot rebuild
-            reply = StageResult(rid, error=f"unreadable request on node {self.name}: {exc}")
         finally:
             self.tasks.pop(rid, None)
         with contextlib.suppress(OSError):
             link.send(reply)
-
-
-def _progress_to_wire(msg: Progress) -> StageProgress:
-    return StageProgress(
-        msg.request_id,
-        msg.stage_id,
-        msg.stage,
-        msg.step,
-        msg.total_steps,
-        msg.preview,
-        msg.preview_index,
-    )
-
-
-def _plain(info: dict[str, Any]) -> dict[str, Any]:
-    """A stage's Ready info as plain data for the link. It should be plain already (messages.py
-    says so); a stray value (a Path, a dtype) goes as its str() instead of stopping the
-    heartbeats that carry it."""
-    return msgspec.to_builtins(dict(info), builtin_types=(bytes, bytearray), enc_hook=str)
-
-
-def _result_to_wire(result: Result) -> StageResult:
-    try:
-        return result_to_wire(result)
-    except TypeError as exc:  # an output that cannot cross the link: fail the request, say why
-        return StageResult(result.request_id, error=str(exc), metrics=dict(result.metrics))
 
 
 def shutdown_concurrently(stages: list[StageClient]) -> None:

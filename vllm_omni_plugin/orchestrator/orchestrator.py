@@ -33,7 +33,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..stages.messages import Progress, StageInit, Submit
+from ..common.limits import RequestLimits
+from ..common.messages import Progress, StageInfo, Submit
+from ..config.stage_init import StageInit
 from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
 from .handle import StageHandle
@@ -176,11 +178,11 @@ class Orchestrator:
     def unhealthy_stages(self) -> list[int]:
         return [sid for sid, s in self.stages.items() if not s.ready]
 
-    def final_info(self) -> dict[str, Any]:
-        """The final stage's Ready info (empty until it was first ready)."""
+    def final_info(self) -> StageInfo | None:
+        """The final stage's Ready info (None until it was first ready)."""
         return self.stages[self.final_ids[0]].describe()
 
-    def final_limits(self) -> dict[str, Any] | None:
+    def final_limits(self) -> RequestLimits | None:
         """The request limits the final stage announced (None until it was first ready)."""
         return self.stages[self.final_ids[0]].limits()
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Progress, Result
+from ..common.messages import Progress, Result
 from .errors import StageUnavailableError
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")

@@ -23,8 +23,10 @@ import asyncio
 import logging
 from typing import Any
 
+from ..common.limits import RequestLimits
+from ..common.messages import Result, StageInfo, Submit
 from ..config.resolve import detect_platform
-from ..stages.messages import Result, StageInit, Submit
+from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
 from .pending import PendingRequests, stall_timeout_of
@@ -163,7 +165,7 @@ class RayReplicaClient:
         self.replica = replica
         self.state = StageState.STOPPED  # STOPPED | READY | DOWN (Ray restarts it) | CLOSED
         self.actor: Any = None
-        self._info: dict[str, Any] = {}
+        self._info: StageInfo | None = None
         self.pid: int | None = None  # the actor's process
         self.node_ip: str | None = None
         self.pending = PendingRequests(stall_timeout_of(init.stage))
@@ -185,10 +187,10 @@ class RayReplicaClient:
     def load(self) -> int:
         return len(self.pending)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> StageInfo | None:
         return self._info
 
-    def limits(self) -> dict[str, Any] | None:
+    def limits(self) -> RequestLimits | None:
         return limits_of(self._info)
 
     def stats(self) -> StageStats:

@@ -21,7 +21,8 @@ import logging
 import os
 from typing import Any
 
-from ..stages.messages import Result, StageInit, Submit
+from ..common.messages import Result, Submit
+from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .handle import StageState
 from .stage_client import StageClient

@@ -23,23 +23,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import StageInit
+from ..common.messages import (
+    Heartbeat,
+    Ping,
+    Progress,
+    Pulse,
+    Register,
+    Rejected,
+    Result,
+    Superseded,
+    Unavailable,
+    Welcome,
+)
+from ..config.stage_init import StageInit
 from .link import Link, accept
 from .node_protocol import (
     DEAD_AFTER_S,
     DEFAULT_BIND,
     HEARTBEAT_S,
     REGISTER_TIMEOUT_S,
-    Heartbeat,
-    Ping,
-    Register,
-    Rejected,
-    StageProgress,
-    StagePulse,
-    StageResult,
-    Superseded,
-    Unavailable,
-    Welcome,
     explicit_authkey,
     is_loopback,
     require_explicit_key,
@@ -231,19 +233,19 @@ class StageHead:
                     client.update(status)
             with contextlib.suppress(OSError):
                 link.send(Ping())
-        elif isinstance(msg, StagePulse):
+        elif isinstance(msg, Pulse):
             client = self.clients.get(msg.stage_id)
             if client is not None and client.link is link:
                 client.on_pulse()
-        elif isinstance(msg, StageProgress):
+        elif isinstance(msg, Progress):
             client = self.clients.get(msg.stage_id)
             if client is not None and client.link is link:
                 client.on_progress(msg)
-        elif isinstance(msg, (StageResult, Unavailable)):
+        elif isinstance(msg, (Result, Unavailable)):
             for client in self.clients.values():
                 if client.link is link and client.owns(msg.request_id):
-                    if isinstance(msg, StageResult):
-                        client.on_wire_result(msg)
+                    if isinstance(msg, Result):
+                        client.on_result(msg)
                     else:
                         client.on_unavailable(msg)
                     break

@@ -18,20 +18,21 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..stages.messages import Progress, Result, StageInit, Submit
+from ..common.limits import RequestLimits
+from ..common.messages import (
+    Abort,
+    Progress,
+    Result,
+    StageInfo,
+    StageStatus,
+    Submit,
+    ToStage,
+    Unavailable,
+)
+from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
 from .link import Link
-from .node_protocol import (
-    StageAbort,
-    StageProgress,
-    StageResult,
-    StageStatus,
-    ToStage,
-    Unavailable,
-    result_from_wire,
-    submit_to_wire,
-)
 from .pending import PendingRequests, stall_timeout_of
 
 if TYPE_CHECKING:
@@ -61,13 +62,13 @@ class RemoteStageClient:
         self.registrations = 0
         self.restarts = 0  # re-registrations after the first
         self.deaths = 0  # nodes lost (EOF or missed heartbeats)
-        self._info: dict[str, Any] = {}
+        self._info: StageInfo | None = None
 
     # ---- the StageHandle face (handle.py) ------------------------------------------------
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> StageInfo | None:
         return self._info  # kept after the node goes away: the limits do not change
 
-    def limits(self) -> dict[str, Any] | None:
+    def limits(self) -> RequestLimits | None:
         return limits_of(self._info)
 
     @property
@@ -154,9 +155,7 @@ class RemoteStageClient:
                 f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
                 f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
             )
-        # Converted before send_and_await registers the request: a value that cannot cross
-        # the link (an inline payload of an unsupported type) fails here, leaving nothing behind.
-        wire = ToStage(self.stage_id, submit_to_wire(msg))
+        wire = ToStage(self.stage_id, msg)
         return await self.pending.run(
             msg.request_id,
             lambda: link.send(wire),  # queues for the link's writer thread: never blocks
@@ -168,7 +167,7 @@ class RemoteStageClient:
     def cancel(self, request_id: str) -> None:
         if self.link is not None:
             with contextlib.suppress(OSError):
-                self.link.send(ToStage(self.stage_id, StageAbort(request_id)))
+                self.link.send(ToStage(self.stage_id, Abort(request_id)))
 
     # ---- called by the head on its loop ------------------------------------------------
     def attach(self, link: Link, status: StageStatus) -> None:
@@ -188,8 +187,8 @@ class RemoteStageClient:
     def update(self, status: StageStatus) -> None:
         was_ready = self.status is not None and self.status.ready
         self.status = status
-        if status.info:
-            self._info = dict(status.info)
+        if status.info is not None:
+            self._info = status.info
         if was_ready and not status.ready:
             logger.warning("stage %d is down on its node; requests fail fast", self.stage_id)
 
@@ -215,17 +214,8 @@ class RemoteStageClient:
     def on_pulse(self) -> None:
         self.pending.touch()
 
-    def on_progress(self, msg: StageProgress) -> None:
-        progress = Progress(
-            msg.request_id,
-            msg.stage_id,
-            msg.stage,
-            msg.step,
-            msg.total_steps,
-            msg.preview,
-            msg.preview_index,
-        )
-        self.pending.progress(progress)
+    def on_progress(self, msg: Progress) -> None:
+        self.pending.progress(msg)
 
     def check_stall(self, now: float) -> None:
         """Drop the node's link when this stage holds requests but relayed no progress for
@@ -245,13 +235,6 @@ class RemoteStageClient:
 
     def on_result(self, msg: Result) -> None:
         self.pending.resolve(msg)
-
-    def on_wire_result(self, msg: StageResult) -> None:
-        try:
-            result = result_from_wire(msg)
-        except Exception as exc:  # e.g. an inline tensor of a dtype this torch lacks
-            result = Result(msg.request_id, error=f"unreadable result from the node: {exc}")
-        self.on_result(result)
 
     def on_unavailable(self, msg: Unavailable) -> None:
         self.pending.fail(msg.request_id, StageUnavailableError(msg.message))

@@ -25,7 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import Progress, Result, Submit
+from ..common.limits import RequestLimits
+from ..common.messages import Progress, Result, StageInfo, Submit
 from .errors import StageUnavailableError
 from .handle import ReplicaStats, StageHandle, StageState, StageStats
 
@@ -66,10 +67,10 @@ class ReplicaSet:
         up = sum(r.ready for r in self.replicas)
         return f"{up} of {len(self.replicas)} replicas ready"
 
-    def describe(self) -> dict[str, Any]:
-        return next((r.describe() for r in self.replicas if r.describe()), {})
+    def describe(self) -> StageInfo | None:
+        return next((i for r in self.replicas if (i := r.describe()) is not None), None)
 
-    def limits(self) -> dict[str, Any] | None:
+    def limits(self) -> RequestLimits | None:
         return next((lim for r in self.replicas if (lim := r.limits()) is not None), None)
 
     @property

@@ -21,13 +21,15 @@ send nothing and are never flagged: the clock only runs while requests are in fl
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..stages.messages import (
+import msgspec
+
+from ..common.limits import RequestLimits
+from ..common.messages import (
     Abort,
     Chunk,
     ChunkDone,
@@ -37,9 +39,10 @@ from ..stages.messages import (
     Progress,
     Pulse,
     Result,
-    StageInit,
+    StageInfo,
     Submit,
 )
+from ..config.stage_init import StageInit
 from .connector_stats import absorb_relayed
 from .errors import StageUnavailableError
 from .handle import ReplicaStats, StageState, StageStats, limits_of
@@ -79,7 +82,7 @@ class StageClient:
         self.on_pulse: Callable[[Pulse], None] | None = None
         # An AR stage's latest vLLM metrics (EngineMetrics.families), for /metrics.
         self._engine_metrics: list = []
-        self._info: dict[str, Any] = {}
+        self._info: StageInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: asyncio.Task | None = None
@@ -101,10 +104,10 @@ class StageClient:
     def stall_timeout_s(self) -> float:
         return self.pending.stall_timeout_s
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> StageInfo | None:
         return self._info  # the last Ready info: kept while the stage restarts
 
-    def limits(self) -> dict[str, Any] | None:
+    def limits(self) -> RequestLimits | None:
         return limits_of(self._info)
 
     def stats(self) -> StageStats:
@@ -285,7 +288,7 @@ class StageClient:
             return None
         finally:
             self.inspections.pop(token, None)
-        return dataclasses.asdict(found)
+        return msgspec.structs.asdict(found)
 
     def cancel(self, request_id: str) -> None:
         if self.proc is not None and self.state == StageState.READY:

@@ -7,8 +7,8 @@ it (`start_reading`, see frames.py for why), and the asyncio side lives in stage
 * The child is `python -m vllm_omni_plugin.stages.worker` with `omni-stage-<id>` in its argv
   (and as its process title), in a new session: killing the process group also takes down
   anything the stage started (a vLLM EngineCore, its workers), so nothing is orphaned.
-* Control messages go over a socket pair (multiprocessing.connection framing). When this process dies, the child reads EOF and
-  exits, so a SIGKILLed API server does not leave stages behind either.
+* Control messages (common/messages.py, msgpack in multiprocessing.connection framing) go over
+  a socket pair. When this process dies, the child reads EOF and exits, so a SIGKILLed API server does not leave stages behind either.
 * stdout/stderr are pumped into our stderr (prefixed) and a ring buffer whose tail goes into
   start-up errors.
 """
@@ -29,7 +29,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..stages.messages import Ready, Shutdown, StageInit
+from ..common.channel import MessageChannel, server_channel
+from ..common.messages import Ready, Shutdown, StageInfo, ToStageMessage
+from ..config.stage_init import StageInit
 from .errors import StageStartupError
 from .frames import FrameReader, FrameWriter, encode_frame
 from .node_protocol import AUTHKEY_ENV
@@ -68,8 +70,8 @@ class StageProcess:
         self._on_message = on_message
         self._on_exit = on_exit
         self.proc: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.info: dict[str, Any] = {}
+        self.conn: MessageChannel | None = None
+        self.info: StageInfo | None = None
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,7 +93,7 @@ class StageProcess:
         StageStartupError, so a caller never holds a half-started stage."""
         try:
             self._spawn()
-            self.send(self.init)
+            self.send(self.init.to_message())
             self._await_ready(timeout_s)
         except StageStartupError:
             self.kill()
@@ -124,7 +126,7 @@ class StageProcess:
             raise
         finally:
             child_sock.close()
-        self.conn = Connection(parent_sock.detach())
+        self.conn = server_channel(Connection(parent_sock.detach()))
         self._log_thread = threading.Thread(
             target=self._pump_logs, name=f"{self.name}-log", daemon=True
         )
@@ -149,7 +151,7 @@ class StageProcess:
             f"Last lines of its log:\n" + "\n".join(self.log_tail)
         )
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: ToStageMessage) -> None:
         """Send a control message (any thread); OSError when the stage is gone.
 
         Before `start_reading` (start-up, in its own thread) this is a plain blocking send.
@@ -210,7 +212,7 @@ class StageProcess:
     def _on_readable(self, reader: FrameReader) -> None:
         try:
             messages = reader.read()
-        except Exception:  # a message we could not unpickle: treat the stage as broken
+        except Exception:  # a message outside the schema: treat the stage as broken
             logger.exception("%s sent an unreadable message", self.name)
             messages = None
         if messages is None:  # EOF: the stage died (or is being shut down by us)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..stages.messages import Chunk, ChunkDone, Credit, Progress, Result, Submit
+from ..common.messages import Chunk, ChunkDone, Credit, Progress, Result, Submit
 from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
 from .handle import StageHandle

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
+from vllm_omni_plugin.families.glm_image import LOGITS_PROCESSOR
 from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
 
 GLM_IMAGE = PipelineTopology(

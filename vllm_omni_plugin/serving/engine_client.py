@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -18,8 +17,7 @@ from typing import Any
 
 from ..config.serve_args import load_config
 from ..orchestrator import Orchestrator
-from ..orchestrator.orchestrator import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_ENV
-from ..orchestrator.ray_backend import RayBackend, uses_ray
+from ..orchestrator.backends import running_orchestrator
 
 logger = logging.getLogger("vllm_omni_plugin.serving")
 
@@ -106,35 +104,6 @@ def _setup_logging() -> None:
 async def omni_engine_client(args: argparse.Namespace) -> AsyncIterator[OmniEngineClient]:
     _setup_logging()
     cfg = load_config(args)
-    timeout = float(os.environ.get(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S))
-    # Multi-node head (--stage-ids + --omni-master-port): the other stages run on headless
-    # nodes that register with it (orchestrator/remote.py). None on a single node.
-    from ..orchestrator.remote import head_from_args
-
-    head = head_from_args(cfg, args)
-    factory = head.stage_factory(timeout) if head is not None else None
-    # `runtime: {backend: ray}`: every stage a set of Ray actors (orchestrator/ray_backend.py).
-    ray_backend = None
-    if uses_ray(cfg):
-        if head is not None:
-            raise SystemExit(
-                "runtime.backend: ray places every stage on the Ray cluster; drop --stage-ids "
-                "and --omni-master-port (headless nodes are the other way to spread stages)"
-            )
-        ray_backend = RayBackend(cfg, timeout)
-        factory = ray_backend.stage_factory
-    orchestrator = Orchestrator(cfg, startup_timeout_s=timeout, stage_factory=factory)
-    try:
-        if ray_backend is not None:
-            await ray_backend.connect()
-        if head is not None:
-            await head.start()
-        await orchestrator.start()
+    # The backend (local, head of headless nodes, Ray) is the orchestrator's choice.
+    async with running_orchestrator(cfg, args) as orchestrator:
         yield OmniEngineClient(orchestrator, cfg, args)
-    finally:
-        # Not `shutdown()`: stopping stages takes seconds and must not block the event loop.
-        await orchestrator.aclose()
-        if head is not None:
-            head.close()
-        if ray_backend is not None:
-            ray_backend.close()

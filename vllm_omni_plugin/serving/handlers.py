@@ -17,11 +17,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from ..diffusion.limits import RequestLimits
+from ..common.media import MEDIA_TYPES
+from ..common.messages import GenerationParams, Progress
 from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableError
 from ..pipelines import get_pipeline
-from ..stages.images import MEDIA_TYPES
-from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid, unavailable
 from .protocol import ImageLimits, ValidRequest
 from .request_fields import FamilyFields
@@ -78,11 +77,10 @@ def file_answer(images: list[bytes], output_format: str, request_id: str) -> Fil
 
 def limits_from(orchestrator: Orchestrator, serving: Any) -> ImageLimits:
     """Bounds the final stage announced in its Ready info (what its engine enforces) + `serving:`."""
-    return ImageLimits.build(
-        RequestLimits.from_dict(orchestrator.final_limits()),
-        serving,
-        FamilyFields.from_info(orchestrator.final_info()),
-    )
+    limits = orchestrator.final_limits()
+    if limits is None:
+        raise RuntimeError("the final stage announced no request limits")
+    return ImageLimits.build(limits, serving, FamilyFields.from_info(orchestrator.final_info()))
 
 
 class ImageService:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from vllm_omni_plugin.diffusion.limits import RequestLimits
+from vllm_omni_plugin.common.limits import RequestLimits
 
 # "file": the image bytes themselves (n > 1: a zip of them), as vLLM-Omni's servers answer.
 ResponseFormat = Literal["b64_json", "url", "file"]

@@ -8,9 +8,9 @@ and ignored.
 The table has three parts:
 - each route's common fields (`COMMON`: their JSON schemas; the generations/edits fields are
   the request model's, serving/protocol.py);
-- each family's knobs, declared by its diffusion adapter (`DiffusionAdapter.knobs`) and
-  announced by the running stage (`FamilyFields.from_info`), and the common fields the family
-  does not apply (`DiffusionAdapter.unsupported`);
+- each family's knobs (common/knobs.py's FAMILY_KNOBS, which its diffusion adapter declares as
+  `DiffusionAdapter.knobs`), announced by the running stage (`FamilyFields.from_info`), and the
+  common fields the family does not apply (`DiffusionAdapter.unsupported`);
 - route-wide extensions (`EXTENSIONS`: a `RequestField` with its own check; its checked value
   reaches `ValidRequest.extensions` / the video request's "extensions" under its name, from
   where the field's owner carries it into `GenerationParams`), and the fields other servers'
@@ -21,12 +21,11 @@ The same table builds the routes' OpenAPI body schemas (`body_schema`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..diffusion.knobs import CfgFacts, Knob, KnobError, unused_field
+from ..common.knobs import FAMILY_KNOBS, CfgFacts, Knob, KnobError, unused_field
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest
 
@@ -163,14 +162,17 @@ class FamilyFields:
     cfg: CfgFacts | None = None  # the family's CFG rule (None: none known)
 
     @classmethod
-    def from_info(cls, info: dict[str, Any] | None) -> FamilyFields:
-        """From the final stage's Ready info ("family", "knobs", "unsupported")."""
-        info = info or {}
+    def from_info(cls, info: Any) -> FamilyFields:
+        """From the final stage's StageInfo ("family", "knobs", "unsupported", "cfg"); None:
+        the stage has not announced itself yet."""
+        if info is None:
+            return cls()
+        cfg = getattr(info, "cfg", None)
         return cls(
-            family=str(info.get("family") or info.get("pipeline_class") or ""),
-            knobs=tuple(Knob.from_dict(k) for k in info.get("knobs", ())),
-            unsupported=dict(info.get("unsupported", {})),
-            cfg=CfgFacts.from_dict(info["cfg"]) if info.get("cfg") else None,
+            family=str(getattr(info, "family", None) or getattr(info, "pipeline_class", "") or ""),
+            knobs=tuple(Knob.from_dict(k) for k in getattr(info, "knobs", ())),
+            unsupported=dict(getattr(info, "unsupported", {})),
+            cfg=CfgFacts.from_dict(cfg) if cfg else None,
         )
 
     def check_used(self, given: dict[str, Any]) -> None:
@@ -182,21 +184,10 @@ class FamilyFields:
             raise invalid(f"'{name}' {why}", name, "invalid_value")
 
 
-@functools.cache
 def family_catalogue() -> dict[str, tuple[Knob, ...]]:
-    """family name -> the knobs its adapter declares, for every registered adapter (for the
-    "which families take it" hint and the OpenAPI bodies)."""
-    from ..diffusion.adapters import get_adapter_class, registered_adapters
-
-    out: dict[str, tuple[Knob, ...]] = {}
-    for name in registered_adapters():
-        try:
-            adapter = get_adapter_class(name)
-        except Exception:  # a broken third-party adapter costs its hint, not the request
-            continue
-        if adapter.knobs:
-            out[adapter.family or adapter.pipeline_class] = tuple(adapter.knobs)
-    return out
+    """family name -> its knobs, for every built-in family (the "which families take it" hint
+    and the OpenAPI bodies; the served family's own knobs come from its stage)."""
+    return {fam: knobs for fam, knobs in FAMILY_KNOBS.items() if knobs}
 
 
 def families_taking(name: str) -> list[str]:

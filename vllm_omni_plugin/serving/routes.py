@@ -9,6 +9,7 @@ import os
 import time
 import uuid
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -135,7 +136,7 @@ async def describe_stages(request: Request) -> Response:
             "kind": stage.kind,
             "ready": stage.ready,
             "pid": stage.pid,
-            "info": stage.describe(),
+            "info": {} if (info := stage.describe()) is None else msgspec.to_builtins(info),
         }
         for sid, stage in orchestrator.stages.items()
     ]

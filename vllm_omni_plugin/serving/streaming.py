@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any
 
-from ..stages.messages import Progress
+from ..common.messages import Progress
 from .protocol import ValidRequest
 
 KEEPALIVE = ": keep-alive\n\n"

@@ -1,6 +1,6 @@
 """Turn a raw request body into a ValidRequest, or an OpenAI-shaped 4xx. Nothing here touches a
 stage: every bound is checked in the API server against the limits the final stage announced
-(diffusion/limits.py computes them; nothing here repeats that arithmetic) and `serving:`."""
+(common/limits.py holds them, the diffusion engine computes them; nothing here repeats that arithmetic) and `serving:`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..diffusion.limits import MAX_PARTIAL_IMAGES
+from ..common.limits import MAX_PARTIAL_IMAGES
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
 from .request_fields import EDIT_ONLY, GENERATIONS, FamilyFields, split_fields

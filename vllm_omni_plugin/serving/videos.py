@@ -16,8 +16,8 @@ import re
 import uuid
 from typing import Any
 
+from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
-from ..stages.messages import GenerationParams, Progress
 from .errors import APIError, invalid
 from .request_fields import FamilyFields
 from .videos_request import VideoBounds, check_video_request
@@ -62,17 +62,21 @@ class VideoService:
         self._workers: list[asyncio.Task] = []
         self._running: dict[str, asyncio.Task] = {}
         self._seen_facts: tuple[Any, dict[str, int]] | None = None
-        self._seen_info: dict[str, Any] | None = None
+        self._seen_info: Any = None  # the final stage's StageInfo, once announced
         # Jobs a /v1/videos/sync request waits on -> set when the job ends (however).
         self._ended: dict[str, asyncio.Event] = {}
 
     # ---- requests ----------------------------------------------------------------------
     def _facts(self) -> tuple[Any, dict[str, int]]:
-        from ..diffusion.limits import RequestLimits
-
-        info = self.orchestrator.final_info() or {}
-        if "video" in info:
-            self._seen_facts = (RequestLimits.from_dict(info["limits"]), info["video"])
+        info = self.orchestrator.final_info()
+        if info is not None and info.video is not None:
+            self._seen_facts = (
+                info.limits,
+                {
+                    "frame_step": info.video.frame_step,
+                    "default_num_frames": info.video.default_num_frames,
+                },
+            )
             self._seen_info = info
         # A restarting stage has no info yet; its bounds are the ones it announced before.
         if self._seen_facts is not None:
@@ -81,14 +85,14 @@ class VideoService:
             raise APIError(
                 503, "the video stage is starting; retry shortly", code="stage_unavailable"
             )
-        if "video" not in info:
+        if info is None or info.video is None or info.limits is None:
             raise APIError(
                 400,
                 "this pipeline does not generate videos; /v1/videos needs a video model "
                 "(e.g. stage_configs/wan2_2.yaml)",
                 code="unsupported_endpoint",
             )
-        return RequestLimits.from_dict(info["limits"]), info["video"]
+        raise AssertionError("unreachable: announced video facts are remembered above")
 
     def check(self, data: dict[str, Any]) -> dict[str, Any]:
         """The job's request, every field checked and filled; APIError (4xx) otherwise."""

@@ -29,7 +29,7 @@ class VideoBounds:
     """What a video request is checked against: the stage's limits and video facts, the
     family's fields, and the deploy file's `serving:` / `videos:` bounds."""
 
-    limits: Any  # diffusion.limits.RequestLimits
+    limits: Any  # common.limits.RequestLimits
     facts: dict[str, Any]  # the stage's video facts (frame_step, default_num_frames)
     family: FamilyFields
     serving: Any  # config ServingLimits

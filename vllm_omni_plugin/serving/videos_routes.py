@@ -12,6 +12,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
+from ..common.media import MEDIA_TYPES
 from .errors import APIError, invalid
 from .request_fields import VIDEOS, body_schema
 from .validation import MAX_BODY_BYTES
@@ -141,7 +142,7 @@ async def get_video_content(
         path = _service(request).content_path(video_id, variant)
     except APIError as exc:
         return _error(exc)
-    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+    return FileResponse(path, media_type=MEDIA_TYPES["mp4"], filename=f"{video_id}.mp4")
 
 
 @router.delete("/v1/videos/{video_id}")

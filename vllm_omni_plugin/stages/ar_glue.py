@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..diffusion.errors import RequestValidationError
-from .messages import GenerationParams
+from ..common.errors import RequestValidationError
+from ..common.messages import GenerationParams
 
 
 class GlmImageGlue:
@@ -17,7 +17,7 @@ class GlmImageGlue:
     writes the large grid only; the DiT stage conditions on the same images itself."""
 
     def __init__(self, stage: Any):
-        from vllm_omni_plugin.models.glm_image import processing
+        from vllm_omni_plugin.families.glm_image import processing
 
         self.processing = processing
         self.model_dir = str(stage.model_path)

@@ -14,19 +14,21 @@ import logging
 import os
 from typing import Any
 
-from ..config.vllm_engine_fields import vllm_worker_title_prefix
-from ..diffusion.errors import RequestValidationError
-from . import engine_metrics
-from .ar_glue import glue_for
-from .loop import AsyncStageLoop
-from .messages import (
+from ..common.errors import RequestValidationError
+from ..common.messages import (
     ENGINE_METRICS_INTERVAL_S,
+    ARSettings,
     EngineMetrics,
     Progress,
     Result,
-    StageInit,
+    StageInfo,
     Submit,
 )
+from ..config.stage_init import StageInit
+from ..config.vllm_engine_fields import vllm_worker_title_prefix
+from . import engine_metrics
+from .ar_glue import glue_for
+from .loop import AsyncStageLoop
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
 
@@ -149,23 +151,22 @@ class ARStageRunner(AsyncStageLoop):
         async for _ in engine.generate({"prompt_token_ids": WARMUP_PROMPT}, params, "warmup"):
             pass
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "kind": "ar",
-            "pipeline": self.init.pipeline,
-            "model": self.init.stage.model_path,
-            "effective": self.describe(),
-        }
+    def info(self) -> StageInfo:
+        return StageInfo(
+            kind="ar",
+            pipeline=self.init.pipeline,
+            model=self.init.stage.model_path,
+            effective=self.describe(),
+        )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ARSettings:
         """The settings in effect, read back from the engine's own VllmConfig (plain values)."""
         cfg = self.engine.vllm_config
         out: dict[str, Any] = {}
         for section, names in _DESCRIBED.items():
             sub = getattr(cfg, section, None)
             out[section] = {n: _plain(getattr(sub, n, None)) for n in names}
-        out["default_sampling_params"] = _plain(self.glue.defaults)
-        return out
+        return ARSettings(**out, default_sampling_params=_plain(self.glue.defaults))
 
     # ---- driving the engine (the loop is loop.AsyncStageLoop's) ---------------------------
     def background(self) -> list:

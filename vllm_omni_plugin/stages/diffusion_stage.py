@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from ..common.messages import DiffusionSettings, Progress, Result, StageInfo, Submit, VideoFacts
+from ..config.stage_init import StageInit
 from .images import encode_image
 from .loop import SteppedStageLoop
-from .messages import Progress, Result, StageInit, Submit
 from .videos_encode import encode_mp4
 
 logger = logging.getLogger("vllm_omni_plugin.stages.diffusion")
@@ -54,24 +57,26 @@ class DiffusionStageRunner(SteppedStageLoop):
         self.engine = build_engine(config)
         self.jobs: dict[str, _Job] = {}
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> StageInfo:
         """Ready info: the bounds the API server validates against, and what this stage runs."""
-        return {
-            "kind": "diffusion",
-            "pipeline_class": type(self.engine.adapter).pipeline_class,
-            # The request fields this model applies beyond the common ones, and the common
-            # ones it does not (the API server refuses those before they travel).
-            "family": _family(self.engine.adapter),
-            "knobs": [k.to_dict() for k in self.engine.adapter.applied_knobs()],
-            "unsupported": dict(self.engine.adapter.unsupported),
-            "cfg": _cfg(self.engine.adapter),
-            "limits": self.engine.limits.to_dict(),
-            "effective": self.describe(),
+        return StageInfo(
+            kind="diffusion",
+            pipeline_class=type(self.engine.adapter).pipeline_class,
+            limits=self.engine.limits,
+            effective=self.describe(),
+            # The request fields this model applies beyond the common ones, the common ones it
+            # does not, and its CFG rule (the API server refuses by them before they travel).
+            family=_family(self.engine.adapter),
+            knobs=[k.to_dict() for k in self.engine.adapter.applied_knobs()],
+            unsupported=dict(self.engine.adapter.unsupported),
+            cfg=_cfg(self.engine.adapter),
             # Video families: what /v1/videos checks requests against (frames = 1 + k * step).
-            **({"video": self.engine.adapter.video_facts()} if _is_video(self.engine) else {}),
-        }
+            video=VideoFacts(**self.engine.adapter.video_facts())
+            if _is_video(self.engine)
+            else None,
+        )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> DiffusionSettings:
         """The settings in effect, read back from the live engine (not from the config)."""
         import os
 
@@ -79,18 +84,18 @@ class DiffusionStageRunner(SteppedStageLoop):
 
         engine = self.engine
         vae = getattr(engine.adapter.pipe, "vae", None)
-        return {
-            "engine": dataclasses.asdict(engine.config),
-            "device": str(engine.device),
-            "dtype": str(engine.dtype),
-            "memory_budget_bytes": engine._budget_bytes,
-            "scheduler_max_batch_size": engine.scheduler.max_batch_size,
-            "scheduler_max_wait_s": engine.scheduler.max_wait_s,
-            "vae_use_slicing": getattr(vae, "use_slicing", None),
-            "vae_use_tiling": getattr(vae, "use_tiling", None),
-            "torch_threads": torch.get_num_threads(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        }
+        return DiffusionSettings(
+            engine=msgspec.to_builtins(dataclasses.asdict(engine.config), enc_hook=str),
+            device=str(engine.device),
+            dtype=str(engine.dtype),
+            memory_budget_bytes=engine._budget_bytes,
+            scheduler_max_batch_size=engine.scheduler.max_batch_size,
+            scheduler_max_wait_s=engine.scheduler.max_wait_s,
+            vae_use_slicing=getattr(vae, "use_slicing", None),
+            vae_use_tiling=getattr(vae, "use_tiling", None),
+            torch_threads=torch.get_num_threads(),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
 
     # ---- driving the engine (the loop is loop.SteppedStageLoop's) -------------------------
     def has_work(self) -> bool:
@@ -154,8 +159,9 @@ class DiffusionStageRunner(SteppedStageLoop):
             self.engine.abort(request_id)
 
     def on_submit(self, msg: Submit) -> None:
+        from vllm_omni_plugin.common.errors import RequestValidationError
         from vllm_omni_plugin.connectors import ConnectorError
-        from vllm_omni_plugin.diffusion import GenerationRequest, RequestValidationError
+        from vllm_omni_plugin.diffusion import GenerationRequest
 
         t0 = time.perf_counter()
         p = msg.params

@@ -1,13 +1,11 @@
-"""Image encoding for responses. Imports without vLLM: the diffusion stage process encodes,
-the API server only reads MEDIA_TYPES (for `response_format=url`)."""
+"""Image encoding for responses, in the diffusion stage process (the media types the API
+server serves them as are common/media.py's)."""
 
 from __future__ import annotations
 
 import io
 
 from PIL import Image
-
-MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
 def encode_image(image: Image.Image, fmt: str, compression: int | None = None) -> bytes:

@@ -29,7 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .messages import (
+from ..common.messages import (
     PULSE_INTERVAL_S,
     Abort,
     Chunk,
@@ -39,9 +39,10 @@ from .messages import (
     Pulse,
     Result,
     Shutdown,
-    StageInit,
+    StageInfo,
     Submit,
 )
+from ..config.stage_init import StageInit
 from .payloads import StagePayloads
 from .streams import StageStreams
 
@@ -63,8 +64,8 @@ class StageLoop(ABC):
 
     # ---- what a kind of stage provides ---------------------------------------------------
     @abstractmethod
-    def info(self) -> dict[str, Any]:
-        """The Ready info: "kind", and what the stage runs ("effective", "limits", ...)."""
+    def info(self) -> StageInfo:
+        """The Ready info: the kind, what the stage runs (its effective settings), limits."""
 
     @abstractmethod
     def serve(self) -> None:

@@ -1,5 +1,8 @@
 """Stage-to-stage payloads: through the configured connector, or inline when none is set.
 
+What goes on the control path is typed (common/payload.py): a `Via` (the connector's name and
+its descriptor) or, for an edge without a connector, an `InlineTensor`.
+
 A producer puts its output into the edge's connector and sends the small descriptor on the
 control path; the consumer gets the payload by descriptor (with a deadline) and releases it.
 When the request fails or is cancelled before the consumer got there, the producer releases
@@ -12,6 +15,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from ..common.payload import InlineTensor, StageOutput, Via
+
 GET_TIMEOUT_S = 30.0
 
 
@@ -22,7 +27,7 @@ class StagePayloads:
         # request id -> (lease end, what was emitted for it): kept until the lease ends (the
         # connector forgets the payload by then), so an abort that arrives after the
         # descriptor left this stage can still free it.
-        self._emitted: OrderedDict[str, tuple[float, list[_Via]]] = OrderedDict()
+        self._emitted: OrderedDict[str, tuple[float, list[Via]]] = OrderedDict()
 
     def connector(self, name: str):
         if name not in self._open:
@@ -34,24 +39,24 @@ class StagePayloads:
 
     def emit(
         self, payload: Any, request_id: str, from_stage: int, to_stage: int | None, via: str | None
-    ) -> Any:
-        """What to send on the control path for `payload`: a descriptor, or the payload."""
+    ) -> StageOutput:
+        """What to send on the control path for `payload`: a descriptor, or the inline tensor."""
         if via is None or to_stage is None:
-            return payload
-        out = _Via(via, self.connector(via).put(request_id, from_stage, to_stage, payload))
+            return inline(payload)
+        out = Via(via, self.connector(via).put(request_id, from_stage, to_stage, payload))
         self._remember(request_id, out)
         return out
 
     def emit_chunk(
         self, payload: Any, request_id: str, from_stage: int, to_stage: int | None, via: str | None
-    ) -> Any:
+    ) -> StageOutput:
         """`emit` for one chunk of a streamed output: not remembered here, the stream keeps
         each chunk until its consumer is done with it (stages/streams.py)."""
         if via is None or to_stage is None:
-            return payload
-        return _Via(via, self.connector(via).put(request_id, from_stage, to_stage, payload))
+            return inline(payload)
+        return Via(via, self.connector(via).put(request_id, from_stage, to_stage, payload))
 
-    def _remember(self, request_id: str, out: _Via) -> None:
+    def _remember(self, request_id: str, out: Via) -> None:
         now = time.monotonic()
         while self._emitted and next(iter(self._emitted.values()))[0] <= now:
             self._emitted.popitem(last=False)
@@ -67,12 +72,14 @@ class StagePayloads:
 
     def release(self, value: Any) -> None:
         """Release the payload behind a value produced by `emit` (never raises)."""
-        if isinstance(value, _Via):
+        if isinstance(value, Via):
             self.connector(value.connector).release(value.desc)
 
     def receive(self, value: Any) -> Any:
         """The payload behind a value produced by `emit` (released once read)."""
-        if not isinstance(value, _Via):
+        if isinstance(value, InlineTensor):
+            return from_inline(value)
+        if not isinstance(value, Via):
             return value
         conn = self.connector(value.connector)
         try:
@@ -98,17 +105,37 @@ class StagePayloads:
         self._open.clear()
 
 
-class _Via:
-    """A connector descriptor tagged with the connector's name (picklable)."""
+def inline(payload: Any) -> StageOutput:
+    """A payload for an edge without a connector: a tensor as InlineTensor (encoded images and
+    None are outputs already). TypeError for anything else: configure a connector."""
+    import torch
 
-    __slots__ = ("connector", "desc")
+    if payload is None or isinstance(payload, (InlineTensor, Via, bytes)):
+        return payload
+    if isinstance(payload, (bytearray, memoryview)):
+        return bytes(payload)
+    if isinstance(payload, list) and all(isinstance(v, (bytes, bytearray)) for v in payload):
+        return [bytes(v) for v in payload]
+    if isinstance(payload, torch.Tensor):
+        t = payload.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        dtype = str(t.dtype).removeprefix("torch.")
+        return InlineTensor(dtype, tuple(t.shape), raw.numpy().tobytes())
+    raise TypeError(
+        f"a {type(payload).__name__} cannot go inline between stages: configure a connector "
+        "for this edge"
+    )
 
-    def __init__(self, connector: str, desc: Any):
-        self.connector = connector
-        self.desc = desc
 
-    def __getstate__(self):
-        return (self.connector, self.desc)
+def from_inline(value: InlineTensor) -> Any:
+    """The tensor of an InlineTensor (ValueError for a dtype this torch does not know)."""
+    import torch
 
-    def __setstate__(self, state):
-        self.connector, self.desc = state
+    dtype = getattr(torch, value.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"inline tensor with unknown dtype {value.dtype!r}")
+    if not value.data:
+        return torch.empty(value.shape, dtype=dtype)
+    return (
+        torch.frombuffer(bytearray(value.data), dtype=torch.uint8).view(dtype).reshape(value.shape)
+    )

@@ -1,7 +1,7 @@
 """A stage process's control connection that carries its connector counters to /metrics.
 
 The stage side of orchestrator/connector_stats.py: each Result a stage sends gets a snapshot of
-this process's connector counters under KEY, and so does each EngineMetrics (an AR stage's
+this process's connector counters in its `connector_stats` field, and so does each EngineMetrics (an AR stage's
 timer: a producer's transfers complete after its Result went out), keyed by the sending process
 so counters stay monotonic across restarts; the API server side takes them off (`absorb`) and
 exports them.
@@ -13,9 +13,9 @@ import os
 import socket
 from typing import Any
 
-from .messages import EngineMetrics, Result
+import msgspec
 
-KEY = "connector_stats"
+from ..common.messages import ConnectorCounters, ConnectorSnapshot, EngineMetrics, Result
 
 
 class StatsRelay:
@@ -32,11 +32,8 @@ class StatsRelay:
 
             snaps = [s.snapshot() for s in ConnectorStats.all()]
             if snaps:
-                relayed = {"source": self._source, "snapshots": snaps}
-                if isinstance(msg, Result):
-                    msg.metrics[KEY] = relayed
-                else:
-                    msg.connector_stats = relayed
+                typed = msgspec.convert(snaps, list[ConnectorSnapshot])
+                msg.connector_stats = ConnectorCounters(self._source, typed)
         self._conn.send(msg)
 
     def __getattr__(self, name: str) -> Any:  # recv, poll, fileno, close: unchanged

@@ -23,14 +23,13 @@ import hashlib
 import os
 import struct
 import time
-from typing import Any
 
 import torch
 
+from ..common.messages import Result, RunnerSettings, StageInfo, Submit
 from ..pipelines.registry import register_pipeline
 from ..pipelines.topology import PipelineTopology, StageSpec
 from .loop import AsyncStageLoop, RequestRefused
-from .messages import Result, Submit
 
 EMIT_DELAY_ENV = "OMNI_TEST_EMIT_DELAY_MS"
 READ_DELAY_ENV = "OMNI_TEST_READ_DELAY_MS"
@@ -57,8 +56,8 @@ def expected_checksum(seed: int, chunks: int, values: int) -> str:
 class SourceStage(AsyncStageLoop):
     """Emits the request's chunks, one every OMNI_TEST_EMIT_DELAY_MS."""
 
-    def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "runner": "stream source"}
+    def info(self) -> StageInfo:
+        return StageInfo(self.kind, RunnerSettings(f"{_RUNNERS}:SourceStage"))
 
     async def run_request(self, msg: Submit) -> Result:
         p = msg.params
@@ -85,8 +84,8 @@ class SinkStage(AsyncStageLoop):
     emits, per chunk read, that chunk's sum (a little-endian float64, as bytes) towards the
     API server."""
 
-    def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "runner": "stream sink"}
+    def info(self) -> StageInfo:
+        return StageInfo(self.kind, RunnerSettings(f"{_RUNNERS}:SinkStage"))
 
     async def run_request(self, msg: Submit) -> Result:
         (src,) = msg.stream_inputs

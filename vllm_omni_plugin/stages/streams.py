@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .messages import Chunk, ChunkDone, Credit, Submit
+from ..common.messages import Chunk, ChunkDone, Credit, Submit
 
 if TYPE_CHECKING:
     from .loop import StageLoop

@@ -1,7 +1,7 @@
 """Entry point of a stage process: `python -m vllm_omni_plugin.stages.worker --fd=N omni-stage-K`.
 
 The orchestrator passes one end of a socket pair as fd N; the first message on it is the
-stage's typed StageInit. The worker names itself `omni-stage-<id>` (ps shows it), loads its
+stage's StartStage (messages.py), read back into its typed StageInit. The worker names itself `omni-stage-<id>` (ps shows it), loads its
 stage runner, says Ready, and serves until Shutdown or until the socket closes (the API server
 is gone), so a stage never outlives its server.
 """
@@ -15,7 +15,11 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from .messages import Ready, StageInit
+import msgspec
+
+from ..common.channel import MessageChannel
+from ..common.messages import Ready, StartStage
+from ..config.stage_init import StageInit
 from .stats_relay import StatsRelay
 
 
@@ -27,7 +31,7 @@ def _set_title(init: StageInit) -> None:
     setproctitle(f"omni-stage-{init.stage.stage_id} ({init.spec.kind}, {init.pipeline})")
 
 
-def make_runner(init: StageInit, conn: Connection):
+def make_runner(init: StageInit, conn: MessageChannel):
     """The stage's loop (loop.StageLoop): the topology's `runner`, else its kind's."""
     if init.spec.runner is not None:
         import importlib
@@ -51,11 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("title", nargs="?")
     args = parser.parse_args(argv)
     os.set_inheritable(args.fd, False)  # children (a vLLM EngineCore) must not hold it
-    conn = Connection(args.fd)
+    conn = MessageChannel(Connection(args.fd))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    init: StageInit = conn.recv()
+    start = conn.recv()
+    if not isinstance(start, StartStage):
+        raise SystemExit(f"expected StartStage first, got {type(start).__name__}")
+    init = StageInit.from_message(start)
     _set_title(init)
     log = logging.getLogger(f"omni-stage-{init.stage.stage_id}")
     t0 = time.monotonic()
@@ -64,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     info = runner.info()
     # The stage's own environment, read back here: /proc/<pid>/environ is not reliable once
     # setproctitle has reused the environ block for the title.
-    info.setdefault("effective", {})["environ"] = {
-        k: os.environ.get(k) for k in (*init.stage.env, "CUDA_VISIBLE_DEVICES")
-    }
+    environ = {k: os.environ.get(k) for k in (*init.stage.env, "CUDA_VISIBLE_DEVICES")}
+    info.effective = msgspec.structs.replace(info.effective, environ=environ)
     log.info("loaded in %.1f s: %s", time.monotonic() - t0, info)
     try:
         # Sending Ready is inside the try: if the API server went away while we loaded,

@@ -15,7 +15,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# kind -> module with `build(out_dir: Path, seed: int) -> Path`
+# The one table of model kinds: kind -> module with `build(out_dir: Path, seed: int) -> Path`.
+# `build_tiny_model` and the console script (`vllm-omni-plugin make-tiny-model KIND DIR`) both
+# read it: adding a kind is adding its line here.
 _BUILDERS = {
     "glm-image": "vllm_omni_plugin.testing.tiny_glm_image",
     "qwen-image": "vllm_omni_plugin.testing.tiny_qwen_image",
@@ -34,6 +36,7 @@ _FULL_BUILDERS = {
     "glm-image": "vllm_omni_plugin.testing.full_glm_image",
     "qwen3-omni": "vllm_omni_plugin.testing.full_qwen3_omni",
 }
+FULL_KINDS = tuple(_FULL_BUILDERS)
 
 SIZES = ("tiny", "full")
 
@@ -45,9 +48,9 @@ def build_tiny_model(
     size: str = "tiny",
     num_layers: int | None = None,
 ) -> Path:
-    """Write a `kind` checkpoint (glm-image | qwen-image | flux) to `out_dir`; return its path.
+    """Write a `kind` checkpoint (one of KINDS) to `out_dir`; return its path.
 
-    `size="full"` (glm-image only) writes the published model sizes with random bf16 weights,
+    `size="full"` (FULL_KINDS only) writes the published model sizes with random bf16 weights,
     on the GPU when there is one; `num_layers` then overrides every stack's depth (for tests).
     """
     if kind not in _BUILDERS:

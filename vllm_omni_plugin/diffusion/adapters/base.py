@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from ...common.knobs import CfgFacts, Knob, unused_field
 from ..errors import RequestValidationError
-from ..knobs import CfgFacts, Knob, unused_field
 from ..request import GenerationRequest, RequestState
 
 

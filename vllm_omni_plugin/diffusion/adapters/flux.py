@@ -17,10 +17,9 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from ..knobs import CfgFacts
+from ...common.knobs import FAMILY_KNOBS, CfgFacts
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
-from .qwen_image import TRUE_CFG_SCALE
 
 MAX_SEQUENCE_LENGTH = 512
 
@@ -28,7 +27,7 @@ MAX_SEQUENCE_LENGTH = 512
 class FluxAdapter(DiffusionAdapter):
     pipeline_class = "FluxPipeline"
     family = "FLUX"
-    knobs = (TRUE_CFG_SCALE,)
+    knobs = FAMILY_KNOBS["FLUX"]
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

@@ -33,7 +33,7 @@ from diffusers.pipelines.glm_image.pipeline_glm_image import (
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from vllm_omni_plugin.models.glm_image.processing import (
+from vllm_omni_plugin.families.glm_image.processing import (
     fit_source_image,
     load_vision_tokenizer,
     source_image_codes,

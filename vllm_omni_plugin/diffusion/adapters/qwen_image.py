@@ -22,25 +22,17 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from ..knobs import CfgFacts, Knob
+from ...common.knobs import FAMILY_KNOBS, CfgFacts
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
 MAX_SEQUENCE_LENGTH = 512
-TRUE_CFG_SCALE = Knob(
-    "true_cfg_scale",
-    "number",
-    "True classifier-free guidance scale (diffusers' true_cfg_scale): on when > 1 and a "
-    "negative_prompt is given",
-    0.0,
-    100.0,
-)
 
 
 class QwenImageAdapter(DiffusionAdapter):
     pipeline_class = "QwenImagePipeline"
     family = "Qwen-Image"
-    knobs = (TRUE_CFG_SCALE,)
+    knobs = FAMILY_KNOBS["Qwen-Image"]
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

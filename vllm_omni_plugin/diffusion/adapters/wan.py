@@ -28,41 +28,20 @@ from functools import lru_cache
 import torch
 from PIL import Image
 
+from ...common.knobs import FAMILY_KNOBS, CfgFacts, Knob
 from ..errors import RequestValidationError
-from ..knobs import CfgFacts, Knob
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
 # diffusers' WanPipeline defaults; a stage config overrides them.
 DEFAULT_NUM_FRAMES = 81
-GUIDANCE_SCALE_2 = Knob(
-    "guidance_scale_2",
-    "number",
-    "Wan2.2: CFG scale of the low-noise expert (default: guidance_scale)",
-    0.0,
-    100.0,
-)
-BOUNDARY_RATIO = Knob(
-    "boundary_ratio",
-    "number",
-    "Wan2.2: the expert switch, as a fraction of the training timesteps (default: the model's)",
-    0.0,
-    1.0,
-)
-FLOW_SHIFT = Knob(
-    "flow_shift",
-    "number",
-    "The flow-matching scheduler's sigma shift (default: the model's scheduler config)",
-    0.1,
-    100.0,
-)
 
 
 class WanAdapter(DiffusionAdapter):
     pipeline_class = "WanPipeline"
     family = "Wan2.2"
-    knobs = (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT)
+    knobs = FAMILY_KNOBS["Wan2.2"]
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

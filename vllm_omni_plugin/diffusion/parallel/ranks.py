@@ -3,7 +3,8 @@
 The stage's own process is rank 0: it runs the DiffusionEngine the stage drives (queue,
 step-level scheduler, decode). Ranks 1..N-1 are child processes (`follower.py`) with the same
 engine config; each step, rank 0 sends every follower a StepPlan (the requests it admitted,
-which requests step and at which index, which are still live) over the follower's stdin pipe,
+which requests step and at which index, which are still live) over the follower's stdin pipe
+(msgpack structs of plans.py),
 and all ranks then run the same prepare + denoise, meeting in the CFG / Ulysses collectives.
 Only rank 0 decodes.
 
@@ -17,14 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -33,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import DiffusionEngineConfig
-from ..request import GenerationRequest, RequestState
+from ..request import RequestState
 from ..scheduler import RunnerOutput, ScheduledBatch
 from .cfg import RowSplitTransformer, spread_groups
 from .layout import ParallelLayout
+from .plans import RankInit, RankMessage, StepPlan, Stop, decode, encode, from_plan, to_plan
 from .ulysses import enable_ulysses
 
 logger = logging.getLogger(__name__)
@@ -45,23 +45,6 @@ logger = logging.getLogger(__name__)
 RANK_DIED_EXIT_CODE = 71
 # How long ranks wait for each other in a collective (start-up included: model loads).
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
-
-
-@dataclass
-class RankInit:
-    """What a follower needs to (re)build its engine: sent pickled on its stdin before any
-    StepPlan (its rank is in its argv)."""
-
-    config: DiffusionEngineConfig
-    init_method: str | None  # None: the process group exists already (a rebuild)
-
-
-@dataclass
-class StepPlan:
-    new: list[tuple[GenerationRequest, int, bool]] = field(default_factory=list)  # req, seed, cfg
-    prefill: list[str] = field(default_factory=list)
-    denoise: list[tuple[str, int]] = field(default_factory=list)  # request id, step index
-    live: set[str] = field(default_factory=set)
 
 
 def layout_of(config: DiffusionEngineConfig, rank: int) -> ParallelLayout:
@@ -131,7 +114,7 @@ class _LeaderRunner:
         with self.engine._lock:  # other threads may add or abort meanwhile
             live = {s.request_id for s in (*sched.running, *sched.waiting)}
         plan = StepPlan(
-            new=[(s.req, s.seed, s.do_cfg) for s in batch.prefill],
+            new=[(to_plan(s.req), s.seed, s.do_cfg) for s in batch.prefill],
             prefill=[s.request_id for s in batch.prefill],
             denoise=[(s.request_id, s.step) for s in batch.denoise],
             live=live,
@@ -153,8 +136,8 @@ class ParallelRanks:
         self._watch = threading.Thread(target=self._watch_loop, daemon=True, name="dit-ranks")
         self._watch.start()
 
-    def send(self, plan: StepPlan | RankInit | None) -> None:
-        data = _dumps(plan)
+    def send(self, plan: RankMessage) -> None:
+        data = encode(plan)
         for c in self.conns:
             c.send_bytes(data)
 
@@ -168,10 +151,10 @@ class ParallelRanks:
             time.sleep(0.2)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the followers (a None plan), then the process group."""
+        """Stop the followers (Stop), then the process group."""
         self._closing = True
         try:
-            self.send(None)
+            self.send(Stop())
         except OSError:
             pass
         for c in self.conns:
@@ -185,12 +168,6 @@ class ParallelRanks:
                 p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _dumps(obj: Any) -> bytes:
-    # Plain pickle: Connection.send's ForkingPickler would hand tensors over as shared-memory
-    # file descriptors, which a process that is not our multiprocessing child cannot open.
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _exit_stage(rank: int, code: int) -> None:
@@ -256,17 +233,17 @@ def build_engine(
 
 def follow(conn: Connection, rank: int) -> None:
     """A follower's life: join, build the same engine, mirror rank 0's steps until told to
-    stop (None) or rank 0 is gone (EOF); a new RankInit swaps in another engine."""
+    stop (Stop) or rank 0 is gone (EOF); a new RankInit swaps in another engine."""
     from ..engine import DiffusionEngine
 
     adapter = None
     states: dict[str, RequestState] = {}
     while True:
         try:
-            msg: StepPlan | RankInit | None = pickle.loads(conn.recv_bytes())
+            msg = decode(conn.recv_bytes())
         except EOFError:
             return
-        if msg is None:
+        if isinstance(msg, Stop):
             return
         if isinstance(msg, RankInit):
             adapter, states = None, {}
@@ -279,7 +256,8 @@ def follow(conn: Connection, rank: int) -> None:
             make_parallel(engine, layout)
             adapter = engine.adapter
             continue
-        for req, seed, do_cfg in msg.new:
+        for planned, seed, do_cfg in msg.new:
+            req = from_plan(planned)
             st = RequestState(req=req, seed=seed, do_cfg=do_cfg)
             st.generator = torch.Generator("cpu").manual_seed(seed)
             states[req.request_id] = st

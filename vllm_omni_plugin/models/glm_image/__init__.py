@@ -4,6 +4,6 @@ Import the submodules you need; this package stays import-light (no vLLM, no tor
 so `entry_points/general.py` can register the model by its dotted name cheaply.
 """
 
-MODEL_ARCH = "GlmImageForConditionalGeneration"
-MODEL_CLASS = "vllm_omni_plugin.models.glm_image.model:GlmImageForConditionalGeneration"
-LOGITS_PROCESSOR = "vllm_omni_plugin.models.glm_image.logits:ImageGridLogitsProcessor"
+from vllm_omni_plugin.families.glm_image import LOGITS_PROCESSOR, MODEL_ARCH, MODEL_CLASS
+
+__all__ = ["LOGITS_PROCESSOR", "MODEL_ARCH", "MODEL_CLASS"]

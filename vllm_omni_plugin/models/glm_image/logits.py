@@ -26,7 +26,7 @@ from vllm import SamplingParams
 from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from vllm_omni_plugin.models.glm_image.processing import GRID_EXTRA_ARG
+from vllm_omni_plugin.families.glm_image.processing import GRID_EXTRA_ARG
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -24,7 +24,7 @@ from vllm.multimodal.processing import (
     PromptReplacement,
 )
 
-from vllm_omni_plugin.models.glm_image.processing import load_processor
+from vllm_omni_plugin.families.glm_image.processing import load_processor
 
 
 class SourceImageProcessor:

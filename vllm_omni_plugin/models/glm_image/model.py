@@ -6,7 +6,7 @@ partial NeoX-style rotary with three M-RoPE sections (t, h, w), and an `lm_head`
 `vision_vocab_size` rows. Built from vLLM's tensor-parallel layers (QKVParallelLinear,
 RowParallelLinear, MergedColumnParallelLinear, ParallelLMHead, Attention), so TP works on GPU.
 
-GLM-Image specifics written here: the decode-time grid positions (see positions.py) and
+GLM-Image specifics written here: the decode-time grid positions (see families/glm_image/positions.py) and
 logits padded from `vision_vocab_size` to the text vocabulary vLLM samples over.
 
 Image-to-image goes through vLLM's multimodal input path (processor in `mm_processing.py`):
@@ -40,16 +40,16 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, 
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.sequence import IntermediateTensors
 
+from vllm_omni_plugin.families.glm_image.positions import GridPositionCodec, T2ILayout
+from vllm_omni_plugin.families.glm_image.processing import (
+    parse_t2i_layout,
+    source_image_codes,
+    source_positions,
+)
 from vllm_omni_plugin.models.glm_image.mm_processing import (
     GlmImageDummyInputsBuilder,
     GlmImageMultiModalProcessor,
     GlmImageProcessingInfo,
-)
-from vllm_omni_plugin.models.glm_image.positions import GridPositionCodec, T2ILayout
-from vllm_omni_plugin.models.glm_image.processing import (
-    parse_t2i_layout,
-    source_image_codes,
-    source_positions,
 )
 
 # Under "vllm." so vLLM's own log handler prints it in worker processes.

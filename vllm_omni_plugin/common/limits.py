@@ -36,7 +36,7 @@ class RequestLimits:
         return max(self.min_height, self.min_width)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for a control message (any encoding, not only pickle)."""
+        """Plain values (the JSON of GET /v1/omni/stages)."""
         return dataclasses.asdict(self)
 
     @classmethod

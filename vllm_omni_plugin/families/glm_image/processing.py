@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_plugin.models.glm_image.positions import MAX_GRID_DIM, T2ILayout
+from vllm_omni_plugin.families.glm_image.positions import MAX_GRID_DIM, T2ILayout
 
 # Pixels per AR token side; the DiT sees each AR token as 2x2 patches.
 TOKEN_PIXELS = 32

@@ -1,9 +1,10 @@
 """Request knobs a model family applies beyond the common fields (plain Python: no torch).
 
-Each adapter declares its knobs (`DiffusionAdapter.knobs`); a stage announces the ones its
-loaded model applies in its Ready info, and the API server checks a request's values against
-them (type and bounds) before any stage sees it. The engine checks them again, so a request that
-bypasses the API server is refused just the same.
+`FAMILY_KNOBS` is the table of the built-in families' knobs, under diffusers' names; each
+family's adapter declares its own from it (`DiffusionAdapter.knobs`; another package's adapter
+declares its own). A stage announces the knobs its loaded model applies in its StageInfo, and
+the API server checks a request's values against them (type and bounds) before any stage sees
+it; the engine checks them again. `CfgFacts` is a family's CFG rule, announced the same way.
 """
 
 from __future__ import annotations
@@ -150,3 +151,43 @@ def unused_field(facts: CfgFacts, given: dict[str, Any]) -> tuple[str, str] | No
     if second is not None and given.get(second) is not None and not cfg_on:
         return second, f"has no effect: this request runs no CFG ({rule}: {scale:g})"
     return None
+
+
+# ---- the built-in families' knobs --------------------------------------------------------------
+TRUE_CFG_SCALE = Knob(
+    "true_cfg_scale",
+    "number",
+    "True classifier-free guidance scale (diffusers' true_cfg_scale): on when > 1 and a "
+    "negative_prompt is given",
+    0.0,
+    100.0,
+)
+GUIDANCE_SCALE_2 = Knob(
+    "guidance_scale_2",
+    "number",
+    "Wan2.2: CFG scale of the low-noise expert (default: guidance_scale)",
+    0.0,
+    100.0,
+)
+BOUNDARY_RATIO = Knob(
+    "boundary_ratio",
+    "number",
+    "Wan2.2: the expert switch, as a fraction of the training timesteps (default: the model's)",
+    0.0,
+    1.0,
+)
+FLOW_SHIFT = Knob(
+    "flow_shift",
+    "number",
+    "The flow-matching scheduler's sigma shift (default: the model's scheduler config)",
+    0.1,
+    100.0,
+)
+# family (the adapter's `family`) -> its knobs
+FAMILY_KNOBS: dict[str, tuple[Knob, ...]] = {
+    "Qwen-Image": (TRUE_CFG_SCALE,),
+    "Qwen-Image-Edit": (TRUE_CFG_SCALE,),
+    "FLUX": (TRUE_CFG_SCALE,),
+    "Wan2.2": (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT),
+    "GLM-Image": (),
+}

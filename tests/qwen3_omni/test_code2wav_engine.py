@@ -1,0 +1,164 @@
+"""The Code2Wav engine (torch only) against transformers' Code2Wav on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_plugin.code2wav import Code2WavDecoder, Code2WavEngine, Code2WavEngineConfig
+from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
+
+
+@pytest.fixture(scope="module")
+def decoder(omni_dir):
+    return Code2WavDecoder(omni_dir)
+
+
+def _codes(seed: int, frames: int) -> torch.Tensor:
+    return torch.randint(0, 64, (4, frames), generator=torch.Generator().manual_seed(seed))
+
+
+def _stream(engine: Code2WavEngine, feeds: dict[str, torch.Tensor], piece: int = 7):
+    """Feed each request's frames `piece` at a time, all requests interleaved; step after
+    each round; return rid -> list of chunks."""
+    for rid in feeds:
+        engine.add_request(rid)
+    chunks: dict[str, list] = {rid: [] for rid in feeds}
+    longest = max(c.shape[1] for c in feeds.values())
+    for i in range(0, longest, piece):
+        for rid, codes in feeds.items():
+            if i < codes.shape[1]:
+                engine.add_frames(
+                    rid, codes[:, i : i + piece], finished=i + piece >= codes.shape[1]
+                )
+        for c in engine.step():
+            chunks[c.request_id].append(c)
+    while engine.has_unfinished():
+        for c in engine.step():
+            chunks[c.request_id].append(c)
+    return chunks
+
+
+def test_one_shot_equals_transformers_exactly(decoder, omni_model, omni_dir):
+    """Same frames, same weights: the engine's decoder and transformers' generate's waveform
+    are equal (tolerance 0: same module, same float32 ops)."""
+    ref = reference_generate(omni_model, chat_input_ids(omni_dir, "Hi"), max_frames=12)
+    ours = decoder.decode([ref.codes])[0].numpy()
+    assert ours.shape == ref.waveform.shape
+    np.testing.assert_array_equal(ours, ref.waveform)
+
+
+def test_batched_windows_equal_alone(decoder):
+    """Right-padded batch of different lengths == each alone within atol 1e-4 (waveform std
+    ~0.2). Not bit-equal: the CPU kernels' reduction order depends on the batch shape (two
+    copies of one request in a batch already differ from it alone by ~2e-5)."""
+    a, b, c = _codes(1, 9), _codes(2, 40), _codes(3, 1)
+    together = decoder.decode([a, b, c])
+    for codes, wav in zip((a, b, c), together, strict=True):
+        alone = decoder.decode([codes])[0]
+        assert wav.shape == alone.shape == (codes.shape[1] * 1920 - 555,)
+        torch.testing.assert_close(wav, alone, atol=1e-4, rtol=0)
+
+
+def test_streamed_equals_one_shot_within_tolerance(decoder, omni_dir):
+    """Chunks of 4 then 25 frames with 25 frames of left context, concatenated: same length as
+    the one-shot waveform, max abs difference <= 0.01 and mean abs <= 1e-3 (waveform std ~0.2;
+    the difference is the decoder looking back past the context: 72-frame attention window)."""
+    codes = _codes(4, 120)
+    engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir)), decoder)
+    chunks = _stream(engine, {"r": codes})["r"]
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert len(chunks[0].samples) == 4 * 1920 - 555  # the first audio: 4 frames
+    streamed = np.concatenate([c.samples for c in chunks])
+    one_shot = decoder.decode([codes])[0].numpy()
+    assert streamed.shape == one_shot.shape
+    diff = np.abs(streamed - one_shot)
+    assert diff.max() <= 0.01 and diff.mean() <= 1e-3, (diff.max(), diff.mean())
+    # The first chunk sees all its context: equal up to float reduction order (atol 1e-4).
+    head = 4 * 1920 - 555
+    np.testing.assert_allclose(streamed[:head], one_shot[:head], atol=1e-4, rtol=0)
+
+
+def test_requests_batched_together_give_what_each_gives_alone(decoder, omni_dir):
+    """Three requests streamed together == each streamed alone, chunk for chunk (atol 1e-4,
+    see test_batched_windows_equal_alone)."""
+    feeds = {"a": _codes(5, 60), "b": _codes(6, 13), "c": _codes(7, 33)}
+    cfg = Code2WavEngineConfig(model=str(omni_dir))
+    together = _stream(Code2WavEngine(cfg, decoder), feeds)
+    for rid, codes in feeds.items():
+        alone = _stream(Code2WavEngine(cfg, decoder), {rid: codes})[rid]
+        assert len(alone) == len(together[rid])
+        for x, y in zip(alone, together[rid], strict=True):
+            assert x.samples.shape == y.samples.shape
+            np.testing.assert_allclose(x.samples, y.samples, atol=1e-4, rtol=0)
+
+
+def test_bounds_and_bad_input(decoder, omni_dir):
+    engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir), max_requests=1), decoder)
+    engine.add_request("a")
+    with pytest.raises(RuntimeError, match="max_requests"):
+        engine.add_request("b")
+    with pytest.raises(ValueError, match="codes"):
+        engine.add_frames("a", torch.zeros(3, 2, dtype=torch.long))
+    engine.add_frames("a", torch.full((4, 4), 64))
+    with pytest.raises(ValueError, match="codebook"):
+        engine.step()
+    engine.abort("a")
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="left_context_frames"):
+        Code2WavEngineConfig(model="x", left_context_frames=0)
+
+
+def test_finished_without_new_frames_ends_with_an_empty_chunk(decoder, omni_dir):
+    engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir)), decoder)
+    engine.add_request("a")
+    engine.add_frames("a", _codes(8, 4))
+    first = engine.step()
+    assert [c.finished for c in first] == [False]
+    engine.add_frames("a", torch.zeros(4, 0, dtype=torch.long), finished=True)
+    last = engine.step()
+    assert [(c.finished, len(c.samples)) for c in last] == [(True, 0)]
+    assert not engine.has_unfinished()
+
+
+def test_engine_runs_without_vllm(omni_dir):
+    """The Code2Wav and talker packages import and run with vLLM made unimportable."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import importlib.abc, json, sys
+
+        class BlockVllm(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "vllm" or name.startswith("vllm."):
+                    raise ImportError("vllm is blocked in this test")
+                return None
+
+        sys.meta_path.insert(0, BlockVllm())
+        import torch
+        from vllm_omni_plugin.code2wav import Code2WavEngine, Code2WavEngineConfig
+        from vllm_omni_plugin.talker import TalkerEngine
+        TalkerEngine(sys.argv[1])
+        engine = Code2WavEngine(Code2WavEngineConfig(model=sys.argv[1]))
+        engine.add_request("r")
+        engine.add_frames("r", torch.zeros(4, 5, dtype=torch.long), finished=True)
+        n = 0
+        while engine.has_unfinished():
+            n += sum(len(c.samples) for c in engine.step())
+        loaded = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
+        print(json.dumps({"samples": n, "vllm": loaded}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(omni_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "samples": 5 * 1920 - 555,
+        "vllm": [],
+    }

@@ -1,0 +1,439 @@
+"""Every message between the API server, stage processes, headless nodes and replicas.
+
+One schema, one encoding: each message is a tagged `msgspec.Struct` encoded as msgpack, on the
+local socket pair of a stage (orchestrator/frames.py, common/channel.py) and on the node link
+(orchestrator/link.py) alike. A reader decodes against the closed union of what may arrive on
+its side (TO_STAGE, FROM_STAGE, LINK): an unknown tag, a missing field or a wrong type is a
+decode error, and decoding only ever builds these structs and plain data, never an arbitrary
+object, so a peer cannot make the other side run code. Large payloads between stages go through
+a connector; these messages carry its small descriptors (payload.py).
+
+Local stage conversation (H = API server, S = stage process):
+    H -> S  StartStage                          first: the stage's typed config
+    S -> H  Ready(pid, info)                    the model is loaded; limits and settings
+    H -> S  Submit | Abort | Inspect | Shutdown
+    S -> H  Result | Progress | Pulse | Inspection | EngineMetrics
+    S -> H -> S  Chunk, ChunkDone -> Credit     streamed edges (stages/streams.py)
+
+Node link (N = node, H = head), after link.py's handshake:
+    N -> H  Register(node, host, pid, stages)   the stages it runs and their status
+    H -> N  Welcome(head) | Rejected(reason)
+    H -> N  ToStage(stage_id, Submit | Abort)
+    N -> H  Result | Unavailable(request_id)    Unavailable: the node's stage is down (503)
+    N -> H  Progress | Pulse                    relayed from the node's stages as they come
+    N -> H  Heartbeat(stages)                   every HEARTBEAT_S; the head answers Ping
+    H -> N  Superseded(reason)                  a newer node registered the same stage: exit
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .limits import RequestLimits
+from .payload import StageOutput
+
+# Plain values read back from an engine's own config (vLLM's sections, the diffusion engine's
+# config): str, int, float, bool, None, and lists and str-keyed dicts of them.
+PlainSettings = dict[str, Any]
+
+
+# ---- start-up ------------------------------------------------------------------------------
+class StartStage(msgspec.Struct, tag=True):
+    """First message to a new stage process: its typed config. The pydantic StageConfig,
+    the pipeline's StageSpec and the connector specs travel as their JSON and are validated
+    again, field by field, by the stage (config/stage_init.py builds and reads this)."""
+
+    stage_id: int
+    kind: str  # the topology's stage kind
+    pipeline: str  # topology key, e.g. "glm_image"
+    stage: bytes  # config.StageConfig, model_dump_json
+    spec: bytes  # pipelines.StageSpec, JSON
+    connectors: dict[str, bytes] = {}  # name -> config.ConnectorSpec, model_dump_json
+
+
+class VideoFacts(msgspec.Struct, frozen=True):
+    """What /v1/videos checks a request against: frames are 1 + k * frame_step."""
+
+    frame_step: int
+    default_num_frames: int
+
+
+class ARSettings(msgspec.Struct, tag_field="kind", tag="ar"):
+    """The settings an AR stage runs with, read back from its engine's VllmConfig."""
+
+    model_config: PlainSettings
+    cache_config: PlainSettings
+    scheduler_config: PlainSettings
+    parallel_config: PlainSettings
+    load_config: PlainSettings
+    default_sampling_params: PlainSettings
+    environ: dict[str, str | None] = {}  # the stage's own environment (its config's `env`)
+
+
+class RunnerSettings(msgspec.Struct, tag_field="kind", tag="runner"):
+    """A stage whose loop the topology names (`StageSpec.runner`): which one, and its
+    environment."""
+
+    runner: str  # "module:Class"
+    environ: dict[str, str | None] = {}
+
+
+class DiffusionSettings(msgspec.Struct, tag_field="kind", tag="diffusion"):
+    """The settings a diffusion stage runs with, read back from its live engine."""
+
+    engine: PlainSettings  # the engine's DiffusionEngineConfig
+    device: str
+    dtype: str
+    memory_budget_bytes: int | None
+    scheduler_max_batch_size: int
+    scheduler_max_wait_s: float
+    vae_use_slicing: bool | None
+    vae_use_tiling: bool | None
+    torch_threads: int
+    cuda_visible_devices: str | None
+    environ: dict[str, str | None] = {}
+
+
+class StageInfo(msgspec.Struct, omit_defaults=True):
+    """What a ready stage announces (GET /v1/omni/stages shows it as JSON)."""
+
+    kind: str  # the topology's stage kind
+    effective: ARSettings | DiffusionSettings | RunnerSettings
+    pipeline: str | None = None  # an AR stage's topology key
+    model: str | None = None  # an AR stage's model
+    pipeline_class: str | None = None  # a diffusion stage's diffusers pipeline class
+    limits: RequestLimits | None = None  # a diffusion stage's bounds: serving validates with them
+    video: VideoFacts | None = None  # a video family's frame rules
+    # A diffusion stage's family ("Qwen-Image"), the knobs it applies beyond the common request
+    # fields (diffusion.knobs.Knob.to_dict()), the common fields it does not apply -> why, and
+    # its CFG rule (diffusion.knobs.CfgFacts.to_dict()); serving/request_fields.py reads them.
+    family: str | None = None
+    knobs: list[dict[str, Any]] = []
+    unsupported: dict[str, str] = {}
+    cfg: dict[str, Any] | None = None
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The stage loaded its model."""
+
+    pid: int
+    info: StageInfo
+
+
+# ---- requests ------------------------------------------------------------------------------
+class GenerationParams(msgspec.Struct, frozen=True):
+    """One validated request's generation parameters, as every stage receives them."""
+
+    prompt: str
+    n: int = 1
+    height: int | None = None
+    width: int | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    output_format: str = "png"
+    output_compression: int | None = None
+    # Streaming (POST /v1/images/generations with stream: true): the stages send Progress
+    # messages for this request; a diffusion stage also decodes `partial_images` previews.
+    stream: bool = False
+    partial_images: int = 0
+    # /v1/videos jobs (output_format "mp4"): frames of the video and frames per second.
+    num_frames: int | None = None
+    fps: int | None = None
+    # Edits (POST /v1/images/edits). The contract between the API server and every stage:
+    # `input_images` are the request's source images in upload order, each one already checked
+    # (bytes, pixels, format) and decoded by the API server, then re-encoded as a lossless 8-bit
+    # RGB PNG (mode "RGB", no alpha, EXIF rotation applied): decode with
+    # `PIL.Image.open(io.BytesIO(b))` and get exactly the uploaded pixels. Empty for
+    # text-to-image. At most the pipeline topology's `max_input_images`.
+    input_images: list[bytes] = []
+    # The edit's mask as a lossless 8-bit grayscale PNG (mode "L") of the first input image's
+    # size: 255 where the image is to be repainted (OpenAI's fully transparent mask pixels),
+    # 0 where it is kept. None: no mask. Only for topologies with `accepts_mask`.
+    mask: bytes | None = None
+    # The model family's own knobs this request sets (name -> value, checked by the API server
+    # against the knobs the final stage announced; DiffusionAdapter.knobs).
+    knobs: dict[str, float | int | bool | str] = {}
+
+
+class Submit(msgspec.Struct, tag=True):
+    request_id: str
+    params: GenerationParams
+    # Outputs of upstream stages: stage_id -> connector descriptor (or the inline tensor when
+    # no connector is configured for that edge).
+    inputs: dict[int, StageOutput] = {}
+    # Connector name for this stage's own output (None: send it back inline).
+    out_connector: str | None = None
+    to_stage: int | None = None
+    # Streamed edges (stages/streams.py): the inputs that arrive as Chunks instead of in
+    # `inputs`, and whether this stage emits its output as Chunks (at most `stream_window` of
+    # them not yet consumed) before its Result.
+    stream_inputs: list[int] = []
+    stream_output: bool = False
+    stream_window: int = 0
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Chunk(msgspec.Struct, tag=True):
+    """One ordered piece of a request's output on a streamed edge (stages/streams.py).
+
+    Producer -> orchestrator -> consumer (or the API server, for a final stage). `payload` is
+    a connector descriptor (the edge's connector) or the value inline (no connector: a final
+    stage's chunks, raw bytes or an inline tensor). The end marker has `end` set, no payload,
+    and `seq` = the number of chunks before it."""
+
+    request_id: str
+    from_stage: int
+    seq: int
+    payload: StageOutput = None
+    end: bool = False
+
+
+class ChunkDone(msgspec.Struct, tag=True):
+    """Consumer -> orchestrator: chunk `seq` from `from_stage` was consumed (its buffer
+    released, the consumer done with it); the orchestrator hands the producer a Credit."""
+
+    request_id: str
+    stage_id: int
+    from_stage: int
+    seq: int
+
+
+class Credit(msgspec.Struct, tag=True):
+    """Orchestrator -> producer: chunk `seq` of the request was consumed, so one more may be
+    emitted (the producer holds at most its window of unconsumed chunks per request)."""
+
+    request_id: str
+    seq: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Inspect(msgspec.Struct, tag=True):
+    """Ask a stage what it holds now (the guarded GET /v1/omni/stages?live=1). The stage answers
+    with an Inspection from the loop that drives its engine, so a diffusion stage answers
+    between two steps, after the Aborts that arrived before this message."""
+
+    token: int
+
+
+# ---- replies -------------------------------------------------------------------------------
+class Inspection(msgspec.Struct, tag=True):
+    """A stage's own view of its work, read from its engine (not the API server's bookkeeping).
+    `requests`: the requests the stage holds now (a diffusion engine: waiting or running, with
+    {"step", "total_steps"}; an AR stage: its running generations). `engine_unfinished`: the
+    engine's own count of unfinished requests (vLLM's, for an AR stage); None if unknown.
+    `submitted`: Submits this process received since it started, valid or not. `at`: when the
+    stage answered (the API server's reply comes later, by however busy it is)."""
+
+    token: int
+    stage_id: int
+    requests: dict[str, dict[str, int]] = {}
+    engine_unfinished: int | None = None
+    submitted: int = 0
+    at: float = 0.0  # the stage's wall clock (time.time()) when it answered: when this was true
+
+
+class Progress(msgspec.Struct, tag=True):
+    """A streaming request's progress in one stage, sent before its Result (only for requests
+    whose params say `stream`). `step` of `total_steps`: denoising steps in a diffusion stage,
+    generated tokens of at most `total_steps` in an AR stage. `preview`: encoded preview images
+    (one per image of the request) of the x0 prediction after this step, with its 0-based
+    `preview_index` among the request's partial images."""
+
+    request_id: str
+    stage_id: int
+    stage: str  # the stage's kind: "diffusion" | "ar"
+    step: int
+    total_steps: int
+    preview: list[bytes] | None = None
+    preview_index: int | None = None
+
+
+class RoleCounters(msgspec.Struct):
+    """One role's (producer or consumer) transfers through a connector."""
+
+    transfers: int
+    bytes: int
+    failures: int
+    latency_buckets: list[int]  # counts per connectors.stats.LATENCY_BUCKETS bound, then +Inf
+    latency_sum: float
+
+
+class ConnectorSnapshot(msgspec.Struct):
+    """Every counter of one connector in one process (connectors.stats.ConnectorStats)."""
+
+    name: str
+    puts: int
+    put_bytes: int
+    timeouts: int
+    expired: int
+    roles: dict[str, RoleCounters]
+
+
+class ConnectorCounters(msgspec.Struct):
+    """A stage process's connector counters, relayed to the API server's /metrics; keyed by
+    the sending process (`source`) so counters stay monotonic across restarts."""
+
+    source: str
+    snapshots: list[ConnectorSnapshot]
+
+
+# A request's numbers from one stage (steps, queue_s, generated_tokens, replica, ...).
+StageMetrics = dict[str, int | float | str | None]
+
+
+class Result(msgspec.Struct, tag=True):
+    request_id: str
+    # Final stages: the encoded images (or one MP4). Intermediate stages: a connector
+    # descriptor, or the inline tensor.
+    output: StageOutput = None
+    error: str | None = None
+    error_field: str | None = None  # set for request validation errors (-> HTTP 400)
+    stage_s: float = 0.0  # time the stage spent on this request, from receipt to reply
+    metrics: StageMetrics = {}
+    connector_stats: ConnectorCounters | None = None  # this process's counters (stats_relay)
+
+
+class Pulse(msgspec.Struct, tag=True):
+    """A stage's engine loop made progress (a diffusion step ran, an AR engine produced
+    tokens). Sent from the loop that does the work, never from a side thread, at most every
+    PULSE_INTERVAL_S, and only while the stage has work: the orchestrator's stall watchdog
+    (runtime.stall_timeout_s) reads work messages (Result, Progress, Pulse) as progress; this
+    one keeps non-streaming requests, which get no Progress, visible to it."""
+
+    stage_id: int
+
+
+# The least time between two Pulses of one stage: a pulse per step would cost a message per
+# millisecond on tiny models, while a watchdog deadline is seconds at least.
+PULSE_INTERVAL_S = 0.25
+
+# One Prometheus family: (name, type, help, [(sample name, labels, value)]).
+MetricFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+class EngineMetrics(msgspec.Struct, tag=True):
+    """An AR stage's own vLLM Prometheus metrics (the `vllm:` families of its process's
+    registry), sent every ENGINE_METRICS_INTERVAL_S; the API server's /metrics shows them with
+    the stage's labels added. Sent on a timer, so it is no sign of progress: the stall
+    watchdog ignores it."""
+
+    stage_id: int
+    families: list[MetricFamily]
+    # This process's connector counters. A producer learns a handoff completed only after it
+    # sent that request's Result, so without this timer its counts would lag until its next
+    # request.
+    connector_stats: ConnectorCounters | None = None
+
+
+# Staleness of the AR engines' metrics on /metrics (scrapers poll every 10-60 s).
+ENGINE_METRICS_INTERVAL_S = 2.0
+
+
+# ---- node link -----------------------------------------------------------------------------
+class StageStatus(msgspec.Struct):
+    """One stage on a node, as the node sees it."""
+
+    kind: str
+    ready: bool
+    info: StageInfo | None = None  # what the stage announced when it became ready
+    restarts: int = 0
+    deaths: int = 0
+    pid: int | None = None
+
+
+class Register(msgspec.Struct, tag=True):
+    node: str  # unique per node process, e.g. "host:pid"
+    host: str
+    pid: int
+    stages: dict[int, StageStatus]
+
+
+class Welcome(msgspec.Struct, tag=True):
+    head: str
+
+
+class Rejected(msgspec.Struct, tag=True):
+    reason: str
+
+
+class Superseded(msgspec.Struct, tag=True):
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    stages: dict[int, StageStatus]
+
+
+class Ping(msgspec.Struct, tag=True):
+    pass
+
+
+class ToStage(msgspec.Struct, tag=True):
+    """A Submit or Abort for one of the node's stages."""
+
+    stage_id: int
+    msg: Submit | Abort
+
+
+class Unavailable(msgspec.Struct, tag=True):
+    """The node could not run the request because its stage is down (HTTP 503)."""
+
+    request_id: str
+    message: str
+
+
+# ---- the unions each reader accepts, and the codec -------------------------------------------
+ToStageMessage = StartStage | Submit | Abort | Inspect | Shutdown | Chunk | Credit
+FromStageMessage = (
+    Ready | Result | Progress | Pulse | Inspection | EngineMetrics | Chunk | ChunkDone
+)
+LinkMessage = (
+    Register
+    | Welcome
+    | Rejected
+    | Superseded
+    | Heartbeat
+    | Ping
+    | ToStage
+    | Result
+    | Unavailable
+    | Progress
+    | Pulse
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_to_stage = msgspec.msgpack.Decoder(ToStageMessage)
+_from_stage = msgspec.msgpack.Decoder(FromStageMessage)
+_link = msgspec.msgpack.Decoder(LinkMessage)
+
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of one message (TypeError for a value the schema does not know)."""
+    return _encoder.encode(msg)
+
+
+def decode_to_stage(data: bytes | memoryview) -> ToStageMessage:
+    """A message for a stage process (DecodeError for anything else)."""
+    return _to_stage.decode(data)
+
+
+def decode_from_stage(data: bytes | memoryview) -> FromStageMessage:
+    """A message from a stage process (DecodeError for anything else)."""
+    return _from_stage.decode(data)
+
+
+def decode_link(data: bytes | memoryview) -> LinkMessage:
+    """A message on the node link (DecodeError for anything else)."""
+    return _link.decode(data)

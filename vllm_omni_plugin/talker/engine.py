@@ -1,0 +1,188 @@
+"""The talker as a batched generation engine: thinker text in, codec frames out, per request.
+
+    engine.add_request(rid, prompt_ids, speaker="ethan", max_frames=64)
+    engine.add_text(rid, ids, finished=False)   # the thinker's generated ids as they come
+    out = engine.step()                          # TalkerOutput(rid, codes [G, n], finished)
+
+A request prefills once the thinker's first token is known and then takes one decode step per
+engine step, all ready requests in one batch, each step emitting one complete frame (all code
+groups). Decode step k adds the thinker's generated token k + 1 (projected) to the talker's
+input, so a request waits while the thinker has not written it yet; once the thinker finished,
+`tts_eos` and then `tts_pad` follow (as transformers' `generate` conditions it). Greedy (the
+parity setting); a request ends at the codec EOS or after `max_frames` frames.
+
+Thread-safe for add_request / add_text / abort from other threads while one thread steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .prompt import TalkerConditioner
+from .runner import KVCache, TalkerRunner, load_talker
+
+
+class TalkerCapacityError(RuntimeError):
+    """More requests than `max_requests` at once."""
+
+
+@dataclass
+class TalkerOutput:
+    request_id: str
+    #: `[num_code_groups, n]` int64: the frames completed in this step (n is 0 or 1)
+    codes: torch.Tensor
+    #: the request's last output
+    finished: bool
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    speaker_id: int
+    max_frames: int
+    prompt_hidden: torch.Tensor | None
+    text_ids: list[int] = field(default_factory=list)
+    text_finished: bool = False
+    trailing: torch.Tensor | None = None  # projected entries known so far
+    cache: KVCache | None = None
+    last_hidden: torch.Tensor | None = None
+    code0: int | None = None
+    frames: int = 0
+
+
+class TalkerEngine:
+    def __init__(
+        self,
+        model: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 64,
+        max_requests: int = 256,
+    ):
+        if max_batch_size < 1 or max_requests < 1:
+            raise ValueError("max_batch_size and max_requests must be >= 1")
+        config, talker, embed = load_talker(model, device, dtype)
+        self.config = config
+        self.runner = TalkerRunner(config, talker)
+        self.conditioner = TalkerConditioner(config, embed, talker)
+        self.speakers = dict(config.talker_config.speaker_id or {})
+        self.max_batch_size = max_batch_size
+        self.max_requests = max_requests
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        speaker: str = "ethan",
+        max_frames: int = 4096,
+        prompt_hidden: torch.Tensor | None = None,
+    ) -> None:
+        """`prompt_hidden`: the thinker's `[L, H]` hidden states at `accept_hidden_layer` for
+        the prompt (needed where the prompt has audio / image / video placeholders)."""
+        speaker_id = self.speakers.get(speaker.lower())
+        if speaker_id is None:
+            raise ValueError(
+                f"unknown voice {speaker!r}; this checkpoint has {sorted(self.speakers)}"
+            )
+        if max_frames < 1:
+            raise ValueError("max_frames must be >= 1")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already in the talker")
+            if len(self._requests) >= self.max_requests:
+                raise TalkerCapacityError(f"talker holds {self.max_requests} requests")
+            self._requests[request_id] = _Request(
+                list(prompt_ids), speaker_id, max_frames, prompt_hidden
+            )
+
+    def add_text(self, request_id: str, ids: list[int], finished: bool = False) -> bool:
+        """Append thinker ids; False (nothing done) when the request already ended here (its
+        frame cap or codec EOS came before the thinker's end) or was aborted."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return False
+            if req.text_finished:
+                raise ValueError(f"request {request_id!r}: the thinker's text already ended")
+            req.text_ids.extend(int(i) for i in ids)
+            req.text_finished = finished
+            return True
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    def step(self) -> list[TalkerOutput]:
+        """Prefill the requests whose first token arrived, then one batched decode step."""
+        outputs: list[TalkerOutput] = []
+        with self._lock:
+            items = list(self._requests.items())
+        for _rid, req in items:
+            if req.cache is None and req.text_ids:
+                self._prefill(req)
+        batch, texts = [], []
+        for rid, req in items:
+            if req.cache is None or len(batch) >= self.max_batch_size:
+                continue
+            entry = self._text_entry(req)
+            if entry is None:
+                continue  # waits for the thinker's next token
+            batch.append((rid, req))
+            texts.append(entry)
+        if not batch:
+            return outputs
+        r = self.runner
+        frames, hidden, codes = r.decode(
+            torch.stack([req.last_hidden for _, req in batch]),
+            torch.tensor([req.code0 for _, req in batch], device=r.device),
+            torch.stack(texts),
+            [req.cache for _, req in batch],
+        )
+        frames, codes = frames.cpu(), codes.cpu()
+        with self._lock:
+            for i, (rid, req) in enumerate(batch):
+                if self._requests.get(rid) is not req:
+                    continue
+                req.frames += 1
+                req.last_hidden, req.code0 = hidden[i], int(codes[i])
+                done = req.frames >= req.max_frames or req.code0 == r.eos
+                outputs.append(TalkerOutput(rid, frames[i][:, None], done))
+                if done:
+                    del self._requests[rid]
+        # A request whose very first code is EOS ends without a frame.
+        with self._lock:
+            for rid, req in list(self._requests.items()):
+                if req.cache is not None and req.frames == 0 and req.code0 == r.eos:
+                    outputs.append(
+                        TalkerOutput(rid, torch.zeros(r.num_groups, 0, dtype=torch.long), True)
+                    )
+                    del self._requests[rid]
+        return outputs
+
+    def _prefill(self, req: _Request) -> None:
+        embeds = self.conditioner.prefill(
+            req.prompt_ids, req.text_ids[0], req.speaker_id, req.prompt_hidden
+        )
+        req.cache = self.runner.new_cache()
+        req.last_hidden, req.code0 = self.runner.prefill(embeds, req.cache)
+
+    def _text_entry(self, req: _Request) -> torch.Tensor | None:
+        """The trailing text entry of the request's next decode step, or None to wait."""
+        k = req.frames  # decode step k reads entry k: generated token k + 1
+        c = self.conditioner
+        if k + 1 < len(req.text_ids):
+            if req.trailing is None or req.trailing.shape[0] < len(req.text_ids) - 1:
+                req.trailing = c.trailing(req.text_ids)
+            return req.trailing[k]
+        if not req.text_finished:
+            return None
+        return c.tts_eos if k + 1 == len(req.text_ids) else c.tts_pad

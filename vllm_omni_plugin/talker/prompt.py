@@ -1,0 +1,114 @@
+"""The talker's conditioning, built from the thinker's ids (and hidden states) as transformers'
+`Qwen3OmniMoeForConditionalGeneration.generate` builds it, for one request:
+
+- prefill embeddings: the user turns (text ids -> thinker embedding -> `text_projection`;
+  audio/image/video positions -> thinker hidden state at `accept_hidden_layer` ->
+  `hidden_projection`), then the assistant head: the projected `<|im_start|>assistant\\n`,
+  four `tts_pad`, `tts_bos` and the first generated token, added to the codec ids (zeros,
+  nothink, think bos/eos, speaker, codec pad, codec bos);
+- trailing text: the projected generated tokens from the second on, then `tts_eos`; the talker
+  adds entry k to its input at decode step k (`tts_pad` once past the end).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TalkerConditioner:
+    """Projects thinker ids / hidden states into the talker's input space."""
+
+    def __init__(self, config, thinker_embedding: torch.nn.Embedding, talker):
+        self.config = config  # Qwen3OmniMoeConfig
+        self.embed = thinker_embedding
+        self.talker = talker  # Qwen3OmniMoeTalkerForConditionalGeneration
+        tcfg = config.talker_config
+        self.mm_ids = torch.tensor(
+            [
+                config.thinker_config.audio_token_id,
+                config.thinker_config.image_token_id,
+                config.thinker_config.video_token_id,
+            ]
+        )
+        specials = torch.tensor(
+            [[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]]
+        )
+        with torch.inference_mode():
+            bos, eos, pad = self.project_text(specials.to(self.device))[0]
+        self.tts_bos, self.tts_eos, self.tts_pad = bos, eos, pad
+        self.codec_head_ids = [
+            tcfg.codec_nothink_id,
+            tcfg.codec_think_bos_id,
+            tcfg.codec_think_eos_id,
+            None,  # speaker
+            tcfg.codec_pad_id,
+            tcfg.codec_bos_id,
+        ]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def project_text(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.talker.text_projection(self.embed(ids))
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        prompt_ids: list[int],
+        first_token: int,
+        speaker_id: int,
+        prompt_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`[L, talker_hidden]` prefill embeddings of one request."""
+        cfg = self.config
+        ids = torch.tensor(prompt_ids, device=self.device)
+        user = self._user_mask(ids)
+        mm = torch.isin(ids, self.mm_ids.to(ids.device))
+        if bool((user & mm).any()) and prompt_hidden is None:
+            raise ValueError("the prompt has audio/image/video: prompt_hidden is required")
+        user_text = self.project_text(ids[user & ~mm])
+        user_part = torch.empty(
+            int(user.sum()), user_text.shape[-1], device=self.device, dtype=user_text.dtype
+        )
+        sel_mm = mm[user]
+        user_part[~sel_mm] = user_text
+        if bool(sel_mm.any()):
+            hidden = prompt_hidden.to(self.device, user_text.dtype)[user & mm]
+            user_part[sel_mm] = self.talker.hidden_projection(hidden)
+        starts = [
+            i
+            for i in range(len(prompt_ids) - 1)
+            if prompt_ids[i] == cfg.im_start_token_id
+            and prompt_ids[i + 1] == cfg.assistant_token_id
+        ]
+        if not starts:
+            raise ValueError("the prompt has no '<|im_start|>assistant' turn")
+        a = starts[-1]
+        head_ids = torch.tensor(prompt_ids[a : a + 3] + [first_token], device=self.device)
+        if len(head_ids) != 4:
+            raise ValueError("the assistant turn must open with '<|im_start|>assistant\\n'")
+        head = self.project_text(head_ids)
+        text = torch.cat(
+            [head[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], head[3:4]], dim=0
+        )
+        codec_ids = [speaker_id if i is None else i for i in self.codec_head_ids]
+        codec = self.talker.get_input_embeddings()(torch.tensor(codec_ids, device=self.device))
+        codec = torch.cat([torch.zeros(3, codec.shape[-1], device=self.device), codec], dim=0)
+        return torch.cat([user_part, text + codec.to(text.dtype)], dim=0)
+
+    @torch.inference_mode()
+    def trailing(self, generated_ids: list[int]) -> torch.Tensor:
+        """`[n, talker_hidden]`: projected generated tokens 2.. (the entries known so far)."""
+        if len(generated_ids) <= 1:
+            return self.tts_pad.new_zeros(0, self.tts_pad.shape[-1])
+        return self.project_text(torch.tensor(generated_ids[1:], device=self.device))
+
+    def _user_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """Positions whose turn (the token after the latest `<|im_start|>`) is the user's."""
+        cfg = self.config
+        pos = torch.arange(len(ids), device=ids.device)
+        starts = torch.where(ids == cfg.im_start_token_id, pos, torch.full_like(pos, -1))
+        previous = torch.cummax(starts, dim=0).values.clamp_min(0)
+        role = ids[(previous + 1).clamp_max(len(ids) - 1)]
+        return role == cfg.user_token_id
