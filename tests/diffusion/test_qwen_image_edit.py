@@ -14,6 +14,7 @@ weak check: the tiny random VAE maps most latent changes to a fraction of a grey
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -175,3 +176,18 @@ def test_stage_decodes_the_api_servers_png(engine):
     back = _decode_png(to_rgb_png(im))
     assert back.mode == "RGB" and (np.asarray(back) == np.asarray(im)).all()
     assert io.BytesIO(to_rgb_png(im)).getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_true_cfg_scale_knob_matches_diffusers(engine, pipe):
+    """A request's own `true_cfg_scale` (diffusers' name) instead of the older guidance_scale:
+    the same final latents as diffusers given that scale (1e-4), other than the default's."""
+    base = req("knob", "make it red", source(3), seed=11, negative="blurry")
+    r = dataclasses.replace(base, guidance_scale=None, knobs={"true_cfg_scale": 2.5})
+    (out,) = engine.generate([r])
+    assert out.error is None, out.error
+    want = reference(pipe, dataclasses.replace(base, guidance_scale=2.5))
+    got = engine.final_latents[r.request_id]
+    assert float((got - want).abs().max()) <= LATENT_TOLERANCE
+    (default,) = engine.generate([dataclasses.replace(r, request_id="knob0", knobs={})])
+    assert default.error is None
+    assert float((got - engine.final_latents["knob0"]).abs().max()) > 100 * LATENT_TOLERANCE

@@ -101,3 +101,33 @@ def shared_glm_server(tiny_models, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# ---- Shared by test_request_fields_serve.py (issue 37): an edit family and a video family ---
+@pytest.fixture(scope="session")
+def shared_edit_server(tiny_models, tmp_path_factory):
+    """Qwen-Image-Edit, the bundled CPU config."""
+    root = tmp_path_factory.mktemp("shared-edit-server")
+    server = start_shared(
+        tiny_models("qwen-image-edit"), REPO / "stage_configs" / "qwen_image_edit_tiny.yaml", root
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_wan_server(tiny_models, tmp_path_factory):
+    """Wan2.2 (two experts), the bundled CPU config with its job store in a temporary folder."""
+    root = tmp_path_factory.mktemp("shared-wan-server")
+    config = root / "wan_tiny_store.yaml"
+    config.write_text(
+        f"base_config: {REPO / 'stage_configs' / 'wan_tiny.yaml'}\n"
+        f"videos:\n  store_dir: {root / 'store'}\n"
+    )
+    server = start_shared(tiny_models("wan"), config, root)
+    try:
+        yield server
+    finally:
+        server.stop()

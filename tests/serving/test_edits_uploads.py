@@ -73,7 +73,7 @@ def test_form_fields_types_and_names():
             ("n", "2"),
             ("stream", "true"),
             ("guidance_scale", "3.5"),
-            ("quality", "high"),  # OpenAI field we do not use: ignored downstream
+            ("quality", "high"),  # typed here; validation refuses it (request_fields.py)
         ]
     )
     assert len(images) == 2 and mask is None

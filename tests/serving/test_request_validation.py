@@ -62,9 +62,9 @@ def test_valid_request_fills_defaults():
             "guidance_scale": 0,
             "response_format": "url",
             "output_format": "webp",
-            "quality": "high",
-            "style": "vivid",
-        },  # OpenAI fields we ignore
+            "quality": "auto",
+            "background": "opaque",
+        },  # OpenAI's fields, in the values that describe what we do
         LIMITS,
     )
     assert (req.width, req.height, req.n, req.seed, req.num_inference_steps) == (

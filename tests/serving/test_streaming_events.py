@@ -56,7 +56,7 @@ def valid(**kw):
 
 
 def test_partial_and_completed_events_are_openai_types():
-    req = valid(partial_images=2, quality="high", output_format="webp")
+    req = valid(partial_images=2, quality="auto", background="opaque", output_format="webp")
     progress = Progress("r", 0, "diffusion", 3, 6, preview=[b"img0", b"img1"], preview_index=1)
     text = "".join(progress_events(req, progress))
     text += completed_event(req, b"final", {"stage_0": {"generated_tokens": 7}})
@@ -72,8 +72,8 @@ def test_partial_and_completed_events_are_openai_types():
     assert (p.type, p.size, p.quality, p.background, p.output_format) == (
         "image_generation.partial_image",
         "64x32",
-        "high",
         "auto",
+        "opaque",
         "webp",
     )
     done = ImageGenCompletedEvent.model_validate(got[2].json())

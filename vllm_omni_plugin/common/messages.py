@@ -106,6 +106,13 @@ class StageInfo(msgspec.Struct, omit_defaults=True):
     pipeline_class: str | None = None  # a diffusion stage's diffusers pipeline class
     limits: RequestLimits | None = None  # a diffusion stage's bounds: serving validates with them
     video: VideoFacts | None = None  # a video family's frame rules
+    # A diffusion stage's family ("Qwen-Image"), the knobs it applies beyond the common request
+    # fields (diffusion.knobs.Knob.to_dict()), the common fields it does not apply -> why, and
+    # its CFG rule (diffusion.knobs.CfgFacts.to_dict()); serving/request_fields.py reads them.
+    family: str | None = None
+    knobs: list[dict[str, Any]] = []
+    unsupported: dict[str, str] = {}
+    cfg: dict[str, Any] | None = None
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -147,6 +154,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # size: 255 where the image is to be repainted (OpenAI's fully transparent mask pixels),
     # 0 where it is kept. None: no mask. Only for topologies with `accepts_mask`.
     mask: bytes | None = None
+    # The model family's own knobs this request sets (name -> value, checked by the API server
+    # against the knobs the final stage announced; DiffusionAdapter.knobs).
+    knobs: dict[str, float | int | bool | str] = {}
 
 
 class Submit(msgspec.Struct, tag=True):

@@ -210,6 +210,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "max_negative_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "max_queued_requests"): {"pipeline": Code("serving/app_state.py")},
+    ("ServingLimits", "edit_url_hosts"): {"pipeline": Code("serving/app_state.py")},
     # PipelineRuntime (top-level `runtime:`)
     ("PipelineRuntime", "backend"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:]+\]")
+
 
 class Owner(BaseModel):
     """Base of every typed owner: unknown keys are errors, values are immutable."""
@@ -181,3 +183,16 @@ class ServingLimits(Owner):
     max_queued_requests: int = Field(32, ge=0, le=100_000)
     """Image requests admitted but not yet running (beyond the final stage's max_batch_size per
     replica, which run); past it a request gets 429 with Retry-After. Uploads count too."""
+    edit_url_hosts: tuple[str, ...] = ()
+    """Hosts whose http(s) image URLs /v1/images/edits may fetch as a source (none by default)."""
+
+    @field_validator("edit_url_hosts", mode="before")
+    @classmethod
+    def _hostnames(cls, value: Any) -> Any:
+        hosts = [value] if isinstance(value, str) else value
+        for host in hosts or ():
+            if not isinstance(host, str) or not _HOSTNAME.fullmatch(host):
+                raise ValueError(
+                    f"edit_url_hosts: {host!r} is not a host name (no scheme, path or port)"
+                )
+        return tuple(h.lower() for h in hosts or ())

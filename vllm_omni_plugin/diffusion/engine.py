@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..common.knobs import KnobError, check_knobs
 from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter
@@ -200,6 +201,10 @@ class DiffusionEngine:
         seed = req.seed if req.seed is not None else d.get("seed")
         if seed is not None:
             seed = _int_field("seed", seed, 0, lim.max_seed)
+        try:
+            knobs = check_knobs(self.adapter.applied_knobs(), dict(req.knobs))
+        except KnobError as exc:
+            raise RequestValidationError(exc.name, exc.message) from None
         out = dataclasses.replace(
             req,
             negative_prompt=negative,
@@ -207,9 +212,11 @@ class DiffusionEngine:
             num_inference_steps=steps,
             guidance_scale=float(guidance),
             seed=seed,
+            knobs=knobs,
             **filled,
         )
         self.adapter.check_request(out)
+        self.adapter.check_applied(req)
         if self._activation_budget is not None:
             rows = n * (2 if self.adapter.uses_cfg(out) else 1)
             need = rows * self.adapter.row_bytes(out.height, out.width)

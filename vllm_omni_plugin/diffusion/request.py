@@ -33,6 +33,8 @@ class GenerationRequest:
     # inpainting mask (PIL "L", 255 = repaint); only for adapters that declare them.
     input_images: list[Any] = field(default_factory=list)
     mask: Any = None
+    # The family's own knobs set by this request (adapter.knobs: name -> checked value).
+    knobs: dict[str, Any] = field(default_factory=dict)
 
 
 def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:

@@ -93,6 +93,7 @@ def init_image_service(client: OmniEngineClient, state: Any, args: argparse.Name
         pipeline=client.cfg.pipeline,
         request_timeout_s=getattr(serving, "request_timeout_s", None),
         admission=Admission(running_capacity(client.cfg), queued, "serving.max_queued_requests"),
+        edit_url_hosts=tuple(getattr(serving, "edit_url_hosts", ())),
     )
     state.omni_images = service
     register(OmniCollector(orchestrator, service, client.cfg.pipeline))

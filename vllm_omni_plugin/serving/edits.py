@@ -18,10 +18,11 @@ where its alpha is 0 (OpenAI: fully transparent = the area to edit).
 Form fields: `image` (one file) or `image[]` (several, as the openai client sends a list),
 `prompt`, `mask`, `model`, `n`, `size`, `response_format`, `output_format`,
 `output_compression`, `stream`, `partial_images`, `user`, and our extensions `seed`,
-`num_inference_steps`, `guidance_scale`, `negative_prompt`. `size` omitted or "auto": the
-first image's aspect ratio at the stage's default area (`auto_size`). A file under any other
-name is a 400; other text fields are ignored, as on the generations route (OpenAI fields we
-do not use).
+`num_inference_steps`, `guidance_scale`, `negative_prompt`, the family's knobs, and `url` /
+`url[]` (source images by URL: serving/edit_urls.py). `size` omitted or "auto": the first
+image's aspect ratio at the stage's default area (`auto_size`). A file under any other name is
+a 400; so is any text field the route or the model's family does not apply
+(serving/request_fields.py), as on the generations route.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import APIError, invalid
 from .protocol import ImageLimits, ValidRequest
+from .request_fields import EDITS
 from .validation import validate_request
 
 MAX_EDIT_BODY_BYTES = 64 << 20
@@ -45,8 +47,16 @@ MAX_IMAGES = 16  # OpenAI's limit for one edit; a pipeline's topology may allow 
 FORMATS = ("PNG", "JPEG", "WEBP")
 IMAGE_FIELDS = ("image", "image[]")
 FILE_FIELDS = (*IMAGE_FIELDS, "mask")
+URL_FIELDS = ("url", "url[]")
 INT_FIELDS = ("n", "seed", "num_inference_steps", "partial_images", "output_compression")
-FLOAT_FIELDS = ("guidance_scale",)
+# The knobs of every family are numbers (diffusion/knobs.py); a non-numeric one is refused.
+FLOAT_FIELDS = (
+    "guidance_scale",
+    "true_cfg_scale",
+    "guidance_scale_2",
+    "boundary_ratio",
+    "flow_shift",
+)
 BOOL_FIELDS = ("stream", "progress_events")
 
 
@@ -77,6 +87,9 @@ def form_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Any]
             continue
         if name in FILE_FIELDS:
             raise invalid(f"'{name}' must be a file upload, not text", name, "invalid_type")
+        if name in URL_FIELDS:  # source images by URL, in order, under one name
+            data.setdefault("url", []).append(value)
+            continue
         if name in data:
             raise invalid(f"parameter '{name}' is given twice", name, "invalid_value")
         data[name] = _typed(name, value)
@@ -227,7 +240,7 @@ def edit_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
     """The text fields checked exactly as on the generations route (same bounds and errors)."""
     if "prompt" not in data:
         raise invalid("missing required parameter 'prompt'", "prompt", "missing_required_parameter")
-    return validate_request(data, limits)
+    return validate_request(data, limits, EDITS)
 
 
 def auto_size(image_size: tuple[int, int], limits: ImageLimits) -> tuple[int, int]:

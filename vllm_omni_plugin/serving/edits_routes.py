@@ -13,14 +13,16 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from PIL import Image
 
 from ..pipelines import get_pipeline
 from .admission import ReleasingStream
 from .bodies import read_form
+from .edit_urls import fetch_url
 from .edits import (
     MAX_EDIT_BODY_BYTES,
+    MAX_IMAGE_BYTES,
     auto_size,
     check_topology,
     decode_uploads,
@@ -29,9 +31,10 @@ from .edits import (
     with_uploads,
 )
 from .errors import APIError, invalid, unavailable
-from .handlers import ClientDisconnected, ImageService
+from .handlers import ClientDisconnected, ImageService, answer
 from .owners import owner_of
 from .protocol import ValidRequest
+from .routes import EDITS_BODY
 
 router = APIRouter()
 
@@ -55,8 +58,9 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
     form = await read_form(request, MAX_EDIT_BODY_BYTES, max_files=32, max_fields=64)
     try:
         data, image_files, mask_file = form_fields(list(form.multi_items()))
+        urls = data.pop("url", [])
         topology = get_pipeline(service.pipeline)
-        check_topology(topology, image_files, mask_file)
+        check_topology(topology, [*image_files, *urls], mask_file)
         valid = edit_request(data, service.limits)
         model = data.get("model")
         if model is not None and model not in service.served_names:
@@ -67,6 +71,8 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
         mask = None if mask_file is None else await mask_file.read()
     finally:
         await form.close()  # uploads over 1 MB were spooled to temporary files
+    for url in urls:  # after the files, in order
+        blobs.append(await fetch_url(url, "url", service.edit_url_hosts, MAX_IMAGE_BYTES))
     images, mask_png = await asyncio.to_thread(
         decode_uploads, blobs, mask, topology.max_input_aspect_ratio
     )
@@ -88,7 +94,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-@router.post("/v1/images/edits")
+@router.post("/v1/images/edits", openapi_extra=EDITS_BODY)
 async def edit_image(request: Request) -> Response:
     service = ticket = None
     streaming = False
@@ -130,4 +136,4 @@ async def edit_image(request: Request) -> Response:
         if ticket is not None and not streaming:
             ticket.release()
     service.outcomes["200"] += 1
-    return JSONResponse(data, headers=headers)
+    return answer(data, headers)

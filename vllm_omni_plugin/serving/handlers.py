@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import logging
 import time
 import uuid
+import zipfile
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
+
+from fastapi.responses import JSONResponse, Response
 
 from ..common.media import MEDIA_TYPES
 from ..common.messages import GenerationParams, Progress
@@ -19,6 +24,7 @@ from ..pipelines import get_pipeline
 from .admission import Admission, Ticket
 from .errors import APIError, invalid, unavailable
 from .protocol import ImageLimits, ValidRequest
+from .request_fields import FamilyFields
 from .streaming import KEEPALIVE, completed_event, error_event, progress_events
 from .url_store import UrlStore
 from .validation import parse_body, validate_request
@@ -34,12 +40,48 @@ class ClientDisconnected(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class FileAnswer:
+    """response_format "file": the bytes, their media type and a download file name."""
+
+    content: bytes
+    media_type: str
+    filename: str
+
+
+def answer(data: dict | FileAnswer, headers: dict[str, str]) -> Response:
+    """The HTTP response of `ImageService.respond`'s result."""
+    if isinstance(data, FileAnswer):
+        disposition = f'attachment; filename="{data.filename}"'
+        return Response(
+            data.content,
+            media_type=data.media_type,
+            headers={**headers, "content-disposition": disposition},
+        )
+    return JSONResponse(data, headers=headers)
+
+
+FILE_EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
+
+
+def file_answer(images: list[bytes], output_format: str, request_id: str) -> FileAnswer:
+    """One image: its bytes; several: a zip of them (image_0.png, image_1.png, ...)."""
+    ext = FILE_EXTENSIONS[output_format]
+    if len(images) == 1:
+        return FileAnswer(images[0], MEDIA_TYPES[output_format], f"{request_id}.{ext}")
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:  # the images are compressed
+        for i, image in enumerate(images):
+            zf.writestr(f"image_{i}.{ext}", image)
+    return FileAnswer(out.getvalue(), "application/zip", f"{request_id}.zip")
+
+
 def limits_from(orchestrator: Orchestrator, serving: Any) -> ImageLimits:
     """Bounds the final stage announced in its Ready info (what its engine enforces) + `serving:`."""
     limits = orchestrator.final_limits()
     if limits is None:
         raise RuntimeError("the final stage announced no request limits")
-    return ImageLimits.build(limits, serving)
+    return ImageLimits.build(limits, serving, FamilyFields.from_info(orchestrator.final_info()))
 
 
 class ImageService:
@@ -52,10 +94,13 @@ class ImageService:
         pipeline: str = "",
         request_timeout_s: float | None = None,
         admission: Admission | None = None,
+        edit_url_hosts: tuple[str, ...] = (),
     ):
         self.orchestrator = orchestrator
         # Requests held at once (running + `serving.max_queued_requests` waiting); 429 beyond.
         self.admission = admission or Admission(8, 32, "serving.max_queued_requests")
+        # `serving.edit_url_hosts`: hosts whose http(s) URLs an edit's `url` may name.
+        self.edit_url_hosts = edit_url_hosts
         # `serving.request_timeout_s`: past it a request fails with 504 and its work is
         # aborted in every stage (None: no limit).
         self.request_timeout_s = request_timeout_s
@@ -109,11 +154,21 @@ class ImageService:
         disconnected: Any,
         ticket: Ticket,
         owner: str | None = None,
-    ) -> tuple[dict, dict]:
+    ) -> tuple[dict | FileAnswer, dict]:
         """The non-streaming response of a checked, admitted request (the caller releases its
-        ticket). `owner`: who may fetch its `url` files (None: anyone with a key)."""
+        ticket): its JSON body, or the image file(s) themselves for response_format "file".
+        `owner`: who may fetch its `url` files (None: anyone with a key)."""
         request_id = f"img-{uuid.uuid4().hex}"
         result = await self._run(request_id, valid, disconnected, ticket)
+        server_ms = (time.perf_counter() - t0) * 1e3
+        headers = {
+            "x-omni-request-id": request_id,
+            "x-omni-server-ms": f"{server_ms:.3f}",
+            "x-omni-stage-ms": f"{result.stage_s * 1e3:.3f}",
+            "x-omni-stage-timings": stage_timings(result.metrics, server_ms),
+        }
+        if valid.response_format == "file":
+            return file_answer(result.images, valid.output_format, request_id), headers
         out = []
         for image in result.images:
             if valid.response_format == "url":
@@ -126,13 +181,6 @@ class ImageService:
             "data": out,
             "output_format": valid.output_format,
             "size": f"{valid.width}x{valid.height}",
-        }
-        server_ms = (time.perf_counter() - t0) * 1e3
-        headers = {
-            "x-omni-request-id": request_id,
-            "x-omni-server-ms": f"{server_ms:.3f}",
-            "x-omni-stage-ms": f"{result.stage_s * 1e3:.3f}",
-            "x-omni-stage-timings": stage_timings(result.metrics, server_ms),
         }
         return response, headers
 
@@ -210,6 +258,7 @@ class ImageService:
             partial_images=valid.partial_images if valid.stream else 0,
             input_images=list(valid.input_images),
             mask=valid.mask,
+            knobs=dict(valid.knobs),
         )
 
     @staticmethod
@@ -225,6 +274,8 @@ class ImageService:
 
     async def _run(self, request_id: str, valid: ValidRequest, disconnected: Any, ticket: Ticket):
         params = self._params(valid)
+        if valid.user is not None:
+            logger.info("request %s is for user %r", request_id, valid.user)
         work = asyncio.ensure_future(self._started(ticket, request_id, params))
         watch = asyncio.ensure_future(disconnected())
         try:

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from vllm_omni_plugin.common.limits import RequestLimits
 
-ResponseFormat = Literal["b64_json", "url"]
+# "file": the image bytes themselves (n > 1: a zip of them), as vLLM-Omni's servers answer.
+ResponseFormat = Literal["b64_json", "url", "file"]
 OutputFormat = Literal["png", "jpeg", "webp"]
 
 
 class ImageGenerationRequest(BaseModel):
-    """OpenAI's fields plus diffusion knobs. Strict types: "3" is not an int, 1.5 is not a seed.
+    """OpenAI's fields plus the diffusion fields every family takes. Strict types: "3" is not an
+    int, 1.5 is not a seed. Any other field is refused (serving/request_fields.py decides
+    before this model sees the body: a family's own knobs are checked there)."""
 
-    Unknown OpenAI fields (quality, style, background, ...) are accepted and ignored so the
-    official client keeps working; they never reach a stage.
-    """
-
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     prompt: StrictStr
     model: StrictStr | None = None
@@ -29,7 +28,13 @@ class ImageGenerationRequest(BaseModel):
     response_format: ResponseFormat = "b64_json"
     output_format: OutputFormat = "png"
     output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
+    # Your end user's id (OpenAI's field): logged with the request id.
     user: StrictStr | None = None
+    # OpenAI's choices for its own models, taken where they describe what we do: "auto" (the
+    # server's choice: echoed in stream events), and opaque backgrounds (ours always are).
+    quality: Literal["auto"] | None = None
+    background: Literal["auto", "opaque"] | None = None
+    moderation: Literal["auto"] | None = None
     # Streaming (SSE): OpenAI's image_generation.partial_image / .completed events.
     stream: StrictBool | None = None
     partial_images: StrictInt | None = None
@@ -53,9 +58,11 @@ class ImageLimits:
     max_n: int
     max_prompt_chars: int
     max_negative_prompt_chars: int
+    # The served family's knobs and unapplied fields (request_fields.FamilyFields; None: none).
+    family: Any = None
 
     @classmethod
-    def build(cls, stage: RequestLimits, serving: Any) -> ImageLimits:
+    def build(cls, stage: RequestLimits, serving: Any, family: Any = None) -> ImageLimits:
         """`serving` is the config's ServingLimits (None: its defaults)."""
         if serving is None:
             from vllm_omni_plugin.config.owners_common import ServingLimits
@@ -67,6 +74,7 @@ class ImageLimits:
             max_n=min(serving.max_n, stage.max_batch_size),
             max_prompt_chars=serving.max_prompt_chars,
             max_negative_prompt_chars=serving.max_negative_prompt_chars,
+            family=family,
         )
 
 
@@ -96,3 +104,8 @@ class ValidRequest:
     input_images: tuple[bytes, ...] = ()
     mask: bytes | None = None
     event_prefix: str = "image_generation"
+    # The family's knobs this request sets (GenerationParams.knobs) and route-wide extension
+    # fields (request_fields.EXTENSIONS), each checked.
+    knobs: dict[str, Any] = field(default_factory=dict)
+    extensions: dict[str, Any] = field(default_factory=dict)
+    user: str | None = None

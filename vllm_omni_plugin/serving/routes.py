@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from .admission import ReleasingStream
 from .bodies import read_body, refuse_body
 from .errors import APIError
-from .handlers import ClientDisconnected, ImageService
+from .handlers import ClientDisconnected, ImageService, answer
 from .owners import owner_of
-from .protocol import ImageGenerationRequest
+from .request_fields import EDITS, GENERATIONS, body_schema
 from .validation import MAX_BODY_BYTES
 
 router = APIRouter()
@@ -47,14 +47,16 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 # The body is read by hand (size limit first, then strict validation), so FastAPI cannot infer
-# it: publish the request model's schema, so /openapi.json describes the route (and the fuzz
-# test generates requests from it).
-_GENERATIONS_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}},
+# it: publish the field table's schema (request_fields.py), so /openapi.json describes the route
+# (and the fuzz test generates requests from it).
+def openapi_body(route: str, content_type: str = "application/json") -> dict:
+    return {
+        "requestBody": {"required": True, "content": {content_type: {"schema": body_schema(route)}}}
     }
-}
+
+
+_GENERATIONS_BODY = openapi_body(GENERATIONS)
+EDITS_BODY = openapi_body(EDITS, "multipart/form-data")
 
 
 @router.post("/v1/images/generations", openapi_extra=_GENERATIONS_BODY)
@@ -99,7 +101,7 @@ async def create_image(request: Request) -> Response:
         if ticket is not None and not streaming:
             ticket.release()
     service.outcomes["200"] += 1
-    return JSONResponse(data, headers=headers)
+    return answer(data, headers)
 
 
 @router.get("/v1/images/files/{token}")

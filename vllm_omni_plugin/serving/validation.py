@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from ..common.limits import MAX_PARTIAL_IMAGES
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
+from .request_fields import EDIT_ONLY, GENERATIONS, FamilyFields, split_fields
 
 MAX_BODY_BYTES = 1 << 20  # far above any legal request (prompts are bounded in characters)
 # No request field nests more than a couple of levels; deeper bodies are refused (400) instead
@@ -100,11 +101,39 @@ def parse_size(size: str | None, limits: ImageLimits) -> tuple[int, int]:
     return width, height
 
 
-def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
+def output_format(value: Any) -> Any:
+    """`output_format` as clients spell it: any case, "jpg" for "jpeg"."""
+    if isinstance(value, str):
+        value = value.lower()
+        return "jpeg" if value == "jpg" else value
+    return value
+
+
+def validate_request(
+    data: dict[str, Any], limits: ImageLimits, route: str = GENERATIONS
+) -> ValidRequest:
+    """Every field of an image request applied or refused (request_fields.py), then checked
+    against the stage's limits; `route` is "generations" or "edits" (whose uploads and URLs
+    the caller has taken out of `data`)."""
+    if "output_format" in data:
+        data = {**data, "output_format": output_format(data["output_format"])}
+    family = limits.family or FamilyFields()
+    common, knobs, extensions = split_fields(route, data, family)
     try:
-        req = ImageGenerationRequest.model_validate(data)
+        req = ImageGenerationRequest.model_validate(
+            {k: v for k, v in common.items() if k not in EDIT_ONLY}
+        )
     except ValidationError as exc:
         raise _pydantic_error(exc) from None
+    family.check_used(
+        {"guidance_scale": req.guidance_scale, "negative_prompt": req.negative_prompt, **knobs}
+    )
+    if req.response_format == "file" and req.stream:
+        raise invalid(
+            "response_format 'file' answers with the image bytes; a stream sends events: "
+            "use one of the two",
+            "response_format",
+        )
 
     if not req.prompt.strip():
         raise invalid("prompt must not be empty", "prompt")
@@ -153,8 +182,11 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
         stream=bool(req.stream),
         partial_images=partial or 0,
         progress_events=bool(req.progress_events),
-        quality=_echo(data.get("quality")),
-        background=_echo(data.get("background")),
+        quality=_echo(req.quality),
+        background=_echo(req.background),
+        knobs=knobs,
+        extensions=extensions,
+        user=req.user,
     )
 
 

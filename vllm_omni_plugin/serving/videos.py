@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 import uuid
 from typing import Any
@@ -26,31 +25,19 @@ from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
 from .errors import APIError, invalid
 from .owners import visible
-from .validation import json_object
+from .request_fields import FamilyFields
 from .videos_queue import JobQueue
+from .videos_request import VideoBounds, check_video_request
 from .videos_store import VideoStore
 
 logger = logging.getLogger("vllm_omni_plugin.serving.videos")
 
-_SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 _ID_RE = re.compile(r"^video_[0-9a-f]{32}$")
-MAX_SECONDS = 60
 MAX_LIST_LIMIT = 100
-_INT_FIELDS = ("seconds", "seed", "num_inference_steps", "fps", "num_frames")
-_ALLOWED = {
-    "prompt",
-    "model",
-    "seconds",
-    "size",
-    "input_reference",
-    "seed",
-    "num_inference_steps",
-    "guidance_scale",
-    "negative_prompt",
-    "fps",
-    "num_frames",
-    "user",
-}
+
+
+class ClientGone(Exception):
+    """A /v1/videos/sync client went away; its job was cancelled."""
 
 
 class VideoService:
@@ -83,6 +70,9 @@ class VideoService:
         self._workers: list[asyncio.Task] = []
         self._running: dict[str, asyncio.Task] = {}
         self._seen_facts: tuple[Any, dict[str, int]] | None = None
+        self._seen_info: Any = None  # the final stage's StageInfo, once announced
+        # Jobs a /v1/videos/sync request waits on -> set when the job ends (however).
+        self._ended: dict[str, asyncio.Event] = {}
 
     # ---- requests ----------------------------------------------------------------------
     def _facts(self) -> tuple[Any, dict[str, int]]:
@@ -95,6 +85,7 @@ class VideoService:
                     "default_num_frames": info.video.default_num_frames,
                 },
             )
+            self._seen_info = info
         # A restarting stage has no info yet; its bounds are the ones it announced before.
         if self._seen_facts is not None:
             return self._seen_facts
@@ -114,103 +105,76 @@ class VideoService:
     def check(self, data: dict[str, Any]) -> dict[str, Any]:
         """The job's request, every field checked and filled; APIError (4xx) otherwise."""
         limits, facts = self._facts()
-        unknown = sorted(set(data) - _ALLOWED)
-        if unknown:
-            raise invalid(f"unknown parameter '{unknown[0]}'", unknown[0], "unknown_parameter")
-        if data.get("input_reference") not in (None, ""):
-            raise invalid(
-                "input_reference (image-to-video) is not supported yet", "input_reference"
-            )
-        prompt = data.get("prompt")
-        if not isinstance(prompt, str):
-            raise invalid(
-                "missing required parameter 'prompt'", "prompt", "missing_required_parameter"
-            )
-        if not prompt.strip():
-            raise invalid("prompt must not be empty", "prompt")
-        if len(prompt) > self.serving.max_prompt_chars:
-            raise invalid(
-                f"prompt has {len(prompt)} characters; the limit is "
-                f"{self.serving.max_prompt_chars}",
-                "prompt",
-                "string_above_max_length",
-            )
-        negative = data.get("negative_prompt")
-        if negative is not None and (
-            not isinstance(negative, str) or len(negative) > self.serving.max_negative_prompt_chars
-        ):
-            raise invalid(
-                "negative_prompt must be a string within the length limit", "negative_prompt"
-            )
-        model = data.get("model")
-        if model is not None and model not in self.served_names:
-            raise APIError(
-                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-            )
-        ints = {k: _int(k, data.get(k)) for k in _INT_FIELDS}
-        width, height = _size(data.get("size"), limits)
-        fps = ints["fps"] if ints["fps"] is not None else self.default_fps
-        if not 1 <= fps <= 120:
-            raise invalid(f"fps must be between 1 and 120, got {fps}", "fps")
-        step = int(facts["frame_step"])
-        frames = ints["num_frames"]
-        seconds = ints["seconds"]
-        if seconds is not None and not 1 <= seconds <= MAX_SECONDS:
-            raise invalid(f"seconds must be between 1 and {MAX_SECONDS}, got {seconds}", "seconds")
-        if frames is None:
-            # OpenAI's `seconds` (default 4): seconds x fps frames after the first, rounded
-            # down to what the VAE's temporal compression allows.
-            frames = (seconds or 4) * fps // step * step + 1
-            if frames > self.max_num_frames:
-                raise invalid(
-                    f"{seconds or 4} s at {fps} fps is {frames} frames; the limit is "
-                    f"{self.max_num_frames} (videos.max_num_frames)",
-                    "seconds",
-                )
-        elif not 1 <= frames <= self.max_num_frames:
-            raise invalid(
-                f"num_frames must be between 1 and {self.max_num_frames}, got {frames}",
-                "num_frames",
-            )
-        elif (frames - 1) % step:
-            raise invalid(
-                f"num_frames must be 1 + a multiple of {step}, got {frames}", "num_frames"
-            )
-        steps = ints["num_inference_steps"]
-        if steps is not None and not 1 <= steps <= limits.max_steps:
-            raise invalid(
-                f"num_inference_steps must be between 1 and {limits.max_steps}, got {steps}",
-                "num_inference_steps",
-            )
-        guidance = _float("guidance_scale", data.get("guidance_scale"))
-        if guidance is not None and not 0 <= guidance <= 100:
-            raise invalid("guidance_scale must be a finite number in [0, 100]", "guidance_scale")
-        seed = ints["seed"]
-        if seed is not None and not 0 <= seed <= limits.max_seed:
-            raise invalid(f"seed must be an integer in [0, {limits.max_seed}]", "seed")
-        return {
-            "prompt": prompt,
-            "negative_prompt": negative,
-            "model": model or self.served_names[0],
-            "width": width,
-            "height": height,
-            "num_frames": frames,
-            "fps": fps,
-            "seconds": str(seconds) if seconds is not None else _seconds(frames, fps),
-            "num_inference_steps": steps,
-            "guidance_scale": guidance,
-            "seed": seed,
-        }
+        bounds = VideoBounds(
+            limits,
+            facts,
+            FamilyFields.from_info(self._seen_info),
+            self.serving,
+            self.served_names,
+            self.default_fps,
+            self.max_num_frames,
+        )
+        return check_video_request(data, bounds)
 
     def create(self, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         # (The route also asks before reading the body; other jobs may have come meanwhile.)
         self.queue.admit()
-        request = self.check(data)
+        return video_object(self._enqueue(self.check(data), owner))
+
+    def _enqueue(self, request: dict[str, Any], owner: str | None) -> dict[str, Any]:
         job_id = f"video_{uuid.uuid4().hex}"
         job = self.store.create(job_id, request, owner)
+        if request.get("user") is not None:
+            logger.info("video job %s is for user %r", job_id, request["user"])
         self._ensure_workers()
         self.queue.put(job_id)
-        return video_object(job)
+        return job
+
+    async def create_sync(
+        self, data: dict[str, Any], disconnected: Any, owner: str | None = None
+    ) -> tuple[Any, str]:
+        """POST /v1/videos/sync: a job like any other (same queue, same running bound, listed
+        under /v1/videos), waited for: (its MP4 path, its id). Past `serving.request_timeout_s`
+        or when the client goes away, the job is cancelled (504 / ClientGone)."""
+        self.queue.admit()
+        request = self.check(data)
+        ended = asyncio.Event()
+        job = self._enqueue(request, owner)
+        job_id = job["id"]
+        self._ended[job_id] = ended
+        watch = asyncio.ensure_future(disconnected())
+        done_wait = asyncio.ensure_future(ended.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {done_wait, watch},
+                timeout=self.serving.request_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            watch.cancel()
+            done_wait.cancel()
+            self._ended.pop(job_id, None)
+        if done_wait not in done:
+            self.delete(job_id)  # cancels it in the stage that holds it
+            if watch in done:
+                raise ClientGone(job_id)
+            raise APIError(
+                504,
+                f"the video did not finish within the server's limit of "
+                f"{self.serving.request_timeout_s:g} s (serving.request_timeout_s); "
+                "it was cancelled",
+                code="request_timeout",
+                type="timeout_error",
+            )
+        job = self._job(job_id)
+        if job["status"] != "completed":
+            error = job["error"] or {}
+            code = error.get("code", "server_error")
+            status = (
+                400 if code == "invalid_request" else 503 if code == "stage_unavailable" else 500
+            )
+            raise APIError(status, error.get("message", "the video failed"), code=code)
+        return self.content_path(job_id, None), job_id
 
     def get(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
         return video_object(self._job(job_id, owner))
@@ -318,6 +282,7 @@ class VideoService:
             stream=True,  # the stages send Progress messages: the job's `progress`
             num_frames=req["num_frames"],
             fps=req["fps"],
+            knobs=dict(req.get("knobs") or {}),
         )
         self.store.set_progress(job_id, 0)
         self.queue.notify()
@@ -343,6 +308,10 @@ class VideoService:
         except Exception as exc:
             logger.exception("video job %s failed", job_id)
             self.store.fail(job_id, "server_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            ended = self._ended.get(job_id)
+            if ended is not None:
+                ended.set()
 
     async def aclose(self) -> None:
         for task in [*self._running.values(), *self._workers]:
@@ -369,70 +338,9 @@ def video_object(job: dict[str, Any]) -> dict[str, Any]:
         "num_frames": req["num_frames"],
         "fps": req["fps"],
         "seed": req["seed"],
+        # The family's knobs the job set (guidance_scale_2, boundary_ratio, flow_shift, ...).
+        **req.get("knobs", {}),
     }
-
-
-def parse_create_body(body: bytes, content_type: str, form: dict[str, Any] | None) -> dict:
-    """JSON, or the multipart form the official client sends (its values arrive as strings)."""
-    if form is not None:
-        for key, value in form.items():
-            if hasattr(value, "read"):  # an uploaded file: only input_reference would be one
-                raise invalid(
-                    f"file uploads ({key}) are not supported yet: image-to-video is not served",
-                    key,
-                    "unsupported_parameter",
-                )
-        return dict(form)
-    return json_object(body)
-
-
-def _int(name: str, value: Any) -> int | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,20}", value.strip()):
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"invalid type for '{name}': expected an integer", name, "invalid_type")
-    return value
-
-
-def _float(name: str, value: Any) -> float | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise invalid(
-                f"invalid type for '{name}': expected a number", name, "invalid_type"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"invalid type for '{name}': expected a number", name, "invalid_type")
-    return float(value)
-
-
-def _size(size: Any, limits: Any) -> tuple[int, int]:
-    if size is None or size == "":
-        return limits.default_width, limits.default_height
-    match = _SIZE_RE.match(size) if isinstance(size, str) else None
-    if match is None:
-        raise invalid(f"size must look like 'WIDTHxHEIGHT' (e.g. '832x480'), got {size!r}", "size")
-    width, height = int(match.group(1)), int(match.group(2))
-    g = limits.granularity
-    for name, value, low, top in (
-        ("width", width, limits.min_width, limits.max_width),
-        ("height", height, limits.min_height, limits.max_height),
-    ):
-        if not low <= value <= top or value % g:
-            raise invalid(
-                f"unsupported size {size}: {name} must be a multiple of {g} in [{low}, {top}]",
-                "size",
-            )
-    return width, height
-
-
-def _seconds(frames: int, fps: int) -> str:
-    return f"{(frames - 1) / fps:g}"
 
 
 def init_video_service(client: Any, state: Any, args: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -18,8 +19,10 @@ from .admission import ReleasingStream
 from .bodies import read_body, read_form, refuse_body
 from .errors import APIError, invalid
 from .owners import owner_of
+from .request_fields import VIDEOS, body_schema
 from .validation import MAX_BODY_BYTES
-from .videos import VideoService, parse_create_body
+from .videos import ClientGone, VideoService
+from .videos_request import parse_create_body
 
 router = APIRouter()
 
@@ -40,25 +43,77 @@ def _error(exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-@router.post("/v1/videos")
+async def _request_data(request: Request, service: VideoService) -> dict:
+    """The create body as a dict (JSON or a form), counted as it arrives (413 past the limit).
+    A full job queue answers 429 before the body is read."""
+    service.queue.admit()
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data") or content_type.startswith(
+        "application/x-www-form-urlencoded"
+    ):
+        form = await read_form(request, MAX_BODY_BYTES, max_files=4, max_fields=64)
+        try:
+            return parse_create_body(b"", content_type, dict(form))
+        finally:
+            await form.close()
+    return parse_create_body(await read_body(request, MAX_BODY_BYTES), content_type, None)
+
+
+# The body is read by hand (JSON or a form), so FastAPI cannot infer it: publish the field
+# table's schema (request_fields.py).
+VIDEOS_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            ct: {"schema": body_schema(VIDEOS)}
+            for ct in ("application/json", "multipart/form-data")
+        },
+    }
+}
+
+
+@router.post("/v1/videos", openapi_extra=VIDEOS_BODY)
 async def create_video(request: Request) -> Response:
     try:
         service = _service(request)
-        service.queue.admit()  # a full queue answers 429 before the body is read
-        content_type = request.headers.get("content-type", "")
-        if content_type.startswith("multipart/form-data") or content_type.startswith(
-            "application/x-www-form-urlencoded"
-        ):
-            form = await read_form(request, MAX_BODY_BYTES, max_files=4, max_fields=64)
-            try:
-                data = parse_create_body(b"", content_type, dict(form))
-            finally:
-                await form.close()
-        else:
-            data = parse_create_body(await read_body(request, MAX_BODY_BYTES), content_type, None)
-        return JSONResponse(service.create(data, owner_of(request)))
+        return JSONResponse(
+            service.create(await _request_data(request, service), owner_of(request))
+        )
     except APIError as exc:
         return _error(exc)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:  # the body is read: the only message left is the disconnect
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+
+
+@router.post("/v1/videos/sync", openapi_extra=VIDEOS_BODY)
+async def create_video_sync(request: Request) -> Response:
+    """The same request as POST /v1/videos, answered with the MP4 itself once it is done (as
+    vLLM-Omni's route): a job in the same queue, under the same bounds, with `x-request-id`
+    (its id: GET /v1/videos/{id} shows it) and `x-inference-time-s` headers."""
+    t0 = time.perf_counter()
+    try:
+        service = _service(request)
+        data = await _request_data(request, service)
+        path, job_id = await service.create_sync(
+            data, lambda: _wait_disconnect(request), owner_of(request)
+        )
+    except APIError as exc:
+        return _error(exc)
+    except ClientGone:
+        return Response(status_code=499)
+    return FileResponse(
+        path,
+        media_type="video/mp4",
+        filename=f"{job_id}.mp4",
+        headers={
+            "x-request-id": job_id,
+            "x-inference-time-s": f"{time.perf_counter() - t0:.3f}",
+        },
+    )
 
 
 @router.get("/v1/videos")

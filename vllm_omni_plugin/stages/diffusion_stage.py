@@ -64,6 +64,12 @@ class DiffusionStageRunner(SteppedStageLoop):
             pipeline_class=type(self.engine.adapter).pipeline_class,
             limits=self.engine.limits,
             effective=self.describe(),
+            # The request fields this model applies beyond the common ones, the common ones it
+            # does not, and its CFG rule (the API server refuses by them before they travel).
+            family=_family(self.engine.adapter),
+            knobs=[k.to_dict() for k in self.engine.adapter.applied_knobs()],
+            unsupported=dict(self.engine.adapter.unsupported),
+            cfg=_cfg(self.engine.adapter),
             # Video families: what /v1/videos checks requests against (frames = 1 + k * step).
             video=VideoFacts(**self.engine.adapter.video_facts())
             if _is_video(self.engine)
@@ -179,6 +185,7 @@ class DiffusionStageRunner(SteppedStageLoop):
                 # Edits: the API server's checked lossless PNGs (GenerationParams' contract).
                 input_images=[_decode_png(b) for b in p.input_images],
                 mask=None if p.mask is None else _decode_png(p.mask),
+                knobs=dict(p.knobs),
             )
             self.engine.add_request(req)
         except RequestValidationError as exc:
@@ -215,6 +222,15 @@ class DiffusionStageRunner(SteppedStageLoop):
 def _is_video(engine: Any) -> bool:
     """A video family's adapter says what its frames must look like (adapters/wan.py)."""
     return hasattr(engine.adapter, "video_facts")
+
+
+def _cfg(adapter: Any) -> dict[str, Any] | None:
+    facts = adapter.cfg_facts()
+    return None if facts is None else facts.to_dict()
+
+
+def _family(adapter: Any) -> str:
+    return type(adapter).family or type(adapter).pipeline_class
 
 
 def _decode_png(data: bytes) -> Any:

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from ...common.knobs import CfgFacts, Knob, unused_field
+from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
 
 
@@ -36,6 +38,14 @@ class DiffusionAdapter(ABC):
     """Base class; subclasses set `pipeline_class` and implement the phases."""
 
     pipeline_class: ClassVar[str] = ""
+    # The family's name in messages to users ("Qwen-Image"); the pipeline class when empty.
+    family: ClassVar[str] = ""
+    # Request fields this family applies beyond the routes' common ones, under diffusers' names
+    # (checked in the API server from the stage's Ready info, and again by the engine).
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+    # Common request fields this family does not apply -> why (a request that sets one is
+    # refused, never answered as if it had been applied).
+    unsupported: ClassVar[dict[str, str]] = {}
     # False: the adapter runs each request whole (`generate`), no step batching.
     step_batched: ClassVar[bool] = True
     # model_index.json components this stage never needs (not read from disk).
@@ -66,6 +76,40 @@ class DiffusionAdapter(ABC):
     def check_request(self, req: GenerationRequest) -> None:
         """Family-specific validation (raise RequestValidationError)."""
         return None
+
+    def applied_knobs(self) -> tuple[Knob, ...]:
+        """The knobs the loaded model applies (a family may drop some for a variant)."""
+        return self.knobs
+
+    def cfg_facts(self) -> CfgFacts | None:
+        """How this family decides on CFG (None: no rule, e.g. a whole-pipeline adapter).
+        Default: CFG when guidance_scale > 1, with or without a negative prompt."""
+        return CfgFacts(
+            scale_field="guidance_scale",
+            default_scale=float(self.defaults.get("guidance_scale", self.spec.default_guidance)),
+            needs_negative=False,
+            default_negative=self.defaults.get("negative_prompt") is not None,
+            guidance_alias=False,
+            guidance_used=True,
+        )
+
+    def check_applied(self, given: GenerationRequest) -> None:
+        """Refuse a field the request set (`given`, before defaults) that the model would not
+        use: a field of `unsupported`, or one the family's CFG rule leaves unread."""
+        for name, why in self.unsupported.items():
+            if getattr(given, name, None) is not None:
+                raise RequestValidationError(name, why)
+        facts = self.cfg_facts()
+        if facts is None:
+            return
+        fields = {
+            "guidance_scale": given.guidance_scale,
+            "negative_prompt": given.negative_prompt,
+            **given.knobs,
+        }
+        unused = unused_field(facts, fields)
+        if unused is not None:
+            raise RequestValidationError(*unused)
 
     def weight_bytes(self) -> int:
         total = 0

@@ -3,10 +3,13 @@
 Math follows diffusers 0.42 `pipeline_flux.py`: CLIP pooled + T5 (padded to 512) prompt
 embeddings, packed 2x2 latents drawn with the request's own generator, linear sigmas with the
 image-length dependent `mu` shift, embedded guidance (FLUX.1-dev) and optional true CFG
-(`true_cfg_scale` from the stage defaults plus a negative prompt), unpack + VAE decode.
+(`true_cfg_scale`, the request's or the stage default's, plus a negative prompt), unpack + VAE
+decode.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -14,6 +17,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from ...common.knobs import FAMILY_KNOBS, CfgFacts
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
@@ -22,6 +26,8 @@ MAX_SEQUENCE_LENGTH = 512
 
 class FluxAdapter(DiffusionAdapter):
     pipeline_class = "FluxPipeline"
+    family = "FLUX"
+    knobs = FAMILY_KNOBS["FLUX"]
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -36,9 +42,24 @@ class FluxAdapter(DiffusionAdapter):
         size = self.pipe.default_sample_size * self.vae_scale_factor
         return FamilySpec(g, size, size, 28, 3.5, g, 2048)
 
+    def cfg_scale(self, req: GenerationRequest) -> float:
+        """diffusers' true_cfg_scale: the request's, else the stage default's (1.0)."""
+        return float(req.knobs.get("true_cfg_scale", self.true_cfg_scale))
+
     def uses_cfg(self, req: GenerationRequest) -> bool:
         # diffusers: true CFG iff true_cfg_scale > 1 and a negative prompt is given.
-        return self.true_cfg_scale > 1 and req.negative_prompt is not None
+        return self.cfg_scale(req) > 1 and req.negative_prompt is not None
+
+    def cfg_facts(self) -> CfgFacts:
+        """True CFG with true_cfg_scale (default: the stage's, else diffusers' 1.0: off);
+        guidance_scale is the embedded guidance, read only by guidance-distilled checkpoints."""
+        return dataclasses.replace(
+            super().cfg_facts(),
+            scale_field="true_cfg_scale",
+            default_scale=self.true_cfg_scale,
+            needs_negative=True,
+            guidance_used=bool(self.pipe.transformer.config.guidance_embeds),
+        )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         cfg = self.pipe.transformer.config
@@ -149,7 +170,7 @@ class FluxAdapter(DiffusionAdapter):
             c = cond[i : i + s.n]
             if s.do_cfg:
                 u = uncond[j : j + s.n]
-                c = u + self.true_cfg_scale * (c - u)
+                c = u + self.cfg_scale(s.req) * (c - u)
                 j += s.n
             out.append(c)
             i += s.n

@@ -39,6 +39,10 @@ class GenericAdapter(DiffusionAdapter):
         guidance = 5.0 if not isinstance(guidance, (int, float)) else float(guidance)
         return FamilySpec(g, size, size, int(steps), guidance, g, 2048)
 
+    def cfg_facts(self) -> None:
+        """An unknown pipeline's CFG rule is not known here: no field is refused for it."""
+        return None
+
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         tr = getattr(self.pipe, "transformer", None) or getattr(self.pipe, "unet", None)
         cfg = getattr(tr, "config", None)

@@ -50,6 +50,11 @@ MAX_SEQUENCE_LENGTH = 2048
 
 class GlmImageAdapter(DiffusionAdapter):
     pipeline_class = "GlmImagePipeline"
+    family = "GLM-Image"
+    unsupported = {  # noqa: RUF012 - read only
+        "negative_prompt": "GLM-Image takes no negative prompt: its unconditional pass reads "
+        "an empty prompt (as diffusers' GlmImagePipeline)",
+    }
     # The AR model and its processor run in the AR stage; the DiT stage never loads them.
     skip_components = ("vision_language_encoder", "processor")
     max_input_images = 1

@@ -2,9 +2,10 @@
 
 Math follows diffusers 0.42 `pipeline_qwenimage.py`: Qwen2.5-VL hidden states of the templated
 prompt (template tokens dropped, each prompt keeps its own length), packed latents drawn with the
-request's generator, `mu`-shifted linear sigmas, true CFG (`guidance_scale` is diffusers'
-`true_cfg_scale`, on when > 1 and a negative prompt is given) with the norm rescale, and the
-latents_mean/std un-normalisation before the (video-shaped) VAE decode.
+request's generator, `mu`-shifted linear sigmas, true CFG with the norm rescale (diffusers'
+rule: on when `true_cfg_scale` > 1 and a negative prompt is given; a request without
+`true_cfg_scale` uses its `guidance_scale` as that scale, this server's older name for it), and
+the latents_mean/std un-normalisation before the (video-shaped) VAE decode.
 
 Prompts of different lengths share a forward: rows are right-padded and the transformer gets an
 `encoder_hidden_states_mask`, so padding is never attended to and each token keeps its RoPE
@@ -13,12 +14,15 @@ position (text positions do not depend on the padded length).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from ...common.knobs import FAMILY_KNOBS, CfgFacts
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
@@ -27,6 +31,8 @@ MAX_SEQUENCE_LENGTH = 512
 
 class QwenImageAdapter(DiffusionAdapter):
     pipeline_class = "QwenImagePipeline"
+    family = "Qwen-Image"
+    knobs = FAMILY_KNOBS["Qwen-Image"]
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -41,8 +47,23 @@ class QwenImageAdapter(DiffusionAdapter):
         cfg = float(self.defaults.get("true_cfg_scale", 4.0))
         return FamilySpec(g, size, size, 50, cfg, g, 2048)
 
+    def cfg_scale(self, req: GenerationRequest) -> float:
+        """diffusers' true_cfg_scale: the request's, else its guidance_scale (filled)."""
+        return float(req.knobs.get("true_cfg_scale", req.guidance_scale or 0))
+
     def uses_cfg(self, req: GenerationRequest) -> bool:
-        return (req.guidance_scale or 0) > 1 and req.negative_prompt is not None
+        return self.cfg_scale(req) > 1 and req.negative_prompt is not None
+
+    def cfg_facts(self) -> CfgFacts:
+        """True CFG (diffusers' rule); guidance_scale is the same scale under our older name
+        unless the model is guidance-distilled (then it is the embedded guidance)."""
+        distilled = bool(self.pipe.transformer.config.guidance_embeds)
+        return dataclasses.replace(
+            super().cfg_facts(),
+            scale_field="true_cfg_scale",
+            needs_negative=True,
+            guidance_alias=not distilled,
+        )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         cfg = self.pipe.transformer.config
@@ -151,14 +172,13 @@ class QwenImageAdapter(DiffusionAdapter):
         req0, g = states[0].req, self.vae_scale_factor * 2
         return [(1, req0.height // g, req0.width // g)]
 
-    @staticmethod
-    def _apply_cfg(states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+    def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         out, i, j = [], 0, 0
         for s in states:
             c = cond[i : i + s.n]
             if s.do_cfg:
                 u = uncond[j : j + s.n]
-                comb = u + s.req.guidance_scale * (c - u)
+                comb = u + self.cfg_scale(s.req) * (c - u)
                 cond_norm = torch.norm(c, dim=-1, keepdim=True)
                 noise_norm = torch.norm(comb, dim=-1, keepdim=True)
                 c = comb * (cond_norm / noise_norm)

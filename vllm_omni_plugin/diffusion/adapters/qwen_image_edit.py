@@ -24,6 +24,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
+from ...common.knobs import FAMILY_KNOBS
 from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
 from .qwen_image import QwenImageAdapter
@@ -53,6 +54,8 @@ def load_processor(folder: Path) -> Qwen2VLProcessor:
 
 class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = "QwenImageEditPipeline"
+    family = "Qwen-Image-Edit"
+    knobs = FAMILY_KNOBS["Qwen-Image-Edit"]
     # Loaded by `load_processor` instead (diffusers' loader needs torchvision for it).
     skip_components = ("processor",)
     max_input_images: ClassVar[int] = 1

@@ -5,7 +5,11 @@ tokens (the transformer attends to the padding, as in diffusers, so rows of diff
 stack without a mask), float32 latents drawn with the request's generator, the checkpoint's
 scheduler (Wan2.2: multistep UniPC), CFG when guidance_scale > 1 with "" as the default
 negative prompt, and Wan2.2's two experts: `transformer` above `boundary_ratio * 1000`,
-`transformer_2` below.
+`transformer_2` below, the latter guided by `guidance_scale_2` (default: `guidance_scale`).
+Per request, as vLLM-Omni's clients send them: `guidance_scale_2`, `boundary_ratio` (diffusers
+reads it from the pipeline config; a request's replaces it for that request) and `flow_shift`
+(the scheduler's; a request's builds that request's scheduler with it, as
+`UniPCMultistepScheduler.from_config(config, flow_shift=...)` would).
 
 Step batching: the multistep scheduler keeps a history per sample, so every request owns a
 copy of the checkpoint's scheduler; one transformer forward serves every request of a group
@@ -17,12 +21,14 @@ a forward. A video is one request with n = 1; its decode yields its frames.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Hashable
 from functools import lru_cache
 
 import torch
 from PIL import Image
 
+from ...common.knobs import FAMILY_KNOBS, CfgFacts, Knob
 from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec
@@ -34,6 +40,8 @@ DEFAULT_NUM_FRAMES = 81
 
 class WanAdapter(DiffusionAdapter):
     pipeline_class = "WanPipeline"
+    family = "Wan2.2"
+    knobs = FAMILY_KNOBS["Wan2.2"]
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
@@ -55,6 +63,38 @@ class WanAdapter(DiffusionAdapter):
 
     def uses_cfg(self, req: GenerationRequest) -> bool:
         return (req.guidance_scale or 0) > 1.0
+
+    def applied_knobs(self) -> tuple[Knob, ...]:
+        """Wan2.1 (one expert) has no expert switch; flow_shift needs a scheduler that has it."""
+        out = []
+        for knob in self.knobs:
+            if knob.name in ("guidance_scale_2", "boundary_ratio") and self.boundary is None:
+                continue
+            if knob.name == "flow_shift" and "flow_shift" not in self.pipe.scheduler.config:
+                continue
+            out.append(knob)
+        return tuple(out)
+
+    def cfg_facts(self) -> CfgFacts:
+        """CFG when guidance_scale > 1 (diffusers' WanPipeline); Wan2.2's low-noise expert
+        guided by guidance_scale_2."""
+        facts = super().cfg_facts()
+        if self.boundary is None:
+            return facts
+        return dataclasses.replace(facts, second_scale="guidance_scale_2")
+
+    def _boundary(self, req: GenerationRequest) -> float | None:
+        ratio = req.knobs.get("boundary_ratio")
+        if ratio is None or self.boundary is None:
+            return self.boundary
+        return ratio * self.pipe.scheduler.config.num_train_timesteps
+
+    def _new_scheduler(self, shift: float | None):
+        """The checkpoint's scheduler, or one built from its config with the request's shift."""
+        sched = self.pipe.scheduler
+        if shift is None:
+            return copy.deepcopy(sched)
+        return type(sched).from_config(sched.config, flow_shift=shift)
 
     def video_facts(self) -> dict[str, int]:
         """What the API server needs to check a video request: frames are 1 + k * step."""
@@ -93,21 +133,22 @@ class WanAdapter(DiffusionAdapter):
 
     # ---- schedule ----------------------------------------------------------------------
     @lru_cache(maxsize=64)  # noqa: B019 - one adapter per engine, a handful of step counts
-    def _timesteps(self, steps: int) -> torch.Tensor:
-        sched = copy.deepcopy(self.pipe.scheduler)
+    def _timesteps(self, steps: int, shift: float | None = None) -> torch.Tensor:
+        sched = self._new_scheduler(shift)
         sched.set_timesteps(steps, device=self.device)
         return sched.timesteps
 
-    def _expert(self, t: torch.Tensor) -> int:
+    def _expert(self, t: torch.Tensor, req: GenerationRequest) -> int:
         """0: `transformer` (Wan2.1, or Wan2.2's high-noise expert); 1: `transformer_2`."""
-        return 0 if self.boundary is None or t >= self.boundary else 1
+        boundary = self._boundary(req)
+        return 0 if boundary is None or t >= boundary else 1
 
     def batch_key(self, state: RequestState) -> Hashable:
         req = state.req
         timesteps = state.timesteps
         if timesteps is None:  # admitted this step: its schedule is a function of its steps
-            timesteps = self._timesteps(state.total_steps)
-        expert = self._expert(timesteps[min(state.step, len(timesteps) - 1)])
+            timesteps = self._timesteps(state.total_steps, req.knobs.get("flow_shift"))
+        expert = self._expert(timesteps[min(state.step, len(timesteps) - 1)], req)
         return (req.height, req.width, self.num_frames(req), state.do_cfg, expert)
 
     # ---- prepare -----------------------------------------------------------------------
@@ -138,7 +179,7 @@ class WanAdapter(DiffusionAdapter):
                 self.device,
                 s.generator,
             )
-            sched = copy.deepcopy(self.pipe.scheduler)
+            sched = self._new_scheduler(s.req.knobs.get("flow_shift"))
             sched.set_timesteps(s.total_steps, device=self.device)
             sched.set_begin_index(0)
             s.cond["scheduler"] = sched
@@ -150,7 +191,7 @@ class WanAdapter(DiffusionAdapter):
         cfg_states = [s for s in states if s.do_cfg]
         rows = states + cfg_states  # cond rows, then the uncond rows of the CFG requests
         texts = [s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states]
-        expert = self._expert(states[0].timesteps[states[0].step])
+        expert = self._expert(states[0].timesteps[states[0].step], states[0].req)
         model = self.transformer if expert == 0 else self.transformer_2
         dtype = model.dtype
         latents = torch.cat([s.latents for s in rows]).to(dtype)
@@ -177,9 +218,12 @@ class WanAdapter(DiffusionAdapter):
             noise = cond[i : i + s.n]
             if s.do_cfg:
                 u = uncond[j : j + s.n]
-                # Wan2.2 runs its low-noise expert with guidance_scale_2, which defaults to
-                # guidance_scale; we expose only the one scale.
-                noise = u + s.req.guidance_scale * (noise - u)
+                # Wan2.2 guides its low-noise expert with guidance_scale_2 (diffusers'
+                # default: guidance_scale).
+                scale = s.req.guidance_scale
+                if expert == 1:
+                    scale = s.req.knobs.get("guidance_scale_2", scale)
+                noise = u + scale * (noise - u)
                 j += s.n
             t = s.timesteps[s.step]
             s.latents = s.cond["scheduler"].step(noise, t, s.latents, return_dict=False)[0]

@@ -1,0 +1,278 @@
+"""The request-field table (serving/request_fields.py) and the helpers of issue 37 that need no
+server: refusals name the field and the families that take it, video size/length conflicts,
+output_format spellings, the file answer, data: URLs and the allow-listed fetch (a real local
+HTTP server)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import io
+import threading
+import zipfile
+
+import pytest
+
+from vllm_omni_plugin.common.knobs import CfgFacts, Knob, KnobError, check_knobs
+from vllm_omni_plugin.common.limits import RequestLimits
+from vllm_omni_plugin.config.owners_common import ServingLimits
+from vllm_omni_plugin.serving import request_fields as rf
+from vllm_omni_plugin.serving.edit_urls import decode_data_url, fetch_url
+from vllm_omni_plugin.serving.errors import APIError
+from vllm_omni_plugin.serving.handlers import file_answer
+from vllm_omni_plugin.serving.protocol import ImageLimits
+from vllm_omni_plugin.serving.validation import validate_request
+from vllm_omni_plugin.serving.videos_request import VideoBounds, check_video_request
+
+STAGE = RequestLimits(16, 16, 16, 256, 256, 50, 4, 32, 32)
+# As the Qwen-Image and Wan2.2 stages announce them (their adapters' knobs and CFG rules).
+QWEN = rf.FamilyFields(
+    "Qwen-Image",
+    (Knob("true_cfg_scale", "number", "true CFG", 0.0, 100.0),),
+    {},
+    CfgFacts("true_cfg_scale", 4.0, True, False, True, True),
+)
+WAN_KNOBS = (
+    Knob("guidance_scale_2", "number", "g2", 0.0, 100.0),
+    Knob("boundary_ratio", "number", "b", 0.0, 1.0),
+    Knob("flow_shift", "number", "f", 0.1, 100.0),
+)
+
+
+def wan(default_guidance: float = 5.0) -> rf.FamilyFields:
+    cfg = CfgFacts(
+        "guidance_scale", default_guidance, False, False, False, True, "guidance_scale_2"
+    )
+    return rf.FamilyFields("Wan2.2", WAN_KNOBS, {}, cfg)
+
+
+def image_limits(family=QWEN) -> ImageLimits:
+    return ImageLimits.build(STAGE, None, family)
+
+
+def refusal(fn, *args) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_family_catalogue_is_what_the_adapters_declare():
+    cat = rf.family_catalogue()
+    names = {fam: {k.name for k in knobs} for fam, knobs in cat.items()}
+    assert names["Qwen-Image"] == names["Qwen-Image-Edit"] == names["FLUX"] == {"true_cfg_scale"}
+    assert names["Wan2.2"] == {"guidance_scale_2", "boundary_ratio", "flow_shift"}
+
+
+def test_a_knob_of_the_family_is_checked_and_carried():
+    body = {"prompt": "a", "true_cfg_scale": 3, "negative_prompt": "n"}
+    valid = validate_request(body, image_limits())
+    assert valid.knobs == {"true_cfg_scale": 3.0}
+    for value, code in ((-1, "invalid_value"), ("3", "invalid_type"), (True, "invalid_type")):
+        err = refusal(validate_request, {**body, "true_cfg_scale": value}, image_limits())
+        assert (err.status, err.param, err.code) == (400, "true_cfg_scale", code)
+
+
+def test_fields_the_cfg_rule_leaves_unread_are_refused_before_any_stage():
+    """Qwen-Image's true CFG needs a negative prompt and a scale > 1 (diffusers' rule)."""
+    for body, param in (
+        ({"true_cfg_scale": 3}, "true_cfg_scale"),  # no negative prompt
+        ({"negative_prompt": "n", "true_cfg_scale": 1}, "negative_prompt"),
+        ({"negative_prompt": "n", "guidance_scale": 0.5}, "negative_prompt"),  # the older name
+        ({"negative_prompt": "n", "guidance_scale": 3, "true_cfg_scale": 3}, "guidance_scale"),
+    ):
+        err = refusal(validate_request, {"prompt": "a", **body}, image_limits())
+        assert (err.param, err.code) == (param, "invalid_value"), (body, err.message)
+    validate_request({"prompt": "a", "negative_prompt": "n"}, image_limits())  # default 4.0
+
+
+def test_refusals_name_the_field_and_say_who_takes_it():
+    err = refusal(validate_request, {"prompt": "a", "flow_shift": 3.0}, image_limits())
+    assert (err.param, err.code) == ("flow_shift", "unknown_parameter")
+    assert "Wan2.2" in err.message
+    err = refusal(validate_request, {"prompt": "a", "lora": {"name": "x"}}, image_limits())
+    assert err.param == "lora" and "LoRA" in err.message
+    err = refusal(validate_request, {"prompt": "a", "whatever": 1}, image_limits())
+    assert (err.param, err.code) == ("whatever", "unknown_parameter")
+    err = refusal(validate_request, {"prompt": "a", "seconds": 4}, image_limits())
+    assert "/v1/videos" in err.message  # another route takes it
+    # OpenAI's choices for its own models: what we do is accepted, the rest refused.
+    validate_request({"prompt": "a", "quality": "auto", "background": "opaque"}, image_limits())
+    for name, value in (("quality", "hd"), ("background", "transparent"), ("style", "vivid")):
+        err = refusal(validate_request, {"prompt": "a", name: value}, image_limits())
+        assert err.param == name and err.status == 400
+    # A common field the family does not apply.
+    glm = rf.FamilyFields("GLM-Image", (), {"negative_prompt": "no negative prompt"})
+    err = refusal(validate_request, {"prompt": "a", "negative_prompt": "x"}, image_limits(glm))
+    assert err.param == "negative_prompt" and "GLM-Image" in err.message
+
+
+def test_output_format_any_case_and_jpg():
+    for spelled in ("JPG", "jpg", "Jpeg", "JPEG"):
+        valid = validate_request({"prompt": "a", "output_format": spelled}, image_limits())
+        assert valid.output_format == "jpeg"
+    assert (
+        validate_request({"prompt": "a", "output_format": "PNG"}, image_limits()).output_format
+        == "png"
+    )
+    err = refusal(validate_request, {"prompt": "a", "output_format": "gif"}, image_limits())
+    assert err.param == "output_format"
+
+
+def test_response_format_file_is_not_a_stream():
+    assert validate_request({"prompt": "a", "response_format": "file"}, image_limits())
+    err = refusal(
+        validate_request, {"prompt": "a", "response_format": "file", "stream": True}, image_limits()
+    )
+    assert err.param == "response_format"
+
+
+def test_file_answer_one_image_or_a_zip():
+    one = file_answer([b"\xff\xd8jpeg"], "jpeg", "img-1")
+    assert (one.content, one.media_type, one.filename) == (
+        b"\xff\xd8jpeg",
+        "image/jpeg",
+        "img-1.jpg",
+    )
+    two = file_answer([b"a", b"b"], "png", "img-2")
+    assert two.media_type == "application/zip" and two.filename == "img-2.zip"
+    with zipfile.ZipFile(io.BytesIO(two.content)) as zf:
+        assert [(n, zf.read(n)) for n in zf.namelist()] == [
+            ("image_0.png", b"a"),
+            ("image_1.png", b"b"),
+        ]
+
+
+def test_knob_check_rejects_undeclared_knobs():
+    with pytest.raises(KnobError) as info:
+        check_knobs(QWEN.knobs, {"flow_shift": 1.0})
+    assert info.value.name == "flow_shift" and info.value.code == "unknown_parameter"
+    assert check_knobs(QWEN.knobs, {"true_cfg_scale": 2}) == {"true_cfg_scale": 2.0}
+
+
+def test_a_route_wide_extension_joins_the_table(monkeypatch):
+    """How another field (e.g. a per-request cache choice) declares itself: one entry."""
+
+    def check(value):
+        if value not in ("on", "off"):
+            raise APIError(400, "cache must be on or off", param="cache", code="invalid_value")
+        return value
+
+    ext = rf.RequestField("cache", (rf.GENERATIONS,), {"type": "string"}, check)
+    monkeypatch.setattr(rf, "EXTENSIONS", [ext])
+    assert validate_request({"prompt": "a", "cache": "on"}, image_limits()).extensions == {
+        "cache": "on"
+    }
+    assert refusal(validate_request, {"prompt": "a", "cache": 1}, image_limits()).param == "cache"
+    assert "cache" in rf.body_schema(rf.GENERATIONS)["properties"]
+    assert "cache" not in rf.body_schema(rf.VIDEOS)["properties"]
+
+
+# ---- videos ------------------------------------------------------------------------------
+def video_bounds(default_guidance: float = 5.0) -> VideoBounds:
+    facts = {"frame_step": 4, "default_num_frames": 81}
+    return VideoBounds(STAGE, facts, wan(default_guidance), ServingLimits(), ["wan"], 16, 65)
+
+
+def test_video_size_from_width_and_height_and_conflicts():
+    req = check_video_request({"prompt": "a", "width": 48, "height": 32}, video_bounds())
+    assert (req["width"], req["height"]) == (48, 32)
+    same = check_video_request(
+        {"prompt": "a", "size": "48x32", "width": "48", "height": "32"}, video_bounds()
+    )
+    assert (same["width"], same["height"]) == (48, 32)  # form values arrive as text
+    for body, param in (
+        ({"size": "32x32", "width": 48, "height": 32}, "size"),
+        ({"width": 48}, "height"),
+        ({"height": 48}, "width"),
+        ({"width": 50, "height": 32}, "width"),
+        ({"width": 32, "height": 1000}, "height"),
+        ({"seconds": 3, "num_frames": 5}, "num_frames"),
+    ):
+        assert refusal(check_video_request, {"prompt": "a", **body}, video_bounds()).param == param
+    both = check_video_request({"prompt": "a", "seconds": 1, "num_frames": 17}, video_bounds())
+    assert (both["num_frames"], both["seconds"]) == (17, "1")
+
+
+def test_video_knobs_are_typed_checked_and_echoed():
+    req = check_video_request(
+        {"prompt": "a", "guidance_scale_2": "2.5", "flow_shift": 8, "boundary_ratio": 0.5},
+        video_bounds(),
+    )
+    assert req["knobs"] == {"guidance_scale_2": 2.5, "flow_shift": 8.0, "boundary_ratio": 0.5}
+    assert refusal(
+        check_video_request, {"prompt": "a", "boundary_ratio": 2}, video_bounds()
+    ).param == ("boundary_ratio")
+    err = refusal(check_video_request, {"prompt": "a", "true_cfg_scale": 2}, video_bounds())
+    assert err.param == "true_cfg_scale" and "Qwen-Image" in err.message
+    # Without CFG (guidance <= 1) the low-noise scale and a negative prompt would be ignored.
+    no_cfg = video_bounds(default_guidance=1.0)
+    assert refusal(check_video_request, {"prompt": "a", "guidance_scale_2": 2}, no_cfg).param == (
+        "guidance_scale_2"
+    )
+    assert refusal(check_video_request, {"prompt": "a", "negative_prompt": "x"}, no_cfg).param == (
+        "negative_prompt"
+    )
+    check_video_request({"prompt": "a", "guidance_scale": 3, "guidance_scale_2": 2}, no_cfg)
+
+
+# ---- edits by URL --------------------------------------------------------------------------
+def test_data_urls():
+    png = b"\x89PNG\r\n\x1a\nrest"
+    assert decode_data_url("image/png;base64," + base64.b64encode(png).decode(), "url", 100) == png
+    assert decode_data_url(",abc%20d", "url", 100) == b"abc d"
+    for bad in ("image/png;base64", "image/png;base64,@@@"):
+        assert refusal(decode_data_url, bad, "url", 100).param == "url"
+    big = "image/png;base64," + base64.b64encode(b"x" * 200).decode()
+    assert refusal(decode_data_url, big, "url", 100).status == 413
+
+
+@pytest.fixture
+def image_host():
+    body = b"\x89PNG-bytes"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/a.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_remote_urls_only_from_listed_hosts(image_host):
+    base, body = image_host
+    fetch = lambda url, hosts, limit=1000: asyncio.run(fetch_url(url, "url", hosts, limit))  # noqa: E731
+    err = refusal(fetch, f"{base}/a.png", ())  # the default: no host
+    assert (err.param, err.code) == ("url", "url_not_allowed")
+    assert fetch(f"{base}/a.png", ("127.0.0.1",)) == body
+    assert (
+        refusal(fetch, f"{base}/moved", ("127.0.0.1",)).code == "url_fetch_failed"
+    )  # no redirects
+    assert refusal(fetch, f"{base}/a.png", ("127.0.0.1",), 4).status == 413
+    assert refusal(fetch, "ftp://127.0.0.1/a.png", ("127.0.0.1",)).code == "invalid_url"
+
+
+def test_edit_url_hosts_is_a_typed_config_field():
+    assert ServingLimits().edit_url_hosts == ()
+    assert ServingLimits(edit_url_hosts=["Images.Example.com"]).edit_url_hosts == (
+        "images.example.com",
+    )
+    with pytest.raises(ValueError, match="edit_url_hosts"):
+        ServingLimits(edit_url_hosts=["https://images.example.com/x"])
