@@ -33,6 +33,9 @@ class GenerationRequest:
     # inpainting mask (PIL "L", 255 = repaint); only for adapters that declare them.
     input_images: list[Any] = field(default_factory=list)
     mask: Any = None
+    # Step caching: {"policy": "first_block", "threshold": 0.1} as the user sent it (None: the
+    # stage's default); `DiffusionEngine.validate` turns it into a checked CachePolicy.
+    cache: Any = None
 
 
 def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:
@@ -78,6 +81,8 @@ class RequestState:
     preview_at: tuple[int, ...] = ()
     x0: torch.Tensor | None = None
     preview_s: float = 0.0  # time spent decoding its previews
+    # Its step-cache state (step_cache/state.py RequestCache); None: every step computed.
+    step_cache: Any = None
 
     @property
     def request_id(self) -> str:
