@@ -248,12 +248,13 @@ class GlmImageAdapter(DiffusionAdapter):
         rows += [(s, s.cond["neg"], True) for s in states if s.do_cfg]
         preds: dict[tuple[int, bool], torch.Tensor] = {}
         by_len: dict[tuple, list[tuple[RequestState, torch.Tensor, bool]]] = {}
+        cached = any(s.step_cache is not None for s in states)
         for row in rows:
             # Conditional rows of an edit attend to its source keys: same source length only.
             kv = row[0].cond.get("kv") if not row[2] else None
             # With step caching, cond rows run in forwards before the uncond rows: a request's
             # cond rows decide its step for both (CFG rows decide together).
-            drop = row[2] and self.step_cache is not None
+            drop = row[2] and cached
             by_len.setdefault((drop, row[1].shape[1], kv[0][0].shape[1] if kv else 0), []).append(
                 row
             )
