@@ -112,6 +112,19 @@ def test_valid_request_fills_defaults():
         ({"prompt": "a", "seed": 2**64}, "seed", "invalid_value"),
         ({"prompt": "a", "guidance_scale": -1}, "guidance_scale", "invalid_value"),
         ({"prompt": "a", "guidance_scale": "high"}, "guidance_scale", "invalid_type"),
+        ({"prompt": "a", "cache": "fast"}, "cache", "invalid_type"),
+        ({"prompt": "a", "cache": {"policy": "magic"}}, "cache.policy", "invalid_value"),
+        ({"prompt": "a", "cache": {"threshold": 0.1}}, "cache.policy", "invalid_value"),
+        (
+            {"prompt": "a", "cache": {"policy": "first_block", "threshold": -1}},
+            "cache.threshold",
+            "invalid_value",
+        ),
+        (
+            {"prompt": "a", "cache": {"policy": "teacache", "interval": 2}},
+            "cache.interval",
+            "invalid_value",
+        ),
     ],
 )
 def test_bad_fields(body, param, code):

@@ -54,6 +54,15 @@ class OmniCollector:
         for status, count in sorted(self.service.outcomes.items()):
             requests.add_metric([self.pipeline, status], float(count))
         yield requests
+        skipped = CounterMetricFamily(
+            "omni_cache_skipped",
+            "Diffusion steps whose transformer call step caching skipped, per policy",
+            labels=["pipeline", "stage", "policy"],
+        )
+        for s in stats:
+            for policy, count in sorted(s.get("cache_skipped", {}).items()):
+                skipped.add_metric([self.pipeline, str(s["stage_id"]), policy], float(count))
+        yield skipped
         yield from stage_engine_families(self.orchestrator.engine_metrics())
         yield from self._replica_families()
 

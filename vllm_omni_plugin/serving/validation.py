@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..cache_policy import CachePolicyError, parse_cache
 from ..common.limits import MAX_PARTIAL_IMAGES
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
@@ -108,7 +109,14 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
             f"partial_images must be between 0 and {MAX_PARTIAL_IMAGES}, got {partial}",
             "partial_images",
         )
+    cache = None
+    if req.cache is not None:
+        try:
+            cache = parse_cache(req.cache).as_dict()
+        except CachePolicyError as exc:
+            raise invalid(str(exc), exc.field) from None
     return ValidRequest(
+        cache=cache,
         prompt=req.prompt,
         n=req.n,
         width=width,
