@@ -29,7 +29,7 @@ def plain(model_dir):
 
 @pytest.fixture(scope="module")
 def cached(model_dir):
-    cfg = DiffusionEngineConfig(model=str(model_dir), max_batch_size=6, step_cache=ALL)
+    cfg = DiffusionEngineConfig(model=str(model_dir), max_batch_size=7, step_cache=ALL)
     return DiffusionEngine(cfg)
 
 
@@ -114,6 +114,7 @@ def test_mixed_batch_equals_alone(cached, staggered, pixel_diff):
         req("m2", 2, steps=9, cache={"policy": "taylorseer", "interval": 2, "warmup": 1}),
         req("m3", 3, steps=7),
         req("m4", 4, steps=8, cache={"policy": "first_block", "threshold": 0.05}, n=2),
+        req("m5", 5, steps=6, cache={"policy": "teacache", "threshold": 0.6}),
     ]
     alone = {r.request_id: cached.generate([r])[0] for r in reqs}
     results = staggered(cached, reqs[:2], reqs[2:], join_after_steps=2)
@@ -144,3 +145,20 @@ def test_policy_refused_where_the_stage_has_no_step_cache(plain):
     with pytest.raises(RequestValidationError) as exc:
         plain.validate(req("x", 0, cache={"policy": "teacache", "threshold": 0.2}))
     assert exc.value.field == "cache.policy"
+
+
+def test_previews_and_progress_count_cached_steps(cached):
+    r = req("pv", 7, steps=8, cache={"policy": "first_block", "threshold": 0.45})
+    r.partial_images = 2
+    before = cached.cache_skipped().get("first_block", 0)
+    cached.add_request(r)
+    previews, progress, outs = [], [], []
+    while cached.has_unfinished():
+        outs += cached.step()
+        previews += [i for i, _ in cached.take_previews().values()]
+        if not outs:
+            progress.append(cached.progress("pv")[0])
+    assert cached.cache_skipped().get("first_block", 0) - before > 0
+    assert previews == [0, 1]
+    assert progress == list(range(1, 8))  # every step counted, cached or not
+    assert outs[0].metrics["steps"] == 8 and outs[0].metrics["cache_skipped"] > 0

@@ -12,7 +12,7 @@ import torch
 from .state import PRIMARY, RequestCache
 
 
-@dataclass
+@dataclass(eq=False)  # identity: groups are looked up in lists of groups
 class RowGroup:
     """Rows lo..lo+n of a forward: one request's rows of one tag ("cond", "uncond")."""
 

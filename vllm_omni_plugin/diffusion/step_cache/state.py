@@ -14,7 +14,7 @@ from ...cache_policy import CachePolicy
 PRIMARY = "cond"  # the tag whose rows decide for the whole request (CFG rows decide together)
 
 
-@dataclass
+@dataclass(eq=False)
 class SlotCache:
     """One row group of a request (its cond rows, its uncond rows) on one expert."""
 
@@ -32,7 +32,7 @@ class SlotCache:
     dtype: torch.dtype = torch.float32  # the transformer output's dtype (forecasts use it)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: it holds tensors
 class RequestCache:
     """A request's step-cache state; `begin` is called before each of its forwards."""
 
