@@ -18,7 +18,9 @@ where its alpha is 0 (OpenAI: fully transparent = the area to edit).
 Form fields: `image` (one file) or `image[]` (several, as the openai client sends a list),
 `prompt`, `mask`, `model`, `n`, `size`, `response_format`, `output_format`,
 `output_compression`, `stream`, `partial_images`, `user`, and our extensions `seed`,
-`num_inference_steps`, `guidance_scale`, `negative_prompt`. `size` omitted or "auto": the
+`num_inference_steps`, `guidance_scale`, `negative_prompt`, `cache` (step caching: a JSON
+object, or `cache[policy]`, `cache[threshold]`, ... as the openai client writes a nested
+`extra_body` mapping into a form). `size` omitted or "auto": the
 first image's aspect ratio at the stage's default area (`auto_size`). A file under any other
 name is a 400; other text fields are ignored, as on the generations route (OpenAI fields we
 do not use).
@@ -34,6 +36,7 @@ from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import cache_field
 from .errors import APIError, invalid
 from .protocol import ImageLimits, ValidRequest
 from .validation import validate_request
@@ -77,6 +80,13 @@ def form_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Any]
             continue
         if name in FILE_FIELDS:
             raise invalid(f"'{name}' must be a file upload, not text", name, "invalid_type")
+        key = cache_field.form_key(name)
+        if key is not None:
+            cache = data.setdefault("cache", {})
+            if not isinstance(cache, dict) or key in cache:
+                raise invalid(f"parameter '{name}' is given twice", "cache", "invalid_value")
+            cache[key] = cache_field.form_value(key, value)
+            continue
         if name in data:
             raise invalid(f"parameter '{name}' is given twice", name, "invalid_value")
         data[name] = _typed(name, value)
@@ -95,6 +105,8 @@ def _typed(name: str, value: str) -> Any:
         raise invalid(
             f"invalid type for '{name}': expected {kind}, got {value!r}", name, "invalid_type"
         ) from None
+    if name == "cache":  # a JSON object in one text field
+        return cache_field.json_value(value)
     if name in BOOL_FIELDS:
         if value.lower() not in ("true", "false"):
             raise invalid(

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..cache_policy import CachePolicyError, parse_cache
 from ..common.limits import MAX_PARTIAL_IMAGES
+from . import cache_field
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
 
@@ -109,14 +109,8 @@ def validate_request(data: dict[str, Any], limits: ImageLimits) -> ValidRequest:
             f"partial_images must be between 0 and {MAX_PARTIAL_IMAGES}, got {partial}",
             "partial_images",
         )
-    cache = None
-    if req.cache is not None:
-        try:
-            cache = parse_cache(req.cache).as_dict()
-        except CachePolicyError as exc:
-            raise invalid(str(exc), exc.field) from None
     return ValidRequest(
-        cache=cache,
+        cache=cache_field.checked(req.cache),
         prompt=req.prompt,
         n=req.n,
         width=width,

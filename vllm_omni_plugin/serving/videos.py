@@ -19,6 +19,7 @@ from typing import Any
 
 from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
+from . import cache_field
 from .errors import APIError, invalid
 from .validation import json_object
 from .videos_store import VideoStore
@@ -43,6 +44,7 @@ _ALLOWED = {
     "fps",
     "num_frames",
     "user",
+    "cache",
 }
 
 
@@ -106,6 +108,7 @@ class VideoService:
     def check(self, data: dict[str, Any]) -> dict[str, Any]:
         """The job's request, every field checked and filled; APIError (4xx) otherwise."""
         limits, facts = self._facts()
+        data = cache_field.fold_form(data)
         unknown = sorted(set(data) - _ALLOWED)
         if unknown:
             raise invalid(f"unknown parameter '{unknown[0]}'", unknown[0], "unknown_parameter")
@@ -192,6 +195,7 @@ class VideoService:
             "num_inference_steps": steps,
             "guidance_scale": guidance,
             "seed": seed,
+            "cache": cache_field.checked(data.get("cache")),
         }
 
     def create(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -292,6 +296,7 @@ class VideoService:
             stream=True,  # the stages send Progress messages: the job's `progress`
             num_frames=req["num_frames"],
             fps=req["fps"],
+            cache=req.get("cache"),
         )
         self.store.set_progress(job_id, 0)
 
