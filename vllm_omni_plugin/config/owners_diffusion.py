@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from vllm_omni_plugin.cache_policy import (
+from vllm_omni_plugin.common.cache_policy import (
     NONE,
     THRESHOLD_LIMIT,
     CacheBounds,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..cache_policy import NONE, CacheBounds, CachePolicy, CachePolicyError, parse_cache
+from ..common.cache_policy import NONE, CacheBounds, CachePolicy, CachePolicyError, parse_cache
 from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..cache_policy import CachePolicyError, parse_cache
+from ..common.cache_policy import CachePolicyError, parse_cache
 from .errors import invalid
 
 

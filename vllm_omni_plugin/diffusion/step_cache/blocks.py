@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...cache_policy import FIRST_BLOCK, TEACACHE
+from ...common.cache_policy import FIRST_BLOCK, TEACACHE
 from . import teacache
 from .rows import RowGroup, row_index, take_rows
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...cache_policy import FIRST_BLOCK, TAYLORSEER, TEACACHE, CachePolicy
+from ...common.cache_policy import FIRST_BLOCK, TAYLORSEER, TEACACHE, CachePolicy
 from . import blocks
 from .rows import RowGroup, regroup, row_index, take_rows
 from .state import RequestCache

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...cache_policy import CachePolicy
+from ...common.cache_policy import CachePolicy
 
 PRIMARY = "cond"  # the tag whose rows decide for the whole request (CFG rows decide together)
 
