@@ -105,3 +105,22 @@ def test_mixed_batch_equals_alone_and_skips(family, staggered):
     for r in reqs:
         got = frames(results[r.request_id])
         assert np.abs(got - alone[r.request_id]).mean() <= 1.0, (kind, r.request_id)
+
+
+def test_wan_expert_switch_resets_the_cache(tiny_models):
+    folder = str(tiny_models("wan"))
+    engine = DiffusionEngine(DiffusionEngineConfig(model=folder, step_cache=ALL))
+    make = family_request("wan", engine)
+    engine.add_request(make("w", 0, 8, {"policy": "first_block", "threshold": 5.0}))
+    seen = []  # (expert, computed?) per step
+    while engine.has_unfinished():
+        state = engine.scheduler.find("w")
+        engine.step()
+        if state is not None and state.step_cache is not None:
+            seen.append((state.step_cache.expert, state.step_cache.compute))
+    experts = [e for e, _ in seen]
+    switch = experts.index(1)  # Wan2.2's low-noise expert takes over here
+    assert 0 < switch < len(seen) - 1
+    # Each expert's first step computes (its cache starts empty); with this threshold every
+    # other step reuses the cache of its own expert.
+    assert [c for _, c in seen] == [i in (0, switch) for i in range(len(seen))]
