@@ -268,6 +268,10 @@ def _add_into(h, e, base_h, base_e, residual, g: RowGroup) -> None:
 
 def install(model: torch.nn.Module, owner: Any) -> int:
     """Wrap the model's blocks (head, tail..., last); returns how many. Idempotent."""
+    if getattr(getattr(model, "config", None), "zero_cond_t", False):
+        # Qwen-Image-Edit-2511's doubled timestep rows (one per row and per condition image)
+        # do not follow the batch rows this cache takes apart.
+        raise TypeError(f"{type(model).__name__} with zero_cond_t is not supported")
     blocks: list[tuple[torch.nn.ModuleList, int]] = []
     for name, child in model.named_children():
         if name in BLOCK_LISTS and isinstance(child, torch.nn.ModuleList):
