@@ -16,7 +16,7 @@ from vllm_omni_plugin.config import deploy
 from vllm_omni_plugin.config.consumers import CONSUMERS, Code, EngineArg, Refused, Warned
 from vllm_omni_plugin.config.owners_ar import ARSamplingDefaults
 from vllm_omni_plugin.config.owners_common import Owner, ServingLimits
-from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults
+from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults, StepCacheOwner
 from vllm_omni_plugin.config.owners_videos import VideoJobs
 from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
 from vllm_omni_plugin.config.stage_keys import AR_OWNERS, DIFFUSION_FIELDS, DIFFUSION_OWNERS
@@ -46,7 +46,7 @@ def _kinds(owner: type[Owner], field: str) -> set[str]:
         return {"pipeline"}
     if owner is ARSamplingDefaults:
         return {"ar"}
-    if owner is DiffusionSamplingDefaults:
+    if owner in (DiffusionSamplingDefaults, StepCacheOwner):  # StepCacheOwner: `step_cache:`
         return {"diffusion"}
     kinds = set()
     if owner in AR_OWNERS.values():
@@ -205,12 +205,9 @@ def test_validate_cli_refuses_and_warns_naming_the_field(tmp_path, capsys):
         stages:
           - stage_id: 0
             async_chunk: true
-          - stage_id: 1
-            cache_backend: tea_cache
         """,
         "warned.yaml",
     )
     assert main(["config", "validate", str(warned)]) == 0
     err = capsys.readouterr().err
     assert "warning: stage 0: async_chunk has no effect" in err
-    assert "warning: stage 1: cache_backend has no effect" in err

@@ -49,7 +49,11 @@ SHARED_ENV = {"VLLM_OMNI_DESCRIBE_STAGES": "1"}
 GREEDY_GLM_OVERRIDES = '{"0": {"default_sampling_params": {"temperature": 0.0}}}'
 # test_soak.py runs 64 clients at once against both shared servers: all are admitted.
 SOAK_QUEUE = 64
-SMALL_QWEN_OVERRIDES = '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4}}'
+# Step caching enabled (test_step_cache_serve.py); requests without `cache` run as without it.
+SMALL_QWEN_OVERRIDES = (
+    '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4, '
+    '"step_cache": {"policies": ["first_block", "teacache", "taylorseer"], "max_threshold": 6}}}'
+)
 
 
 def start_shared(model, config, root, *extra: str) -> Server:

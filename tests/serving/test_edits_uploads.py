@@ -176,3 +176,16 @@ def test_a_source_beyond_the_pipelines_aspect_bound_is_a_400():
         decode_uploads([png((32, 33)), png((165, 32))], None, bound)
     assert err.value.status == 400 and err.value.param == "image[1]"
     assert decode_uploads([png((165, 32))], None, None)[0]  # no bound: accepted
+
+
+def test_form_cache_field_as_nested_form_keys_or_json():
+    # The openai client writes extra_body={"cache": {...}} into a form as cache[key] fields.
+    data, _, _ = form_fields(
+        [("prompt", "p"), ("cache[policy]", "first_block"), ("cache[threshold]", "0.1")]
+    )
+    assert data["cache"] == {"policy": "first_block", "threshold": 0.1}
+    data, _, _ = form_fields([("cache", '{"policy": "taylorseer", "interval": 3}')])
+    assert data["cache"] == {"policy": "taylorseer", "interval": 3}
+    assert code_of(form_fields, [("cache", "fast")])[1:] == ("invalid_type", "cache")
+    bad = [("cache[policy]", "teacache"), ("cache[threshold]", "low")]
+    assert code_of(form_fields, bad)[1:] == ("invalid_type", "cache.threshold")

@@ -112,6 +112,19 @@ def test_valid_request_fills_defaults():
         ({"prompt": "a", "seed": 2**64}, "seed", "invalid_value"),
         ({"prompt": "a", "guidance_scale": -1}, "guidance_scale", "invalid_value"),
         ({"prompt": "a", "guidance_scale": "high"}, "guidance_scale", "invalid_type"),
+        ({"prompt": "a", "cache": "fast"}, "cache", "invalid_type"),
+        ({"prompt": "a", "cache": {"policy": "magic"}}, "cache.policy", "invalid_value"),
+        ({"prompt": "a", "cache": {"threshold": 0.1}}, "cache.policy", "invalid_value"),
+        (
+            {"prompt": "a", "cache": {"policy": "first_block", "threshold": -1}},
+            "cache.threshold",
+            "invalid_value",
+        ),
+        (
+            {"prompt": "a", "cache": {"policy": "teacache", "interval": 2}},
+            "cache.interval",
+            "invalid_value",
+        ),
     ],
 )
 def test_bad_fields(body, param, code):
@@ -143,3 +156,29 @@ def test_url_store_bounds_and_expiry():
     assert store.get("not-a-token") is None
     time.sleep(0.25)
     assert store.get(d) is None and len(store) == 0
+
+
+def test_cache_field_from_forms_and_json():
+    from vllm_omni_plugin.serving import cache_field
+
+    form = {"prompt": "p", "cache[policy]": "taylorseer", "cache[interval]": "3"}
+    folded = cache_field.fold_form(form)
+    assert folded == {"prompt": "p", "cache": {"policy": "taylorseer", "interval": 3}}
+    assert cache_field.checked(folded["cache"]) == {
+        "policy": "taylorseer",
+        "interval": 3,
+        "warmup": 3,
+        "order": 1,
+    }
+    assert cache_field.fold_form({"cache": '{"policy": "none"}'}) == {"cache": {"policy": "none"}}
+    assert cache_field.checked(None) is None
+    for bad, param in (
+        ({"cache": "fast"}, "cache"),
+        ({"cache[policy]": "teacache", "cache[threshold]": "low"}, "cache.threshold"),
+    ):
+        with pytest.raises(APIError) as info:
+            cache_field.fold_form(bad)
+        assert (info.value.status, info.value.param) == (400, param)
+    with pytest.raises(APIError) as info:
+        cache_field.checked({"policy": "taylorseer", "threshold": 0.1})
+    assert (info.value.status, info.value.param) == (400, "cache.threshold")

@@ -143,6 +143,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # /v1/videos jobs (output_format "mp4"): frames of the video and frames per second.
     num_frames: int | None = None
     fps: int | None = None
+    # Step caching: {"policy": ..., params} as the API server checked it (None: the stage's
+    # default); the diffusion stage checks it against its own step_cache bounds.
+    cache: dict[str, Any] | None = None
     # Edits (POST /v1/images/edits). The contract between the API server and every stage:
     # `input_images` are the request's source images in upload order, each one already checked
     # (bytes, pixels, format) and decoded by the API server, then re-encoded as a lossless 8-bit

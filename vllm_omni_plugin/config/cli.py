@@ -86,6 +86,8 @@ def _validate(args: argparse.Namespace) -> int:
             f"  stage {stage.stage_id} {stage.name} ({stage.kind}) devices={stage.devices or '-'}"
             f" inputs={stage.inputs}{extra}"
         )
+        if stage.kind == "diffusion":
+            print(f"    {_step_cache_line(stage)}")
     for edge in cfg.edges:
         print(
             f"  edge {edge.from_stage} -> {edge.to_stage} via {edge.connector} ({cfg.connectors[edge.connector].type})"
@@ -99,6 +101,21 @@ def _validate(args: argparse.Namespace) -> int:
         )
         print(f"  {section}: {shown}")
     return 0
+
+
+def _step_cache_line(stage) -> str:
+    """The stage's step-cache settings, each with the layer that set it."""
+    prov = stage.provenance
+    sc = stage.diffusion.step_cache
+    if sc is None:
+        return f"step_cache: off ({prov.get('step_cache', 'default')})"
+    parts = []
+    for key in ("policies", "max_threshold", "default"):
+        where = prov.get(f"step_cache.{key}") or next(
+            (v for k, v in prov.items() if k.startswith(f"step_cache.{key}.")), "default"
+        )
+        parts.append(f"{key}={getattr(sc, key)} ({where})")
+    return "step_cache: " + ", ".join(parts)
 
 
 @_guarded

@@ -185,8 +185,15 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     # Multi-rank DiT: the stage starts that many ranks (diffusion/parallel/ranks.py).
     ("DiffusionOwner", "cfg_parallel"): {"diffusion": Code("diffusion/parallel/ranks.py")},
     ("DiffusionOwner", "ulysses_degree"): {"diffusion": Code("diffusion/parallel/ranks.py")},
-    ("DiffusionOwner", "cache_backend"): {"diffusion": Warned("tea_cache")},
-    ("DiffusionOwner", "cache_config"): {"diffusion": Warned({"rel_l1_thresh": 0.2})},
+    # Step caching: step_cache is the engine's (diffusion/step_cache/); vLLM-Omni's
+    # cache_backend / cache_config are refused, naming step_cache.
+    ("DiffusionOwner", "step_cache"): {"diffusion": Code(_ENGINE)},
+    **{
+        ("StepCacheOwner", f): {"diffusion": Code(_ENGINE)}
+        for f in ("policies", "max_threshold", "default")
+    },
+    ("DiffusionOwner", "cache_backend"): {"diffusion": Refused("tea_cache")},
+    ("DiffusionOwner", "cache_config"): {"diffusion": Refused({"rel_l1_thresh": 0.2})},
     # DiffusionSamplingDefaults: the engine's request defaults
     **{
         ("DiffusionSamplingDefaults", f): {"diffusion": Code(_ENGINE)}

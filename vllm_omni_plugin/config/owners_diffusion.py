@@ -6,7 +6,47 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from vllm_omni_plugin.common.cache_policy import (
+    NONE,
+    THRESHOLD_LIMIT,
+    CacheBounds,
+    CachePolicyError,
+    parse_cache,
+)
 from vllm_omni_plugin.config.owners_common import Owner
+
+
+class StepCacheOwner(Owner):
+    """Step caching of a diffusion stage (`step_cache:`): requests choose a policy per request
+    with `cache: {policy: first_block, threshold: 0.1}`; this section bounds that choice."""
+
+    policies: list[str] = Field(default_factory=list)
+    """Policies requests may choose: first_block, teacache, taylorseer ("none" always is)."""
+    max_threshold: float = Field(THRESHOLD_LIMIT, gt=0, le=THRESHOLD_LIMIT)
+    """Largest first_block / teacache threshold a request may ask for."""
+    default: dict[str, Any] | None = None
+    """Policy of requests that send no `cache`, e.g. {policy: first_block, threshold: 0.08}
+    (None: every step computed); it must be one of `policies`."""
+
+    @field_validator("policies")
+    @classmethod
+    def _known_policies(cls, value: list[str]) -> list[str]:
+        for name in value:
+            try:
+                parse_cache({"policy": name})
+            except CachePolicyError as exc:
+                raise ValueError(f"policies: {exc.message}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _default_allowed(self) -> StepCacheOwner:
+        if self.default is not None:
+            bounds = CacheBounds((NONE, *self.policies), self.max_threshold)
+            try:
+                bounds.check(parse_cache(self.default, "default"), "default")
+            except CachePolicyError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
 
 class DiffusionOwner(Owner):
@@ -80,10 +120,14 @@ class DiffusionOwner(Owner):
     """fp8 GEMMs with per-row scales for the transformer blocks' linears: faster, lossy (H200,
     FLUX.1-dev 1024x1024: 134 -> 108 ms per step, SSIM 0.9994 against bf16); needs a GPU of
     compute capability 8.9+."""
+    step_cache: StepCacheOwner | None = None
+    """Step caching (first_block / teacache / taylorseer): which policies requests may choose
+    with `cache`, their bounds, and the default of requests that send none (None: off, every
+    step computed, a request asking for a policy is refused)."""
     cache_backend: str | None = None
-    """Step-cache acceleration backend (no effect yet: warned at load)."""
+    """vLLM-Omni's cache backend: refused at load (set `step_cache` instead)."""
     cache_config: dict[str, Any] | None = None
-    """Settings of the step-cache backend (no effect yet: warned at load)."""
+    """vLLM-Omni's cache backend settings: refused at load (set `step_cache` instead)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> DiffusionOwner:
@@ -93,6 +137,22 @@ class DiffusionOwner(Owner):
                 raise ValueError(f"min_{dim} ({lo}) is larger than max_{dim} ({hi})")
         if self.fp8_linear and self.device == "cpu":
             raise ValueError("fp8_linear needs a CUDA GPU of compute capability >= 8.9, not cpu")
+        if self.step_cache is not None and self.step_cache.policies:
+            if self.cfg_parallel or self.ulysses_degree > 1:
+                raise ValueError(
+                    "step_cache cannot be combined with cfg_parallel or ulysses_degree > 1 "
+                    "(the ranks would decide separately which steps to skip)"
+                )
+            if self.cuda_graphs:
+                raise ValueError(
+                    "step_cache and cuda_graphs: true cannot be combined (a graph of the whole "
+                    "forward replays one row plan); leave cuda_graphs unset"
+                )
+            if self.compile_transformer and not self.compile_regional:
+                raise ValueError(
+                    "step_cache with compile_transformer needs compile_regional: true (the "
+                    "per-row decisions sit between the compiled blocks)"
+                )
         if self.memory_budget_gb is not None and self.gpu_memory_utilization is not None:
             raise ValueError(
                 "gpu_memory_utilization and memory_budget_gb both set the memory budget; keep one"

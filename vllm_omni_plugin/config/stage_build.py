@@ -272,7 +272,6 @@ _WARNED_IF_SET_DIFFUSION = {
     "load": ("load_format", "download_dir"),
     "parallel": ("distributed_executor_backend",),
     "runtime": ("enforce_eager",),
-    "diffusion": ("cache_backend", "cache_config"),
 }
 _WHY_ONE = {
     "tensor_parallel_size": "a diffusion stage runs on one device",
@@ -298,6 +297,15 @@ def _check_without_effect(
                 "(accepted for vLLM-Omni files); remove it"
             )
     diff = owners.get("diffusion")
+    for name in ("cache_backend", "cache_config"):
+        if diff is not None and getattr(diff, name) is not None:
+            sink.add(
+                sid,
+                name,
+                "vLLM-Omni's cache backends are not used here; set `step_cache` instead "
+                "(policies: [first_block, teacache, taylorseer], default: {policy: teacache, "
+                "threshold: 0.2})",
+            )
     if diff is not None and diff.enable_cpu_offload:
         sink.add(
             sid,

@@ -77,6 +77,10 @@ class DiffusionEngineConfig:
     # sequence split over ulysses_degree ranks; world = (2 if cfg_parallel else 1) * ulysses.
     cfg_parallel: bool = False
     ulysses_degree: int = 1
+    # Step caching (the deploy file's `diffusion.step_cache`): the policies requests may choose,
+    # the largest threshold and the default policy ({"policies": [...], "max_threshold": x,
+    # "default": {"policy": ...}}); None: every step computed, `cache` requests refused.
+    step_cache: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..common.cache_policy import NONE, CacheBounds, CachePolicy, CachePolicyError, parse_cache
 from ..common.knobs import KnobError, check_knobs
 from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from .acceleration import AccelerationError, accelerate_transformer
@@ -30,6 +31,7 @@ from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .step_cache.runtime import StepCache
 
 __all__ = ["MAX_SEED", "DiffusionEngine"]
 
@@ -42,6 +44,7 @@ class DiffusionEngine:
         if config.max_batch_size < 1:
             raise DiffusionEngineError("max_batch_size must be >= 1")
         self._budget_bytes = self._total_budget()
+        self.cache_bounds = cache_bounds(config)
         self.adapter = adapter or self._load_adapter()
         configure_vae(self.adapter.pipe, config.vae_use_slicing, config.vae_use_tiling)
         try:
@@ -55,7 +58,7 @@ class DiffusionEngine:
                 dynamic=config.compile_dynamic,
                 fuse_qkv=config.fuse_qkv,
                 attention_backend=config.attention_backend,
-                cuda_graphs=config.cuda_graphs,
+                cuda_graphs=self._cuda_graphs(config),
                 max_graphs=config.cuda_graph_max_graphs,
                 fp8=config.fp8_linear,
                 fuse_gelu=self._fuse_gelu(config),
@@ -64,6 +67,8 @@ class DiffusionEngine:
             )
         except AccelerationError as exc:
             raise DiffusionEngineError(str(exc)) from exc
+        self.step_cache = self._step_cache()
+        self.adapter.step_cache = self.step_cache
         self.defaults: dict[str, Any] = dict(config.defaults or {})
         self._activation_budget = self._budget()
         self.limits = self._limits()
@@ -91,6 +96,39 @@ class DiffusionEngine:
         if config.fuse_gelu is not None:
             return config.fuse_gelu
         return self.device.type == "cuda" and not config.fp8_linear
+
+    def _caching(self) -> bool:
+        return any(p != NONE for p in self.cache_bounds.policies)
+
+    def _cuda_graphs(self, config: DiffusionEngineConfig) -> bool | None:
+        """Off where step caching is on: a graph of the whole forward would replay one row
+        plan (which rows compute) for every step."""
+        if not self._caching():
+            return config.cuda_graphs
+        if config.cuda_graphs:
+            raise DiffusionEngineError("step_cache and cuda_graphs: true cannot be combined")
+        return False
+
+    def _step_cache(self) -> StepCache | None:
+        if not self._caching():
+            return None
+        cfg = self.config
+        if cfg.world_size > 1:
+            raise DiffusionEngineError(
+                "step_cache with cfg_parallel/ulysses_degree is not supported: the ranks would "
+                "decide separately"
+            )
+        if cfg.compile_transformer and not cfg.compile_regional:
+            raise DiffusionEngineError(
+                "step_cache needs compile_regional with compile_transformer (the per-row "
+                "decisions sit between the compiled blocks)"
+            )
+        if not self.adapter.step_batched:
+            return None  # whole-pipeline families: requests asking for a policy are refused
+        try:
+            return StepCache(self.adapter.cached_models())
+        except TypeError as exc:
+            raise DiffusionEngineError(f"step_cache: {exc}") from exc
 
     def _total_budget(self) -> int | None:
         """Bytes the stage may use: memory_budget_gb, or gpu_memory_utilization of the device.
@@ -205,8 +243,10 @@ class DiffusionEngine:
             knobs = check_knobs(self.adapter.applied_knobs(), dict(req.knobs))
         except KnobError as exc:
             raise RequestValidationError(exc.name, exc.message) from None
+        cache = self._cache_policy(req)
         out = dataclasses.replace(
             req,
+            cache=cache,
             negative_prompt=negative,
             n=n,
             num_inference_steps=steps,
@@ -229,12 +269,31 @@ class DiffusionEngine:
                 )
         return out
 
+    def _cache_policy(self, req: GenerationRequest) -> CachePolicy:
+        try:
+            policy = self.cache_bounds.resolve(req.cache)
+        except CachePolicyError as exc:
+            raise RequestValidationError(exc.field, exc.message) from None
+        if policy.active and self.step_cache is None:
+            family = type(self.adapter.pipe).__name__
+            raise RequestValidationError(
+                "cache.policy", f"{policy.policy!r} is not available for {family}"
+            )
+        return policy
+
+    def cache_skipped(self) -> dict[str, int]:
+        """Transformer calls skipped by step caching since start, per policy (a request's
+        step counts once, its CFG rows included)."""
+        return {} if self.step_cache is None else self.step_cache.skipped()
+
     def add_request(self, req: GenerationRequest) -> GenerationRequest:
         req = self.validate(req)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         state = RequestState(req=req, seed=seed, do_cfg=self.adapter.uses_cfg(req))
         # Exactly what diffusers gets from `generator=torch.Generator("cpu").manual_seed(seed)`.
         state.generator = torch.Generator("cpu").manual_seed(seed)
+        if self.step_cache is not None:
+            StepCache.attach(state, req.cache)
         if self.adapter.step_batched:  # whole-pipeline adapters have no step to preview after
             state.preview_at = preview_steps(req.num_inference_steps, req.partial_images)
         with self._lock:
@@ -366,3 +425,26 @@ def configure_vae(pipe: Any, slicing: bool | None, tiling: bool | None) -> None:
                 f"{name}={value}: the VAE of this pipeline ({type(vae).__name__}) has no {on}"
             )
         method()
+
+
+def cache_bounds(config: DiffusionEngineConfig) -> CacheBounds:
+    """The stage's step-cache settings (config.step_cache) as CacheBounds; bad ones raise."""
+    raw = dict(config.step_cache or {})
+    try:
+        policies = tuple(raw.pop("policies", None) or (NONE,))
+        for p in policies:
+            parse_cache({"policy": p}, "step_cache.policies")
+        if NONE not in policies:
+            policies = (NONE, *policies)
+        max_threshold = float(raw.pop("max_threshold", CacheBounds.max_threshold))
+        bounds = CacheBounds(policies, max_threshold)
+        default = raw.pop("default", None)
+        if default is not None:
+            bounds = CacheBounds(
+                policies, max_threshold, bounds.check(parse_cache(default, "step_cache.default"))
+            )
+    except CachePolicyError as exc:
+        raise DiffusionEngineError(str(exc)) from None
+    if raw:
+        raise DiffusionEngineError(f"step_cache: unknown settings {sorted(raw)}")
+    return bounds

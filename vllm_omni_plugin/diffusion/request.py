@@ -35,6 +35,9 @@ class GenerationRequest:
     mask: Any = None
     # The family's own knobs set by this request (adapter.knobs: name -> checked value).
     knobs: dict[str, Any] = field(default_factory=dict)
+    # Step caching: {"policy": "first_block", "threshold": 0.1} as the user sent it (None: the
+    # stage's default); `DiffusionEngine.validate` turns it into a checked CachePolicy.
+    cache: Any = None
 
 
 def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:
@@ -80,6 +83,8 @@ class RequestState:
     preview_at: tuple[int, ...] = ()
     x0: torch.Tensor | None = None
     preview_s: float = 0.0  # time spent decoding its previews
+    # Its step-cache state (step_cache/state.py RequestCache); None: every step computed.
+    step_cache: Any = None
 
     @property
     def request_id(self) -> str:

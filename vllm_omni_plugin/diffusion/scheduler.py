@@ -164,5 +164,11 @@ class Scheduler:
             "mean_batch": sum(sizes) / len(sizes),
             "decode_s": s.decode_s,
             **({"preview_s": s.preview_s} if s.preview_at else {}),
+            # Step caching: its policy and the steps whose transformer call it skipped.
+            **(
+                {"cache_policy": s.step_cache.policy.policy, "cache_skipped": s.step_cache.skipped}
+                if s.step_cache is not None
+                else {}
+            ),
         }
         return GenerationOutput(s.request_id, images, error, metrics)

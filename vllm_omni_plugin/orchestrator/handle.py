@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..common.limits import RequestLimits
@@ -51,6 +51,8 @@ class StageStats:
     in_flight: int
     busy_s: float
     node: str = ""  # where it runs, when not in this process's host: a node's peer, a Ray IP
+    # Diffusion step caching: request steps whose transformer call was skipped, per policy.
+    cache_skipped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -338,6 +338,7 @@ class Orchestrator:
                     "failed": st.failed,
                     "in_flight": st.in_flight,
                     "busy_seconds": st.busy_s,
+                    "cache_skipped": dict(st.cache_skipped),
                 }
             )
         return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ class PendingRequests:
         self.completed = 0
         self.failed = 0
         self.busy_s = 0.0
+        self.cache_skipped: Counter[str] = Counter()  # diffusion step caching, per policy
 
     def __len__(self) -> int:
         return len(self.futures)
@@ -95,6 +97,9 @@ class PendingRequests:
         finally:
             self._forget(request_id)
         self.busy_s += result.stage_s
+        policy = result.metrics.get("cache_policy") if result.metrics else None
+        if policy:
+            self.cache_skipped[policy] += int(result.metrics.get("cache_skipped", 0))
         if result.error is None:
             self.completed += 1
         else:

@@ -226,6 +226,7 @@ class RayReplicaClient:
             len(p),
             p.busy_s,
             self.node_ip or "",
+            dict(p.cache_skipped),
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

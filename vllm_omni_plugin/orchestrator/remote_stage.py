@@ -87,6 +87,7 @@ class RemoteStageClient:
             len(p),
             p.busy_s,
             self.link.peer if self.link is not None else "",
+            dict(p.cache_skipped),
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +93,7 @@ class ReplicaSet:
             sum(s.failed for s in each),
             sum(s.in_flight for s in each),
             sum(s.busy_s for s in each),
+            cache_skipped=dict(sum((Counter(s.cache_skipped) for s in each), Counter())),
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

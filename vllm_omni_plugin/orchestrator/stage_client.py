@@ -121,6 +121,7 @@ class StageClient:
             p.failed,
             len(p),
             p.busy_s,
+            cache_skipped=dict(p.cache_skipped),
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

@@ -18,11 +18,12 @@ where its alpha is 0 (OpenAI: fully transparent = the area to edit).
 Form fields: `image` (one file) or `image[]` (several, as the openai client sends a list),
 `prompt`, `mask`, `model`, `n`, `size`, `response_format`, `output_format`,
 `output_compression`, `stream`, `partial_images`, `user`, and our extensions `seed`,
-`num_inference_steps`, `guidance_scale`, `negative_prompt`, the family's knobs, and `url` /
-`url[]` (source images by URL: serving/edit_urls.py). `size` omitted or "auto": the first
-image's aspect ratio at the stage's default area (`auto_size`). A file under any other name is
-a 400; so is any text field the route or the model's family does not apply
-(serving/request_fields.py), as on the generations route.
+`num_inference_steps`, `guidance_scale`, `negative_prompt`, the family's knobs, `cache` (step
+caching: a JSON object, or `cache[policy]`, `cache[threshold]`, ... as the openai client writes a
+nested `extra_body` mapping into a form), and `url` / `url[]` (source images by URL:
+serving/edit_urls.py). `size` omitted or "auto": the first image's aspect ratio at the stage's
+default area (`auto_size`). A file under any other name is a 400; so is any text field the route
+or the model's family does not apply (serving/request_fields.py), as on the generations route.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import cache_field
 from .errors import APIError, invalid
 from .protocol import ImageLimits, ValidRequest
 from .request_fields import EDITS
@@ -90,6 +92,13 @@ def form_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Any]
         if name in URL_FIELDS:  # source images by URL, in order, under one name
             data.setdefault("url", []).append(value)
             continue
+        key = cache_field.form_key(name)
+        if key is not None:
+            cache = data.setdefault("cache", {})
+            if not isinstance(cache, dict) or key in cache:
+                raise invalid(f"parameter '{name}' is given twice", "cache", "invalid_value")
+            cache[key] = cache_field.form_value(key, value)
+            continue
         if name in data:
             raise invalid(f"parameter '{name}' is given twice", name, "invalid_value")
         data[name] = _typed(name, value)
@@ -108,6 +117,8 @@ def _typed(name: str, value: str) -> Any:
         raise invalid(
             f"invalid type for '{name}': expected {kind}, got {value!r}", name, "invalid_type"
         ) from None
+    if name == "cache":  # a JSON object in one text field
+        return cache_field.json_value(value)
     if name in BOOL_FIELDS:
         if value.lower() not in ("true", "false"):
             raise invalid(

@@ -256,6 +256,7 @@ class ImageService:
             output_compression=valid.output_compression,
             stream=valid.stream,
             partial_images=valid.partial_images if valid.stream else 0,
+            cache=valid.cache,
             input_images=list(valid.input_images),
             mask=valid.mask,
             knobs=dict(valid.knobs),

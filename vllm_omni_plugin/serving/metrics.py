@@ -66,6 +66,15 @@ class OmniCollector:
             gauge = GaugeMetricFamily(name, doc, labels=["pipeline"])
             gauge.add_metric([self.pipeline], float(value))
             yield gauge
+        skipped = CounterMetricFamily(
+            "omni_cache_skipped",
+            "Diffusion steps whose transformer call step caching skipped, per policy",
+            labels=["pipeline", "stage", "policy"],
+        )
+        for s in stats:
+            for policy, count in sorted(s.get("cache_skipped", {}).items()):
+                skipped.add_metric([self.pipeline, str(s["stage_id"]), policy], float(count))
+        yield skipped
         yield from stage_engine_families(self.orchestrator.engine_metrics())
         yield from self._replica_families()
 

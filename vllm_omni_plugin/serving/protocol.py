@@ -47,6 +47,9 @@ class ImageGenerationRequest(BaseModel):
     # EventSource UIs) instead of SSE comments (which every SSE client, the openai one too,
     # skips).
     progress_events: StrictBool | None = None
+    # Step caching, per request: {"policy": "first_block", "threshold": 0.1} (cache_policy.py);
+    # the stage refuses a policy it does not enable.
+    cache: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class ValidRequest:
     stream: bool = False
     partial_images: int = 0
     progress_events: bool = False
+    # Step caching: the request's checked `cache` (cache_policy.CachePolicy.as_dict()), or None.
+    cache: dict[str, Any] | None = None
     # Echoed in stream events (OpenAI's fields; they change nothing here).
     quality: str = "auto"
     background: str = "auto"

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..common.limits import MAX_PARTIAL_IMAGES
+from . import cache_field
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest, ImageLimits, ValidRequest
 from .request_fields import EDIT_ONLY, GENERATIONS, FamilyFields, split_fields
@@ -168,6 +169,7 @@ def validate_request(
             "partial_images",
         )
     return ValidRequest(
+        cache=cache_field.checked(req.cache),
         prompt=req.prompt,
         n=req.n,
         width=width,

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
+from . import cache_field
 from .errors import APIError, invalid
 from .owners import visible
 from .request_fields import FamilyFields
@@ -114,7 +115,11 @@ class VideoService:
             self.default_fps,
             self.max_num_frames,
         )
-        return check_video_request(data, bounds)
+        data = cache_field.fold_form(data)
+        cache = data.pop("cache", None)
+        request = check_video_request(data, bounds)
+        request["cache"] = cache_field.checked(cache)
+        return request
 
     def create(self, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         # (The route also asks before reading the body; other jobs may have come meanwhile.)
@@ -283,6 +288,7 @@ class VideoService:
             num_frames=req["num_frames"],
             fps=req["fps"],
             knobs=dict(req.get("knobs") or {}),
+            cache=req.get("cache"),
         )
         self.store.set_progress(job_id, 0)
         self.queue.notify()

@@ -182,6 +182,7 @@ class DiffusionStageRunner(SteppedStageLoop):
                 prior_token_ids=prior,
                 partial_images=p.partial_images if p.stream else 0,
                 num_frames=p.num_frames,  # video requests only
+                cache=p.cache,
                 # Edits: the API server's checked lossless PNGs (GenerationParams' contract).
                 input_images=[_decode_png(b) for b in p.input_images],
                 mask=None if p.mask is None else _decode_png(p.mask),

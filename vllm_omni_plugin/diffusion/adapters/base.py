@@ -63,6 +63,12 @@ class DiffusionAdapter(ABC):
         self.defaults = dict(defaults)
         # The module the denoising loop calls; the engine may swap in a compiled wrapper.
         self.transformer = pipe.transformer
+        # The engine's StepCache (step_cache/runtime.py) when the stage enables step caching.
+        self.step_cache: Any = None
+
+    def cached_models(self) -> list[torch.nn.Module]:
+        """The transformers whose blocks the step cache wraps (Wan2.2: both experts)."""
+        return [self.pipe.transformer]
 
     # ---- facts -------------------------------------------------------------------------
     @property
@@ -173,6 +179,15 @@ class DiffusionAdapter(ABC):
         """Run one step's separate forwards (row groups); CFG parallelism replaces this on the
         instance to spread the groups over its ranks (diffusion/parallel/cfg.py)."""
         return [forward(g) for g in groups]
+
+    def run_transformer(
+        self, model: Any, rows: list[tuple[RequestState, str, int]], kwargs: dict, expert: int = 0
+    ) -> tuple[torch.Tensor, ...]:
+        """`model(**kwargs)`, through the step cache when the stage has one. `rows`: the batch's
+        row groups in order, (state, "cond" or "uncond", rows)."""
+        if self.step_cache is None:
+            return model(**kwargs)
+        return self.step_cache.run(model, rows, kwargs, expert)
 
     def generate(self, state: RequestState, on_step: Any) -> list[Image.Image]:
         raise NotImplementedError  # only whole-pipeline adapters implement this

@@ -147,7 +147,7 @@ class FluxAdapter(DiffusionAdapter):
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self._text_ids_dtype())
         req0 = states[0].req
         img_ids = self._image_ids_for(req0.height, req0.width, self._text_ids_dtype())
-        pred = self.transformer(
+        kwargs = dict(
             hidden_states=latents,
             timestep=t / 1000,
             guidance=guidance,
@@ -157,7 +157,9 @@ class FluxAdapter(DiffusionAdapter):
             img_ids=img_ids,
             joint_attention_kwargs={},
             return_dict=False,
-        )[0]
+        )
+        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
+        pred = self.run_transformer(self.transformer, tags, kwargs)[0]
         n_cond = sum(s.n for s in states)
         cond, uncond = pred[:n_cond], pred[n_cond:]
         if cfg_states:

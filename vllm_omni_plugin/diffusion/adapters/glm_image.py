@@ -253,11 +253,17 @@ class GlmImageAdapter(DiffusionAdapter):
         rows += [(s, s.cond["neg"], True) for s in states if s.do_cfg]
         preds: dict[tuple[int, bool], torch.Tensor] = {}
         by_len: dict[tuple, list[tuple[RequestState, torch.Tensor, bool]]] = {}
+        cached = any(s.step_cache is not None for s in states)
         for row in rows:
             # Conditional rows of an edit attend to its source keys: same source length only.
             kv = row[0].cond.get("kv") if not row[2] else None
-            by_len.setdefault((row[1].shape[1], kv[0][0].shape[1] if kv else 0), []).append(row)
-        groups = list(by_len.values())
+            # With step caching, cond rows run in forwards before the uncond rows: a request's
+            # cond rows decide its step for both (CFG rows decide together).
+            drop = row[2] and cached
+            by_len.setdefault((drop, row[1].shape[1], kv[0][0].shape[1] if kv else 0), []).append(
+                row
+            )
+        groups = [by_len[k] for k in sorted(by_len, key=lambda k: k[0])]
         for group, out in zip(groups, self.forward_groups(self._forward, groups), strict=True):
             for (s, _, drop), chunk in zip(group, out.split([r[0].n for r in group]), strict=True):
                 preds[(id(s), drop)] = chunk
@@ -300,7 +306,7 @@ class GlmImageAdapter(DiffusionAdapter):
                 layer.v_caches = [
                     torch.cat([s.cond["kv"][i][1].expand(s.n, -1, -1, -1) for s, _, _ in rows])
                 ]
-        return tr(
+        kwargs = dict(
             hidden_states=latents.to(self.pipe.transformer.dtype),
             encoder_hidden_states=embeds,
             prior_token_id=prior,
@@ -311,7 +317,9 @@ class GlmImageAdapter(DiffusionAdapter):
             attention_kwargs=None,
             return_dict=False,
             kv_caches=caches,
-        )[0].float()
+        )
+        tags = [(s, "uncond" if drop else "cond", s.n) for s, _, drop in rows]
+        return self.run_transformer(tr, tags, kwargs)[0].float()
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:

@@ -145,7 +145,7 @@ class QwenImageAdapter(DiffusionAdapter):
                     for s in rows
                 ]
             )
-        pred = self.transformer(
+        kwargs = dict(
             hidden_states=hidden,
             timestep=t / 1000,
             guidance=guidance,
@@ -154,7 +154,9 @@ class QwenImageAdapter(DiffusionAdapter):
             img_shapes=img_shapes,
             attention_kwargs={},
             return_dict=False,
-        )[0]
+        )
+        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
+        pred = self.run_transformer(self.transformer, tags, kwargs)[0]
         if hidden is not latents:
             pred = pred[:, : latents.shape[1]]  # the noisy latents' part only
         n_cond = sum(s.n for s in states)

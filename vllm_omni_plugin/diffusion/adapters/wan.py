@@ -56,6 +56,10 @@ class WanAdapter(DiffusionAdapter):
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
 
     # ---- facts -------------------------------------------------------------------------
+    def cached_models(self) -> list[torch.nn.Module]:
+        experts = [self.pipe.transformer, getattr(self.pipe, "transformer_2", None)]
+        return [m for m in experts if m is not None]
+
     @property
     def spec(self) -> FamilySpec:
         g = self.spatial * self.patch[1]
@@ -204,13 +208,16 @@ class WanAdapter(DiffusionAdapter):
             timestep = torch.cat([t.expand(s.n, seq) for s, t in zip(rows, ts, strict=True)])
         else:
             timestep = torch.cat([t.expand(s.n) for s, t in zip(rows, ts, strict=True)])
-        pred = model(
+        kwargs = dict(
             hidden_states=latents,
             timestep=timestep,
             encoder_hidden_states=embeds,
             attention_kwargs=None,
             return_dict=False,
-        )[0]
+        )
+        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
+        # Each expert caches on its own: a switch of expert resets the request's cache.
+        pred = self.run_transformer(model, tags, kwargs, expert)[0]
         n_cond = sum(s.n for s in states)
         cond, uncond = pred[:n_cond], pred[n_cond:]
         i = j = 0
