@@ -209,6 +209,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "max_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "max_negative_prompt_chars"): {"pipeline": Code(_LIMITS)},
     ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
+    ("ServingLimits", "max_input_audio_s"): {"pipeline": Code("serving/speech_request.py")},
     # PipelineRuntime (top-level `runtime:`)
     ("PipelineRuntime", "backend"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},

@@ -178,3 +178,5 @@ class ServingLimits(Owner):
     """Longest negative prompt accepted, in characters."""
     request_timeout_s: float = Field(600.0, gt=0)
     """A request still unfinished after this long fails with a timeout error."""
+    max_input_audio_s: float = Field(300.0, gt=0)
+    """Longest `input_audio` a chat request may carry, in seconds of audio (longer: a 400)."""
