@@ -19,9 +19,14 @@ class OmniImagesPlugin:
         args = getattr(app.state, "args", None)
         if getattr(args, "stage_config", None) is None:
             return
-        from vllm_omni_plugin.serving.routes import router
+        from vllm_omni_plugin.serving.chat_routes import attach_chat_routes
+        from vllm_omni_plugin.serving.routes import no_text_router, router
 
         app.include_router(router)
+        # A pipeline with a chat stage: vLLM registered its text routes; ours takes its chat
+        # route's place (same parsing, vLLM's handler, plus speech). Otherwise: clear 400s.
+        if not attach_chat_routes(app):
+            app.include_router(no_text_router)
         from vllm_omni_plugin.serving.edits_routes import router as edits_router
 
         app.include_router(edits_router)  # POST /v1/images/edits
@@ -33,6 +38,11 @@ class OmniImagesPlugin:
         from vllm_omni_plugin.serving.engine_client import OmniEngineClient
 
         if not isinstance(engine_client, OmniEngineClient):
+            return
+        if engine_client.serves_text:
+            from vllm_omni_plugin.serving.speech_state import init_speech_service
+
+            init_speech_service(engine_client, state, args)  # chat with audio, its metrics
             return
         from vllm_omni_plugin.serving.app_state import init_image_service
 

@@ -249,7 +249,9 @@ def install_cli_flags() -> None:
 # Why: vLLM's version builds chat renderers and tokenizers from the engine's ModelConfig,
 # which a diffusion pipeline does not have. For our engine client we initialise the state the
 # shared routes read (/health, /v1/models, /load, /metrics) and then run the endpoint plugins'
-# state hook (SERVE_SEAMS.plugins_state: vLLM's own function, which moved in 0.29).
+# state hook (SERVE_SEAMS.plugins_state: vLLM's own function, which moved in 0.29). A pipeline
+# with a chat stage (Qwen3-Omni's thinker) has that stage's ModelConfig: vLLM's own version
+# runs, with MODEL set to the pipeline's model folder (it may come from the deploy YAML).
 #
 # Patch 4: `vllm.plugins.load_endpoint_plugins`.
 # Why: vLLM loads endpoint plugins only when VLLM_PLUGINS names them; --stage-config is the
@@ -301,6 +303,12 @@ def install_serve_patches() -> None:
         from vllm_omni_plugin.serving.engine_client import OmniEngineClient
 
         if not isinstance(engine_client, OmniEngineClient):
+            return await original_init(engine_client, state, args, *a, **kw)
+        if engine_client.serves_text:
+            # A pipeline with a chat stage: vLLM's own state (chat, completions, tokenize,
+            # /v1/models) on that stage's vLLM front end, as `vllm serve` of it alone builds it;
+            # it runs the endpoint plugins' state hook itself. MODEL may come from the YAML.
+            args = argparse.Namespace(**{**vars(args), "model": str(engine_client.cfg.model)})
             return await original_init(engine_client, state, args, *a, **kw)
         from vllm_omni_plugin.serving.app_state import init_omni_app_state
 

@@ -28,6 +28,10 @@ the source declares (its dist-info or vllm/_version.py):
 * the worker process title (`VLLM_PROCESS_NAME_PREFIX` + "::" + "Worker");
 * `Worker.determine_available_memory` returns early, before its free-memory profiling, when
   `kv_cache_memory_bytes` is set (stages sharing a GPU start together on that, orchestrator.py);
+* a pipeline's chat stage: `InputProcessor.process_inputs`, `AsyncLLM.generate(prompt_text=)`
+  and its ready-EngineCoreRequest path, `EngineCoreRequest` fields, `RequestOutput.add`,
+  `OpenAIServingChat.render_chat_request` / `default_sampling_params`,
+  `ChatCompletionRequest.to_sampling_params`, vLLM's chat route's parameters;
 * `engine_fields(minor)` equals the wheel's EngineArgs/AsyncEngineArgs fields, both ways, with
   matching coarse types where the annotation is a plain type.
 
@@ -45,6 +49,7 @@ from pathlib import Path
 # against) are re-exported for tests/vllm_window/test_seams.py.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_seams import project  # noqa: E402, F401
+from vllm_seams.chat import check_chat_seams  # noqa: E402
 from vllm_seams.engine import (  # noqa: E402
     check_fixed_kv_cache_skips_profiling,
     check_registration,
@@ -71,6 +76,7 @@ CHECKS = (
     check_worker_title,
     check_fixed_kv_cache_skips_profiling,
     check_engine_fields,
+    check_chat_seams,
 )
 
 

@@ -135,3 +135,74 @@ def shared_wan_server(tiny_models, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# ---- A pipeline with a chat stage next to stock `vllm serve` of the same model (issue 29) ----
+HERE = REPO / "tests" / "serving"
+# A byte-level chat template for the tiny Qwen2 (it has none of its own).
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHAT_SERVE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "float32"]
+
+
+def _tiny_chat_model(root):
+    import json
+
+    from tiny_text_model import build_tiny_text_model
+
+    model = build_tiny_text_model(root / "tiny-qwen2-chat")
+    path = model / "tokenizer_config.json"
+    path.write_text(
+        json.dumps({**json.loads(path.read_text()), "chat_template": TINY_CHAT_TEMPLATE})
+    )
+    return model
+
+
+def _pipeline_dist(root):
+    """Distribution metadata naming the test pipeline in `vllm_omni_plugin.pipelines`, on a
+    PYTHONPATH entry next to its module: how a third-party pipeline package registers."""
+    import shutil
+
+    site = root / "site"
+    info = site / "omni_test_chat-0.0.dist-info"
+    info.mkdir(parents=True)
+    shutil.copy(HERE / "chat_pipeline" / "omni_test_chat.py", site / "omni_test_chat.py")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omni-test-chat\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm_omni_plugin.pipelines]\ntest_text_chat = omni_test_chat:TEXT_CHAT\n"
+    )
+    return site
+
+
+@pytest.fixture(scope="session")
+def chat_servers(tmp_path_factory):
+    """(pipeline server, stock server): the test chat pipeline (omni_test_chat.py) and stock
+    `vllm serve` of the same tiny model, started together."""
+    import os
+
+    root = tmp_path_factory.mktemp("chat-servers")
+    model = _tiny_chat_model(root)
+    site = _pipeline_dist(root)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    ours = Server(
+        [
+            str(model),
+            "--stage-config",
+            str(HERE / "chat_pipeline" / "text_chat_tiny.yaml"),
+            "--api-key",
+            API_KEY,
+        ],
+        root / "ours.log",
+        env={**SHARED_ENV, "PYTHONPATH": path},
+    )
+    stock = Server([str(model), *CHAT_SERVE_ARGS, "--api-key", API_KEY], root / "stock.log")
+    try:
+        for server in (ours, stock):
+            server.startup_s = server.wait_healthy(timeout=600)
+            server.model = str(model)
+        yield ours, stock
+    finally:
+        ours.stop()
+        stock.stop()

@@ -218,6 +218,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "max_queued_requests"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "edit_url_hosts"): {"pipeline": Code("serving/app_state.py")},
+    ("ServingLimits", "max_input_audio_s"): {"pipeline": Code("serving/speech_request.py")},
     # PipelineRuntime (top-level `runtime:`)
     ("PipelineRuntime", "backend"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},

@@ -196,3 +196,6 @@ class ServingLimits(Owner):
                     f"edit_url_hosts: {host!r} is not a host name (no scheme, path or port)"
                 )
         return tuple(h.lower() for h in hosts or ())
+
+    max_input_audio_s: float = Field(300.0, gt=0)
+    """Longest `input_audio` a chat request may carry, in seconds of audio (longer: a 400)."""

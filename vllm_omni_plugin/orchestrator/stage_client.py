@@ -41,6 +41,7 @@ from ..common.messages import (
     Result,
     StageInfo,
     Submit,
+    TextOutput,
 )
 from ..config.stage_init import StageInit
 from .connector_stats import absorb_relayed
@@ -317,7 +318,7 @@ class StageClient:
                 self.on_pulse(msg)
         elif isinstance(msg, Result):
             self.pending.resolve(msg)
-        elif isinstance(msg, Progress):
+        elif isinstance(msg, (Progress, TextOutput)):  # TextOutput: a GenerateText's outputs
             self.pending.progress(msg)
         elif isinstance(msg, (Chunk, ChunkDone)):
             self.pending.stream(msg)

@@ -77,6 +77,12 @@ class PipelineTopology:
     """Whether an edit may carry a `mask` (inpainting); otherwise a mask is a 400."""
     max_input_aspect_ratio: float | None = None
     """Longest over shortest side a source image may have (a 400 otherwise); None: no bound."""
+    chat_stage: int | None = None
+    """The stage that answers /v1/chat/completions and /v1/completions as `vllm serve` of its
+    model alone would (a vLLM text generator, e.g. Qwen3-Omni's thinker); None: no text routes."""
+    audio_output: bool = False
+    """Whether a chat request may ask for speech (`modalities: ["text", "audio"]`): the whole
+    pipeline runs and the last stage's waveform is the answer's audio."""
     description: str = ""
 
     def stage(self, stage_id: int) -> StageSpec:
@@ -110,6 +116,15 @@ class PipelineTopology:
                 problems.append(f"stage {s.stage_id}: stream_window must be at least 1")
             if s.runner is not None and ":" not in s.runner:
                 problems.append(f"stage {s.stage_id}: runner {s.runner!r} is not 'module:Class'")
+        if self.chat_stage is not None:
+            chat = [s for s in self.stages if s.stage_id == self.chat_stage]
+            if not chat or chat[0].kind != "ar" or chat[0].inputs:
+                problems.append(
+                    f"chat_stage {self.chat_stage} must be an entry stage of kind 'ar' (a vLLM "
+                    "text generator)"
+                )
+        if self.audio_output and self.chat_stage is None:
+            problems.append("audio_output needs a chat_stage (speech answers a chat request)")
         return problems
 
 

@@ -35,10 +35,19 @@ _STAGE_METRICS = (
 
 
 class OmniCollector:
-    def __init__(self, orchestrator: Any, service: Any, pipeline: str):
+    def __init__(
+        self,
+        orchestrator: Any,
+        service: Any,
+        pipeline: str,
+        requests_metric: str = "omni_image_requests",
+        requests_doc: str = "Image requests by HTTP status",
+    ):
         self.orchestrator = orchestrator
-        self.service = service
+        self.service = service  # its `outcomes` (status -> count); `timer`: speech latencies
         self.pipeline = pipeline
+        self.requests_metric = requests_metric
+        self.requests_doc = requests_doc
 
     def collect(self):
         stats = self.orchestrator.stage_stats()
@@ -49,23 +58,25 @@ class OmniCollector:
                 family.add_metric([self.pipeline, str(s["stage_id"]), s["kind"]], float(s[key]))
             yield family
         requests = CounterMetricFamily(
-            "omni_image_requests", "Image requests by HTTP status", labels=["pipeline", "status"]
+            self.requests_metric, self.requests_doc, labels=["pipeline", "status"]
         )
         for status, count in sorted(self.service.outcomes.items()):
             requests.add_metric([self.pipeline, status], float(count))
         yield requests
-        admission = self.service.admission
-        for name, value, doc in (
-            ("omni_image_requests_running", admission.started, "Requests in the stages"),
-            (
-                "omni_image_requests_waiting",
-                admission.waiting,
-                "Requests admitted, waiting to run (bound: serving.max_queued_requests)",
-            ),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=["pipeline"])
-            gauge.add_metric([self.pipeline], float(value))
-            yield gauge
+        # Images: admission (a speech service admits through vLLM's own chat handler).
+        admission = getattr(self.service, "admission", None)
+        if admission is not None:
+            for name, value, doc in (
+                ("omni_image_requests_running", admission.started, "Requests in the stages"),
+                (
+                    "omni_image_requests_waiting",
+                    admission.waiting,
+                    "Requests admitted, waiting to run (bound: serving.max_queued_requests)",
+                ),
+            ):
+                gauge = GaugeMetricFamily(name, doc, labels=["pipeline"])
+                gauge.add_metric([self.pipeline], float(value))
+                yield gauge
         skipped = CounterMetricFamily(
             "omni_cache_skipped",
             "Diffusion steps whose transformer call step caching skipped, per policy",
@@ -75,6 +86,9 @@ class OmniCollector:
             for policy, count in sorted(s.get("cache_skipped", {}).items()):
                 skipped.add_metric([self.pipeline, str(s["stage_id"]), policy], float(count))
         yield skipped
+        timer = getattr(self.service, "timer", None)  # speech: time to first audio, RTF
+        if timer is not None:
+            yield from timer.families(self.pipeline)
         yield from stage_engine_families(self.orchestrator.engine_metrics())
         yield from self._replica_families()
 

@@ -129,7 +129,9 @@ async def describe_stages(request: Request) -> Response:
         await refuse_body(request)
         if os.environ.get(DESCRIBE_STAGES_ENV) != "1":
             raise APIError(404, "not found", code="not_found")
-        orchestrator = _service(request).orchestrator
+        # Any pipeline's (a chat pipeline has no image service): the engine client's.
+        client = getattr(request.app.state, "engine_client", None)
+        orchestrator = getattr(client, "orchestrator", None) or _service(request).orchestrator
     except APIError as exc:
         return _error(exc)
     stages = [
@@ -160,7 +162,11 @@ def _no_text_stage(request: Request) -> JSONResponse:
     )
 
 
-@router.post("/v1/chat/completions")
+# Attached only when vLLM registered no text routes (a pipeline without a chat stage).
+no_text_router = APIRouter()
+
+
+@no_text_router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     try:
         await read_body(request, MAX_BODY_BYTES)
@@ -169,7 +175,7 @@ async def chat_completions(request: Request) -> Response:
     return _no_text_stage(request)
 
 
-@router.post("/v1/completions")
+@no_text_router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     try:
         await read_body(request, MAX_BODY_BYTES)

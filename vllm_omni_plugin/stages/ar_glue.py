@@ -83,7 +83,27 @@ class GlmImageGlue:
 _GLUES = {"glm_image": GlmImageGlue}
 
 
-def glue_for(pipeline: str, stage: Any):
+class ChatOnlyGlue:
+    """A pipeline's chat stage that is nothing else (a text-only deployment): it answers vLLM's
+    own chat and completion requests (GenerateText, ar_text.py), never a pipeline Submit."""
+
+    def __init__(self, stage: Any):
+        self.defaults = stage.sampling.sampling_kwargs()
+
+    def prepare(self, params: GenerationParams):
+        raise RequestValidationError(
+            "prompt", "this stage answers /v1/chat/completions and /v1/completions only"
+        )
+
+    def to_payload(self, token_ids: list[int], params: GenerationParams):
+        raise AssertionError("prepare refuses every pipeline request")
+
+
+def glue_for(pipeline: str, stage: Any, chat_only: bool = False):
+    """The pipeline's glue for `stage`; ChatOnlyGlue for a chat stage of a pipeline with no
+    glue of its own (`chat_only`: the stage is its topology's chat stage)."""
+    if pipeline not in _GLUES and chat_only:
+        return ChatOnlyGlue(stage)
     if pipeline not in _GLUES:
         raise ValueError(f"no AR stage glue for pipeline {pipeline!r}; known: {sorted(_GLUES)}")
     return _GLUES[pipeline](stage)

@@ -19,6 +19,7 @@ from ..common.messages import (
     ENGINE_METRICS_INTERVAL_S,
     ARSettings,
     EngineMetrics,
+    GenerateText,
     Progress,
     Result,
     StageInfo,
@@ -28,7 +29,8 @@ from ..config.stage_init import StageInit
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
 from . import engine_metrics
 from .ar_glue import glue_for
-from .loop import AsyncStageLoop
+from .ar_text import run_text, speak_chat
+from .loop import AsyncStageLoop, _log_task_failure
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
 
@@ -125,7 +127,8 @@ def _plain(value: Any) -> Any:
 class ARStageRunner(AsyncStageLoop):
     def __init__(self, init: StageInit, conn: Any):
         super().__init__(init, conn)
-        self.glue = glue_for(init.pipeline, init.stage)
+        # A text-only chat stage (emits "text") needs no pipeline glue of its own.
+        self.glue = glue_for(init.pipeline, init.stage, chat_only=init.spec.emits == "text")
         self.engine = self.loop.run_until_complete(self._build_engine())
 
     async def _build_engine(self):
@@ -185,6 +188,27 @@ class ARStageRunner(AsyncStageLoop):
             self.reply(EngineMetrics(self.stage_id, engine_metrics.snapshot()))
             await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
 
+    # ---- vLLM's own chat/completion requests (GenerateText, ar_text.py) ---------------------
+    def dispatch(self, msg: Any) -> None:
+        if not isinstance(msg, GenerateText):
+            return super().dispatch(msg)
+        self.submitted += 1
+        task = self.loop.create_task(self._run_text(msg))
+        task.add_done_callback(_log_task_failure)
+        self.tasks[msg.request_id] = task  # an Abort cancels it like any request
+
+    async def _run_text(self, msg: GenerateText) -> None:
+        try:
+            result = await run_text(self.engine, msg, self.reply, self.pulse)
+        finally:
+            self.tasks.pop(msg.request_id, None)
+        if result is None:
+            return  # aborted: AsyncLLM.generate aborted it in the engine
+        if result.error is not None and getattr(self.engine, "errored", False):
+            self._engine_died()
+            return  # not this request's fault: the stage's death fails it with a 503
+        self.reply(result)
+
     def engine_unfinished(self) -> int | None:
         """vLLM's own count of the requests its AsyncLLM still tracks (None if this vLLM
         does not say); an aborted generation leaves it when vLLM handles the abort."""
@@ -205,6 +229,8 @@ class ARStageRunner(AsyncStageLoop):
         return False
 
     async def run_request(self, msg: Submit) -> Result:
+        if msg.params.chat_request:  # speech: vLLM's chat request, rendered by the API server
+            return await speak_chat(self, msg)
         rid = msg.request_id
         prompt, params = self.glue.prepare(msg.params)  # token ids (+ multimodal data)
         final = None

@@ -1,0 +1,73 @@
+"""POST /v1/chat/completions on a pipeline with a chat stage: vLLM's own route, plus speech.
+
+vLLM registers its chat route when the engine client reports the text task (a pipeline with a
+chat stage). This module takes that route's place with one that keeps vLLM's request parsing
+(the same request class, the same dependencies) and hands every request without speech to
+vLLM's own handler unchanged; a request that asks for speech (`modalities` with "audio", or an
+`audio` object) goes to the speech service (speech.py), which refuses it with a 400 on a
+deployment that does not speak.
+
+No `from __future__ import annotations` here: the route's request annotation is vLLM's class,
+read from vLLM's own route at attach time, and FastAPI must see the class itself.
+"""
+
+import inspect
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from .errors import APIError
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def take_route(app: Any, path: str, method: str) -> APIRoute | None:
+    """Remove and return the app's API route for `method path` (None if it has none)."""
+    for route in list(app.router.routes):
+        if isinstance(route, APIRoute) and route.path == path and method in route.methods:
+            app.router.routes.remove(route)
+            return route
+    return None
+
+
+def asks_for_speech(request: Any) -> bool:
+    extra = getattr(request, "model_extra", None) or {}
+    modalities = extra.get("modalities")
+    wants = isinstance(modalities, list) and "audio" in modalities
+    return wants or extra.get("audio") is not None
+
+
+def speech_router(core: APIRoute) -> APIRouter:
+    """A router whose chat route parses as vLLM's (`core`) and adds the speech branch."""
+    vllm_endpoint = core.endpoint
+    request_cls = inspect.signature(vllm_endpoint).parameters["request"].annotation
+    router = APIRouter()
+
+    async def create_chat_completion(request: request_cls, raw_request: Request):  # type: ignore[valid-type]
+        if not asks_for_speech(request):
+            return await vllm_endpoint(request=request, raw_request=raw_request)
+        service = getattr(raw_request.app.state, "omni_speech", None)
+        if service is None:
+            err = APIError(503, "the speech service is not initialised", code="not_ready")
+            return JSONResponse(err.body(), status_code=err.status)
+        return await service.create(request, raw_request)
+
+    router.add_api_route(
+        CHAT_PATH,
+        create_chat_completion,
+        methods=["POST"],
+        dependencies=list(core.dependencies),
+        responses=dict(core.responses),
+    )
+    return router
+
+
+def attach_chat_routes(app: Any) -> bool:
+    """Put the speech-aware chat route in place of vLLM's; False if vLLM registered none."""
+    core = take_route(app, CHAT_PATH, "POST")
+    if core is None:
+        return False
+    app.include_router(speech_router(core))
+    return True

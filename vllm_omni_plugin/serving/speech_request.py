@@ -1,0 +1,158 @@
+"""What a chat request that asks for speech must satisfy, checked before any stage is touched.
+
+OpenAI's shape: `modalities: ["text", "audio"]` and `audio: {"voice": NAME, "format": FMT}`.
+Each refusal is an APIError 400 (OpenAI's error object) naming the field:
+
+- speech asked of a deployment whose pipeline does not speak;
+- `audio` without "audio" in `modalities`, or `modalities` with anything but "text"/"audio";
+- a voice that is not one of the checkpoint's speakers (talker config `speaker_id`);
+- a format outside audio_encode.FORMATS, or a streamed answer in anything but pcm16 (what
+  OpenAI streams);
+- `n` > 1 (one voice answers once);
+- an `input_audio` part whose data is not base64 of audio FFmpeg decodes, or longer than
+  `serving.max_input_audio_s`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .audio_encode import FORMATS
+from .errors import invalid
+
+STREAM_FORMAT = "pcm16"
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """A checked request's speech settings."""
+
+    voice: str  # the checkpoint's spelling of the speaker
+    format: str
+    stream: bool
+
+
+def checkpoint_voices(model_dir: str | Path) -> dict[str, str]:
+    """The speakers of a Qwen3-Omni-style checkpoint: lower-cased name -> name as written in
+    config.json's `talker_config.speaker_id`. Empty when the checkpoint has none."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    speakers = (config.get("talker_config") or {}).get("speaker_id") or {}
+    return {str(name).lower(): str(name) for name in speakers}
+
+
+def check_speech_request(
+    request: Any,
+    *,
+    speaks: bool,
+    voices: dict[str, str],
+    max_input_audio_s: float,
+    pipeline: str,
+) -> SpeechRequest:
+    """The request's SpeechRequest, or an APIError 400 (see the module docstring)."""
+    extra = getattr(request, "model_extra", None) or {}
+    if not speaks:
+        raise invalid(
+            f"this deployment ({pipeline}) answers in text only; drop `modalities: [..., "
+            '"audio"]` and `audio`',
+            "modalities",
+            "unsupported_modality",
+        )
+    modalities = extra.get("modalities")
+    if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+        raise invalid('`modalities` must be a list such as ["text", "audio"]', "modalities")
+    unknown = sorted(set(modalities) - {"text", "audio"})
+    if unknown:
+        raise invalid(f"unsupported modalities {unknown}; use text and audio", "modalities")
+    if "audio" not in modalities:
+        raise invalid('`audio` needs "audio" in `modalities`', "modalities")
+    audio = extra.get("audio")
+    if not isinstance(audio, dict):
+        raise invalid(
+            'speech output needs `audio: {"voice": ..., "format": ...}`', "audio", "missing"
+        )
+    extra_keys = sorted(set(audio) - {"voice", "format"})
+    if extra_keys:
+        raise invalid(f"unsupported audio settings {extra_keys}", f"audio.{extra_keys[0]}")
+    voice = audio.get("voice")
+    if not isinstance(voice, str) or voice.lower() not in voices:
+        known = ", ".join(sorted(voices.values())) or "none"
+        raise invalid(f"unknown voice {voice!r}; this model speaks as: {known}", "audio.voice")
+    fmt = audio.get("format")
+    if fmt not in FORMATS:
+        raise invalid(
+            f"unsupported audio format {fmt!r}; supported: {', '.join(FORMATS)}", "audio.format"
+        )
+    stream = bool(getattr(request, "stream", False))
+    if stream and fmt != STREAM_FORMAT:
+        raise invalid(
+            f"a streamed answer's audio is {STREAM_FORMAT}; set audio.format to {STREAM_FORMAT}",
+            "audio.format",
+        )
+    if (getattr(request, "n", 1) or 1) > 1:
+        raise invalid("n > 1 is not supported with audio output", "n")
+    for seconds in input_audio_durations(getattr(request, "messages", [])):
+        if seconds > max_input_audio_s:
+            raise invalid(
+                f"an input_audio lasts {seconds:.1f} s; this server takes at most "
+                f"{max_input_audio_s:g} s (serving.max_input_audio_s)",
+                "messages",
+                "audio_too_long",
+            )
+    return SpeechRequest(voices[voice.lower()], fmt, stream)
+
+
+def input_audio_durations(messages: Any) -> list[float]:
+    """Seconds of each `input_audio` part; APIError 400 for one that does not decode."""
+    out = []
+    for message in messages or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "input_audio":
+                out.append(_duration(part.get("input_audio") or {}))
+    return out
+
+
+def _duration(audio: dict[str, Any]) -> float:
+    data = audio.get("data")
+    try:
+        raw = base64.b64decode(data if isinstance(data, str) else "", validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if not raw:
+        raise invalid("input_audio data is not base64", "messages", "invalid_audio")
+    try:
+        return decoded_seconds(raw)
+    except Exception:
+        raise invalid(
+            "input_audio data is not audio this server can decode", "messages", "invalid_audio"
+        ) from None
+
+
+def decoded_seconds(raw: bytes) -> float:
+    """Length of an encoded audio file, by decoding it (FFmpeg through PyAV)."""
+    import av
+
+    with av.open(io.BytesIO(raw)) as container:
+        if not container.streams.audio:
+            raise ValueError("no audio stream")
+        stream = container.streams.audio[0]
+        samples = 0
+        rate = None
+        for frame in container.decode(stream):
+            samples += frame.samples
+            rate = frame.sample_rate
+    if not samples or not rate:
+        raise ValueError("no audio samples")
+    return samples / rate

@@ -1,0 +1,104 @@
+"""The pipeline as a SpeechSource (speech_events.py): one chat request through every stage.
+
+The request enters as GenerationParams with `chat_request` (vLLM's EngineCoreRequest for the
+chat stage) and `voice`. The chat stage sends its text as TextOutput messages (the transcript,
+relayed to this request's progress listener as they come) while its hidden states go on to the
+later stages; the last stage's waveform comes back through the orchestrator's streamed edge to
+the API server (`Orchestrator.stream`: its chunks in order, then the PipelineResult). Leaving the
+iteration early closes that stream, which cancels the request in every stage.
+
+Bounded: text pieces that arrive while the reader is busy are joined into one delta; the next
+audio chunk is taken only when the reader asks for it (the last stage's stream window holds it
+back meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..common.messages import GenerationParams, TextOutput
+from .speech_events import AudioDelta, SpeechDone, SpeechEvent, TranscriptDelta
+
+# Qwen3-Omni's Code2Wav: 24 kHz (1920 samples per codec frame).
+DEFAULT_SAMPLE_RATE = 24000
+
+
+def checkpoint_sample_rate(model_dir: str | Path) -> int:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_SAMPLE_RATE
+    code2wav = config.get("code2wav_config") or {}
+    return int(code2wav.get("sampling_rate") or code2wav.get("sample_rate") or DEFAULT_SAMPLE_RATE)
+
+
+def waveform(payload: Any) -> np.ndarray:
+    """A waveform chunk the last stage emitted (a tensor or an array of samples) as mono
+    float32."""
+    if hasattr(payload, "detach"):  # a torch tensor
+        payload = payload.detach().to("cpu").float().numpy()
+    if isinstance(payload, np.ndarray):
+        return payload.astype(np.float32, copy=False).reshape(-1)
+    raise TypeError(f"the last stage emitted {type(payload).__name__}, not a waveform")
+
+
+class PipelineSpeechSource:
+    def __init__(self, orchestrator: Any, cfg: Any):
+        self.orchestrator = orchestrator
+        self.sample_rate = checkpoint_sample_rate(cfg.model)
+
+    async def speak(
+        self, request_id: str, engine_request: list[bytes], prompt_text: str | None, voice: str
+    ) -> AsyncIterator[SpeechEvent]:
+        params = GenerationParams(
+            prompt=prompt_text or "", chat_request=engine_request, voice=voice, stream=True
+        )
+        text: list[str] = []
+        counts = {"prompt": 0, "completion": 0}
+        finish: list[str | None] = [None]
+        changed = asyncio.Event()
+
+        def on_message(msg: Any) -> None:
+            if not isinstance(msg, TextOutput):
+                return  # a stage's Progress: nothing the chat answer shows
+            if msg.prompt_token_ids is not None:
+                counts["prompt"] = len(msg.prompt_token_ids)
+            for c in msg.outputs:
+                text.append(c.text)
+                counts["completion"] += len(c.token_ids)
+                finish[0] = c.finish_reason or finish[0]
+            changed.set()
+
+        stream = self.orchestrator.stream(request_id, params, on_progress=on_message)
+        pending = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                waiter = asyncio.ensure_future(changed.wait())
+                await asyncio.wait({pending, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                changed.clear()
+                if text:
+                    yield TranscriptDelta("".join(text))
+                    text.clear()
+                if not pending.done():
+                    continue
+                try:
+                    item = pending.result()
+                except StopAsyncIteration:
+                    break
+                if hasattr(item, "payload") and hasattr(item, "seq"):  # an OutputChunk
+                    yield AudioDelta(waveform(item.payload))
+                pending = asyncio.ensure_future(stream.__anext__())
+            if text:
+                yield TranscriptDelta("".join(text))
+            yield SpeechDone(finish[0], counts["prompt"], counts["completion"])
+        finally:
+            if not pending.done():
+                pending.cancel()
+            await stream.aclose()  # cancels the request in every stage if still running
