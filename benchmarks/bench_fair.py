@@ -338,7 +338,6 @@ def phase_diffusers_one(args) -> None:
     rest (denoising). Compares each image with ours of the same prompt and seed when
     OUT/images/ours_<i>.png exists (Qwen-Image: deterministic given the seed)."""
     import diffusers
-    import numpy as np
     import torch
     from PIL import Image
 
@@ -372,11 +371,11 @@ def phase_diffusers_one(args) -> None:
         split = {"text": round(text_s[-1], 3), "decode": round(decode_s[-1], 3)}
         split["denoise"] = round(runs[-1] - split["text"] - split["decode"], 3)
         splits.append(split)
+        (args.out / "images").mkdir(parents=True, exist_ok=True)
+        image.save(args.out / "images" / f"diffusers_{i}.png")
         ours = args.out / "images" / f"ours_{i}.png"
         if args.family == "qwen-image" and ours.exists():
-            a = np.asarray(image.convert("RGB"), np.float32)
-            b = np.asarray(Image.open(io.BytesIO(ours.read_bytes())).convert("RGB"), np.float32)
-            diffs[str(i)] = round(float(np.abs(a - b).mean()), 3)
+            diffs[str(i)] = pixel_diff(image, Image.open(io.BytesIO(ours.read_bytes())))
     result = {
         "load_s": round(load_s, 1),
         "warmup_s": round(warmup, 2),
@@ -390,9 +389,36 @@ def phase_diffusers_one(args) -> None:
     print(json.dumps({"diffusers": result}), flush=True)
 
 
+def pixel_diff(a, b) -> float:
+    """Mean absolute difference of two images' RGB pixels, of 255."""
+    import numpy as np
+
+    x = np.asarray(a.convert("RGB"), np.float32)
+    y = np.asarray(b.convert("RGB"), np.float32)
+    if x.shape != y.shape:
+        raise ValueError(f"image sizes differ: {x.shape} vs {y.shape}")
+    return round(float(np.abs(x - y).mean()), 3)
+
+
+def phase_compare(args) -> None:
+    """Ours vs diffusers on the same prompt and seed, from the PNGs both runs saved (the two may
+    have run in different calls): one `parity` line per pair in results.jsonl."""
+    from PIL import Image
+
+    pairs = {}
+    for ours in sorted((args.out / "images").glob("ours_*.png")):
+        ref = ours.with_name(ours.name.replace("ours_", "diffusers_"))
+        if ref.exists():
+            pairs[ours.stem.removeprefix("ours_")] = pixel_diff(Image.open(ours), Image.open(ref))
+    record = {"phase": "parity", "family": args.family, "mean_abs_pixel_diff": pairs}
+    with open(args.out / "results.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=["run", "deploy", "diffusers-one"])
+    parser.add_argument("phase", choices=["run", "deploy", "diffusers-one", "compare"])
     parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench-fair")))
@@ -424,7 +450,7 @@ def main() -> None:
     args.stage_config = args.stage_config or FAMILIES[args.family][0]
     args.round = args.round_offset
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase != "deploy" and args.model is None:
+    if args.phase not in ("deploy", "compare") and args.model is None:
         parser.error("--model is required")
     {"run": phase_run, "deploy": phase_deploy, "diffusers-one": phase_diffusers_one}[args.phase](
         args

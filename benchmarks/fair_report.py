@@ -30,7 +30,7 @@ def load(paths: list[Path]) -> list[dict]:
         for line in path.read_text().splitlines():
             if line.strip():
                 rec = json.loads(line)
-                if rec.get("phase") == "fair":
+                if rec.get("phase") in ("fair", "parity"):
                     rows.append(rec)
     return rows
 
@@ -75,7 +75,8 @@ def _throughput(run: dict, key: str) -> float | None:
 
 
 def table(rows: list[dict], family: str) -> str:
-    runs = [r for r in rows if r["family"] == family]
+    parity = [r for r in rows if r["family"] == family and r["phase"] == "parity"]
+    runs = [r for r in rows if r["family"] == family and r["phase"] == "fair"]
     if not runs:
         return ""
     first = runs[0]
@@ -123,6 +124,7 @@ def table(rows: list[dict], family: str) -> str:
     diffs = [
         r.get("ours_vs_diffusers_mean_abs_pixel_diff") for r in runs if r["system"] == "diffusers"
     ]
+    diffs += [r.get("mean_abs_pixel_diff") for r in parity]
     diffs = [v for d in diffs if d for v in d.values()]
     if diffs:
         lines += [

@@ -10,7 +10,9 @@
 #   scripts/gpu_check.sh fair FAMILY        bench_fair.py: ours vs vLLM-Omni shipped and tuned vs diffusers,
 #                                           rounds in alternating order (glm-image on $FULL, qwen-image
 #                                           on $QWEN_FULL); SYSTEMS ROUNDS ROUND_OFFSET SINGLES REQUESTS
-#                                           RATE CONCURRENCY
+#                                           RATE CONCURRENCY; results in $FAIR_OUT (kept across calls)
+#   scripts/gpu_check.sh collect            $FAIR_OUT's results.jsonl, first images and logs (one .tgz) into
+#                                           $OUT (the device tool brings back at most 8 files)
 #   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_attention_gpu.py + bench_dit_gpu.py,
 #                                           ~8.5 min, no vLLM
 #   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
@@ -27,6 +29,7 @@ OUT=${OUT:-/tmp/gpu-check}
 TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
 QWEN_FULL=${QWEN_FULL:-/tmp/qwen-full}
+FAIR_OUT=${FAIR_OUT:-/tmp/fair}
 SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
 REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
 CONCURRENCY=${CONCURRENCY:-8}  # then this many at once (every phase that sends requests)
@@ -142,12 +145,18 @@ while [ $# -gt 0 ]; do
     fair)
       family=$1; shift
       model=$FULL; [ "$family" = qwen-image ] && model=$QWEN_FULL
-      python3 benchmarks/bench_fair.py run --family "$family" --model "$model" --out "$OUT/fair" \
+      python3 benchmarks/bench_fair.py run --family "$family" --model "$model" --out "$FAIR_OUT" \
         --systems "${SYSTEMS:-ours,omni,omni-tuned,diffusers}" --rounds "${ROUNDS:-1}" \
         --round-offset "${ROUND_OFFSET:-0}" --singles "${SINGLES:-$REPEATS}" \
         --requests "${REQUESTS:-32}" --concurrency "$CONCURRENCY" ${RATE:+--rate "$RATE"} \
         --omni-path /tmp/vomni
       stop_servers
+      ;;
+    collect)
+      mkdir -p "$OUT/fair"
+      cp "$FAIR_OUT/results.jsonl" "$OUT/fair/" 2>/dev/null || true
+      for f in "$FAIR_OUT"/images/*_0.png; do [ -f "$f" ] && cp "$f" "$OUT/fair/"; done
+      tar czf "$OUT/fair/logs.tgz" -C "$FAIR_OUT" --exclude images . 2>/dev/null || true
       ;;
     dit)
       # Attention kernels at the served shapes (~30 s), then step variants, GLM CFG step,

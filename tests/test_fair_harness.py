@@ -175,7 +175,9 @@ def test_glm_deploys_shipped_and_tuned(tmp_path):
         "stage 0 max_tokens",
         "stage 0 logits_processors",
     }
-    assert shipped["stages"][0]["default_sampling_params"]["max_tokens"] == 1281  # the 1024x1024 grid + EOS
+    assert (
+        shipped["stages"][0]["default_sampling_params"]["max_tokens"] == 1281
+    )  # the 1024x1024 grid + EOS
     ours = {"stages": [s.flat_dict() for s in load_deploy_config("glm_image_1gpu").stages]}
     tuned, changes = incumbent.tuned_glm_deploy(shipped, ours)
     assert [(c.where, c.shipped, c.tuned) for c in changes] == [
@@ -229,13 +231,15 @@ def test_report_medians_spreads_and_write(tmp_path):
               "c1_s": 20.0, "images_per_min_one_at_a_time": 3.0, "reserved": {"shares": None, "note": "none"},
               "ours_vs_diffusers_mean_abs_pixel_diff": {"0": 0.5}}]  # fmt: skip
     results = tmp_path / "results.jsonl"
+    parity = {"phase": "parity", "family": "qwen-image", "mean_abs_pixel_diff": {"1": 0.7}}
+    rows.append(parity)
     results.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"phase": "ours"}\n')
     text = fair_report.report(fair_report.load([results]))
     ours = next(line for line in text.splitlines() if line.startswith("| vllm-omni-plugin"))
     assert "| 5.00 (4.00-6.00, n=3) |" in ours and "stage_0 0.9 = 126.0 GiB" in ours
     assert "| diffusers (one request at a time) | 3.00 (n=1) |" in text
     assert "`--step-execution`: False -> True (w)" in text
-    assert "mean abs pixel difference 0.50 (n=1)" in text
+    assert "mean abs pixel difference 0.60 (0.50-0.70, n=2)" in text
     doc = tmp_path / "B.md"
     doc.write_text(f"# B\n{fair_report.BEGIN}\nold\n{fair_report.END}\ntail\n")
     fair_report.write_into(doc, text)
