@@ -94,8 +94,9 @@ class PeakMemory:
             self._thread.join()
 
     @property
-    def peak_gib(self) -> float:
-        return round(self.peak / 2**30, 1)
+    def peak_gib(self) -> float | None:
+        """None when no device was sampled (no NVIDIA device)."""
+        return round(self.peak / 2**30, 1) if self._thread is not None else None
 
 
 def record_group(pid: int) -> None:
@@ -651,6 +652,7 @@ async def _parity_requests(server: Server, args) -> list[dict]:
 def _keep_log_lines(log: Path, dest: Path) -> None:
     """The log lines that show how the AR engine ran (async scheduling, CUDA graphs)."""
     keys = ("async", "cudagraph", "CUDA graph", "Capturing", "scheduler", "Graph capturing")
+    keys += ("StepBatch", "RequestBatch", "step_execution", "max_num_seqs", "compile")
     lines = [
         ln for ln in log.read_text(errors="replace").splitlines() if any(k in ln for k in keys)
     ]
