@@ -126,7 +126,7 @@ def incumbent_deploys(args) -> dict:
         yaml.safe_load(src.read_text()), args.size, LOGITS_PROCESSOR
     )
     tuned, changes = tuned_glm_deploy(shipped, _ours_config(args))
-    fields = installed_stage_fields()
+    fields = installed_stage_fields(args.omni_path)
     for name, cfg in (("shipped", shipped), ("tuned", tuned)):
         problems = validate_deploy(cfg, fields)
         if problems:

@@ -127,8 +127,13 @@ def qwen_image_argv(model: str, tuned: bool, ours_batch: int) -> tuple[list[str]
     ]
 
 
-def installed_stage_fields() -> frozenset[str] | None:
-    """The installed vLLM-Omni's StageDeployConfig field names, None when it is not importable."""
+def installed_stage_fields(omni_path: str | None = None) -> frozenset[str] | None:
+    """The installed vLLM-Omni's StageDeployConfig field names (from `omni_path` when given: the
+    GPU kit installs it in a folder of its own), None when it is not importable."""
+    import sys
+
+    if omni_path and omni_path not in sys.path:
+        sys.path.append(omni_path)
     try:
         from dataclasses import fields
 
