@@ -65,6 +65,7 @@ stop_servers() {
   : > "$OMNI_BENCH_PGID_FILE"
 }
 trap stop_servers EXIT
+trap 'stop_servers; exit 143' TERM INT
 
 while [ $# -gt 0 ]; do
   step=$1; shift
@@ -153,6 +154,7 @@ while [ $# -gt 0 ]; do
       stop_servers
       ;;
     collect)
+      stop_servers  # what an earlier call cut short by `timeout` left running
       mkdir -p "$OUT/fair"
       cp "$FAIR_OUT/results.jsonl" "$OUT/fair/" 2>/dev/null || true
       for f in "$FAIR_OUT"/images/*_0.png; do [ -f "$f" ] && cp "$f" "$OUT/fair/"; done
