@@ -145,12 +145,15 @@ while [ $# -gt 0 ]; do
       ;;
     fair)
       family=$1; shift
+      mkdir -p "$FAIR_OUT"
       model=$FULL; [ "$family" = qwen-image ] && model=$QWEN_FULL
-      python3 benchmarks/bench_fair.py run --family "$family" --model "$model" --out "$FAIR_OUT" \
+      # FAIR_TIMEOUT_S bounds the run inside a device call's limit; its servers are stopped below.
+      timeout "${FAIR_TIMEOUT_S:-86400}" \
+        python3 benchmarks/bench_fair.py run --family "$family" --model "$model" --out "$FAIR_OUT" \
         --systems "${SYSTEMS:-ours,omni,omni-tuned,diffusers}" --rounds "${ROUNDS:-1}" \
         --round-offset "${ROUND_OFFSET:-0}" --singles "${SINGLES:-$REPEATS}" \
         --requests "${REQUESTS:-32}" --concurrency "$CONCURRENCY" ${RATE:+--rate "$RATE"} \
-        --omni-path /tmp/vomni
+        --omni-path /tmp/vomni 2>&1 | tee -a "$FAIR_OUT/bench_fair.log" || true
       stop_servers
       ;;
     collect)
