@@ -46,5 +46,5 @@ def test_bench_fair_rounds_alternate_and_report(tiny_models, tmp_path):
         [sys.executable, str(REPO / "benchmarks" / "fair_report.py"), str(out / "results.jsonl")],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    assert "| vllm-omni-plugin |" in table and "(n=2)" in table
+    assert "| vllm-omni-plugin |" in table and "n=2)" in table
     assert "| diffusers (one request at a time) |" in table
