@@ -109,9 +109,8 @@ def omni_env(args) -> dict[str, str]:
 def incumbent_deploys(args) -> dict:
     """GLM-Image: write the shipped and tuned deploy files (validated); Qwen-Image: the argv."""
     if args.family == "qwen-image":
-        ours_batch = _ours_config(args)["stages"][0]["max_batch_size"]
-        shipped, _ = qwen_image_argv(str(args.model), False, ours_batch)
-        tuned, changes = qwen_image_argv(str(args.model), True, ours_batch)
+        shipped, _ = qwen_image_argv(str(args.model), False, args.concurrency)
+        tuned, changes = qwen_image_argv(str(args.model), True, args.concurrency)
         return {
             "shipped_argv": shipped,
             "tuned_argv": tuned,
@@ -452,9 +451,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase not in ("deploy", "compare") and args.model is None:
         parser.error("--model is required")
-    {"run": phase_run, "deploy": phase_deploy, "diffusers-one": phase_diffusers_one}[args.phase](
-        args
-    )
+    phases = {"run": phase_run, "deploy": phase_deploy, "compare": phase_compare}
+    phases["diffusers-one"] = phase_diffusers_one
+    phases[args.phase](args)
 
 
 if __name__ == "__main__":

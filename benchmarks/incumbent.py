@@ -14,7 +14,8 @@ form then matches our one-GPU layout (`stage_configs/glm_image_1gpu.yaml`):
 
 Qwen-Image: vLLM-Omni ships no deploy file for it; it serves `vllm serve MODEL --omni` with its
 diffusion defaults (one request at a time, transformer compiled regionally). Tuned: step
-batching on (`--step-execution`, its step-level batching) with `--max-num-seqs` = ours (8).
+batching on (`--step-execution`, its step-level batching) with `--max-num-seqs` = the load's
+concurrency (8).
 """
 
 from __future__ import annotations
@@ -115,15 +116,18 @@ def tuned_glm_deploy(shipped: dict, ours: dict) -> tuple[dict, list[Change]]:
     return cfg, changes
 
 
-def qwen_image_argv(model: str, tuned: bool, ours_batch: int) -> tuple[list[str], list[Change]]:
-    """`vllm serve` arguments for vLLM-Omni's Qwen-Image (no deploy file ships for it)."""
+def qwen_image_argv(model: str, tuned: bool, batch: int) -> tuple[list[str], list[Change]]:
+    """`vllm serve` arguments for vLLM-Omni's Qwen-Image (no deploy file ships for it); tuned:
+    step batching of up to `batch` requests (the load's concurrency)."""
     argv = [model, "--omni"]
     if not tuned:
         return argv, []
-    argv += ["--step-execution", "--max-num-seqs", str(ours_batch)]
+    argv += ["--step-execution", "--max-num-seqs", str(batch)]
     return argv, [
         Change("--step-execution", False, True, "its step-level batching on"),
-        Change("--max-num-seqs", 1, ours_batch, "as many requests in a step as ours batches"),
+        Change(
+            "--max-num-seqs", 1, batch, "as many requests in a step as the load keeps in flight"
+        ),
     ]
 
 

@@ -200,10 +200,10 @@ def test_glm_deploys_shipped_and_tuned(tmp_path):
 
 
 def test_qwen_image_incumbent_argv():
-    argv, changes = incumbent.qwen_image_argv("/m", tuned=True, ours_batch=8)
+    argv, changes = incumbent.qwen_image_argv("/m", tuned=True, batch=8)
     assert argv == ["/m", "--omni", "--step-execution", "--max-num-seqs", "8"]
     assert [c.where for c in changes] == ["--step-execution", "--max-num-seqs"]
-    assert incumbent.qwen_image_argv("/m", tuned=False, ours_batch=8) == (["/m", "--omni"], [])
+    assert incumbent.qwen_image_argv("/m", tuned=False, batch=8) == (["/m", "--omni"], [])
 
 
 def _run(system, r, ipm, c1, **extra):
