@@ -70,7 +70,7 @@ def shipped_glm_deploy(src: dict, size: int, logits_processor: str) -> tuple[dic
     max_tokens set to the grid (random weights never emit EOS; trained ones stop right after
     the grid) and the checkpoint's sequence_bias applied through our grid logits processor
     (vLLM ignores generation_config's sequence_bias; diffusers' transformers applies it)."""
-    from vllm_omni_plugin.models.glm_image.processing import num_image_tokens
+    from vllm_omni_plugin.families.glm_image.processing import num_image_tokens
 
     cfg = copy.deepcopy(src)
     changes = []
