@@ -94,8 +94,19 @@ class PeakMemory:
             self._thread.join()
 
     @property
-    def peak_gib(self) -> float:
-        return round(self.peak / 2**30, 1)
+    def peak_gib(self) -> float | None:
+        """None when no device was sampled (no NVIDIA device)."""
+        return round(self.peak / 2**30, 1) if self._thread is not None else None
+
+
+def record_group(pid: int) -> None:
+    """Note a server's process group in $OMNI_BENCH_PGID_FILE (when set): scripts/gpu_check.sh
+    stops every group listed there after each phase, a phase cut short by a timeout included,
+    instead of matching process names."""
+    path = os.environ.get("OMNI_BENCH_PGID_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{pid}\n")
 
 
 def free_port() -> int:
@@ -125,6 +136,7 @@ class Server:
             cwd=tempfile.gettempdir(),
             start_new_session=True,
         )
+        record_group(self.proc.pid)
 
     def wait_ready(self, timeout: float) -> float:
         import httpx
@@ -453,19 +465,20 @@ def phase_ar(args) -> None:
     results = {}
     for name in ("omni_async", "vllm_default"):
         log = args.out / f"ar_{name}.log"
-        rc, results[name] = _sub_phase(args, "ar-one", ["--scheduler", name], log, "b1")
+        extra = ["--scheduler", name, "--concurrency", str(args.concurrency)]
+        rc, results[name] = _sub_phase(args, "ar-one", extra, log, "b1")
         if rc or results[name] is None:
             raise RuntimeError(f"AR run {name} failed:\n{log.read_text()[-4000:]}")
         _keep_log_lines(log, args.out / f"ar_{name}_log_lines.txt")
     ratio = {
         f"b{b}": round(results["omni_async"][f"b{b}"] / results["vllm_default"][f"b{b}"], 3)
-        for b in (1, 8)
+        for b in (1, args.concurrency)
     }
     _record(args, "ar", {**results, "ours_over_stock": ratio})
 
 
 def phase_ar_one(args) -> None:
-    """tokens/s of one engine at batch 1 and 8 (prints one JSON line, `{"b1": ...}`)."""
+    """tokens/s of one engine at batch 1 and --concurrency (prints one JSON line, `{"b1": ...}`)."""
     from vllm import LLM, SamplingParams
 
     from vllm_omni_plugin.families.glm_image.processing import (
@@ -476,7 +489,10 @@ def phase_ar_one(args) -> None:
 
     root = args.model
     ar, proc = str(root / "vision_language_encoder"), str(root / "processor")
-    kwargs = dict(model=ar, tokenizer=proc, max_num_seqs=8, gpu_memory_utilization=0.5)
+    batches = (1, args.concurrency)
+    kwargs = dict(
+        model=ar, tokenizer=proc, max_num_seqs=args.concurrency, gpu_memory_utilization=0.5
+    )
     kwargs["logits_processors"] = [LOGITS_PROCESSOR]  # both runs: as the AR stage has it
     kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=32768)
     if args.scheduler == "omni_async":
@@ -496,10 +512,10 @@ def phase_ar_one(args) -> None:
     # Warm-up at every timed batch size. In the fourth H200 run a batch-1 warm-up left vLLM's
     # top-k/top-p Triton kernel to JIT-compile inside the timed batch of 8: cold on the first
     # engine (~2.3 s of its 11.9 s), from Triton's disk cache on the second, a 0.81 ratio.
-    for batch in (1, 8):
+    for batch in batches:
         llm.generate([prompt] * batch, params, use_tqdm=False)
     out = {}
-    for batch in (1, 8):
+    for batch in batches:
         t0 = time.perf_counter()
         res = llm.generate([prompt] * batch, params, use_tqdm=False)
         took = time.perf_counter() - t0
@@ -636,6 +652,7 @@ async def _parity_requests(server: Server, args) -> list[dict]:
 def _keep_log_lines(log: Path, dest: Path) -> None:
     """The log lines that show how the AR engine ran (async scheduling, CUDA graphs)."""
     keys = ("async", "cudagraph", "CUDA graph", "Capturing", "scheduler", "Graph capturing")
+    keys += ("StepBatch", "RequestBatch", "step_execution", "max_num_seqs", "compile")
     lines = [
         ln for ln in log.read_text(errors="replace").splitlines() if any(k in ln for k in keys)
     ]

@@ -32,7 +32,16 @@ from pathlib import Path
 
 import httpx
 import psutil
-from bench_gpu_glm import PeakMemory, Server, _keep_log_lines, _one, _record, _versions, free_port
+from bench_gpu_glm import (
+    PeakMemory,
+    Server,
+    _keep_log_lines,
+    _one,
+    _record,
+    _versions,
+    free_port,
+    record_group,
+)
 
 # As tests/multinode/test_headless_loopback.py: head and node share one host, so UCX (NIXL
 # configs) runs over lo; a small CPU KV cache. VLLM_OMNI_AUTHKEY is required off loopback only
@@ -82,6 +91,7 @@ class Node:
             cwd=tempfile.gettempdir(),  # as Server: the checkout would shadow the installed package
             start_new_session=True,
         )
+        record_group(self.proc.pid)
 
     def stop(self) -> None:
         _tree(self.proc.pid, self.seen)

@@ -6,6 +6,13 @@
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
 #   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
 #   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
+#   scripts/gpu_check.sh build-full-qwen    random-weight Qwen-Image at real size in $QWEN_FULL (~58 GB)
+#   scripts/gpu_check.sh fair FAMILY        bench_fair.py: ours vs vLLM-Omni shipped and tuned vs diffusers,
+#                                           rounds in alternating order (glm-image on $FULL, qwen-image
+#                                           on $QWEN_FULL); SYSTEMS ROUNDS ROUND_OFFSET SINGLES REQUESTS
+#                                           RATE CONCURRENCY; results in $FAIR_OUT (kept across calls)
+#   scripts/gpu_check.sh collect            $FAIR_OUT's results.jsonl, first images and logs (one .tgz) into
+#                                           $OUT (the device tool brings back at most 8 files)
 #   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_attention_gpu.py + bench_dit_gpu.py,
 #                                           ~8.5 min, no vLLM
 #   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
@@ -21,9 +28,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
+QWEN_FULL=${QWEN_FULL:-/tmp/qwen-full}
+FAIR_OUT=${FAIR_OUT:-/tmp/fair}
 SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
 REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
-CONCURRENCY=${CONCURRENCY:-8}  # then this many at once
+CONCURRENCY=${CONCURRENCY:-8}  # then this many at once (every phase that sends requests)
 STAGE_CONFIG=${STAGE_CONFIG:-glm_image_1gpu}  # the served full-size phase (`ours`)
 # scripts/gpu_kit/install_kit.sh puts each system in its own folder; a phase sees only its own.
 OURS_PATH=/tmp/ours:/tmp/site
@@ -38,6 +47,25 @@ STAGE_OVERRIDES=${STAGE_OVERRIDES:-}
 # RESTART=1: the served phases start their server a second time (warm compile caches) and time
 # start-up + one request (~1.5 min more each).
 mkdir -p "$OUT"
+# Every server a phase starts notes its process group here (benchmarks/bench_gpu_glm.py
+# record_group); stop_servers ends those groups, never processes matched by name.
+export OMNI_BENCH_PGID_FILE="$OUT/server_pgids"
+stop_servers() {
+  [ -f "$OMNI_BENCH_PGID_FILE" ] || return 0
+  local pgid
+  while read -r pgid; do
+    [ -n "$pgid" ] || continue
+    kill -TERM -- "-$pgid" 2>/dev/null || true
+  done < "$OMNI_BENCH_PGID_FILE"
+  sleep 2
+  while read -r pgid; do
+    [ -n "$pgid" ] || continue
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+  done < "$OMNI_BENCH_PGID_FILE"
+  : > "$OMNI_BENCH_PGID_FILE"
+}
+trap stop_servers EXIT
+trap 'stop_servers; exit 143' TERM INT
 
 while [ $# -gt 0 ]; do
   step=$1; shift
@@ -49,15 +77,17 @@ while [ $# -gt 0 ]; do
       [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
       echo "smoke: --stage-config $SMOKE_CONFIG"
       python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny" --size 256 \
-        --steps 20 --stage-config "$SMOKE_CONFIG" --stage-overrides "$TINY_OVERRIDES"
-      pkill -f "vllm serve" || true; sleep 2
+        --steps 20 --stage-config "$SMOKE_CONFIG" --stage-overrides "$TINY_OVERRIDES" \
+        --concurrency "$CONCURRENCY"
+      stop_servers
       ;;
     smoke-nixl)
       [ -f "$TINY/model_index.json" ] || vllm-omni-plugin make-tiny-model glm-image "$TINY"
       eager='{"0": {"dtype": "bfloat16", "enforce_eager": true}, "1": {"dtype": "bfloat16", "min_height": 64, "min_width": 64, "compile_transformer": false, "compile_regional": false, "cuda_graphs": false}}'
       python3 benchmarks/bench_gpu_glm.py parity --model "$TINY" --out "$OUT/tiny_nixl" --size 256 \
-        --steps 20 --stage-config glm_image_1gpu_nixl --stage-overrides "$eager"
-      pkill -f "vllm serve" || true; sleep 2
+        --steps 20 --stage-config glm_image_1gpu_nixl --stage-overrides "$eager" \
+        --concurrency "$CONCURRENCY"
+      stop_servers
       ;;
     nixl-vram)
       # The handoff figures; when both GPU-memory rows ran, later smoke runs serve the tiny
@@ -74,7 +104,7 @@ while [ $# -gt 0 ]; do
     headless)
       python3 benchmarks/bench_two_gpu_glm.py headless --model "$FULL" --out "$OUT/two_gpu" \
         --stage-config "${TWO_GPU_CONFIG:-glm_image}" --repeats "$REPEATS"
-      pkill -f "vllm serve" || true; sleep 2
+      stop_servers
       ;;
     placeholders)
       # vLLM's start-up dummy image through vLLM-Omni's GLM-Image processor, on both checkpoints.
@@ -94,7 +124,7 @@ while [ $# -gt 0 ]; do
           # logits-processor entry point (bench_gpu_glm.py: the omni phase says why).
           PYTHONPATH=/tmp/vomni:$OURS_PATH VLLM_PLUGINS=vllm_omni_register_models \
             python3 benchmarks/bench_gpu_glm.py omni \
-            --model "$FULL" --out "$OUT/full" --repeats "$REPEATS" \
+            --model "$FULL" --out "$OUT/full" --repeats "$REPEATS" --concurrency "$CONCURRENCY" \
             $([ "${RESTART:-0}" = 1 ] && echo --restart)
         else
           python3 benchmarks/bench_gpu_glm.py "$phase" --model "$FULL" --out "$OUT/full" \
@@ -105,9 +135,33 @@ while [ $# -gt 0 ]; do
         fi
         # A phase cut short by a timeout can leave its server behind: never let it share the
         # GPU with the next phase.
-        pkill -f "vllm serve" || true; sleep 2
+        stop_servers
       done
       shift $#
+      ;;
+    build-full-qwen)
+      [ -f "$QWEN_FULL/model_index.json" ] || vllm-omni-plugin make-tiny-model qwen-image "$QWEN_FULL" --size full
+      du -sh "$QWEN_FULL"
+      ;;
+    fair)
+      family=$1; shift
+      mkdir -p "$FAIR_OUT"
+      model=$FULL; [ "$family" = qwen-image ] && model=$QWEN_FULL
+      # FAIR_TIMEOUT_S bounds the run inside a device call's limit; its servers are stopped below.
+      timeout "${FAIR_TIMEOUT_S:-86400}" \
+        python3 benchmarks/bench_fair.py run --family "$family" --model "$model" --out "$FAIR_OUT" \
+        --systems "${SYSTEMS:-ours,omni,omni-tuned,diffusers}" --rounds "${ROUNDS:-1}" \
+        --round-offset "${ROUND_OFFSET:-0}" --singles "${SINGLES:-$REPEATS}" \
+        --requests "${REQUESTS:-32}" --concurrency "$CONCURRENCY" ${RATE:+--rate "$RATE"} \
+        --omni-path /tmp/vomni 2>&1 | tee -a "$FAIR_OUT/bench_fair.log" || true
+      stop_servers
+      ;;
+    collect)
+      stop_servers  # what an earlier call cut short by `timeout` left running
+      mkdir -p "$OUT/fair"
+      cp "$FAIR_OUT/results.jsonl" "$OUT/fair/" 2>/dev/null || true
+      for f in "$FAIR_OUT"/images/*_0.png; do [ -f "$f" ] && cp "$f" "$OUT/fair/"; done
+      tar czf "$OUT/fair/logs.tgz" -C "$FAIR_OUT" --exclude images . 2>/dev/null || true
       ;;
     dit)
       # Attention kernels at the served shapes (~30 s), then step variants, GLM CFG step,

@@ -162,9 +162,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_rejects_full_for_other_kinds(tmp_path):
-    done = _cli("qwen-image", str(tmp_path / "q"), "--size", "full")
+    done = _cli("qwen-image-edit", str(tmp_path / "q"), "--size", "full")
     assert done.returncode == 2
-    assert "glm-image only" in done.stderr
+    assert "glm-image, qwen3-omni, qwen-image, flux only" in done.stderr
     done = _cli("glm-image", str(tmp_path / "g"), "--num-layers", "1")
     assert done.returncode == 2
     assert "--size full only" in done.stderr

@@ -36,14 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SIZES,
         default="tiny",
         help=f"full: the published model sizes with random bf16 weights ({', '.join(FULL_KINDS)} "
-        "only; glm-image ~34 GB, qwen3-omni ~70 GB; built on the GPU when one is present)",
+        "only; glm-image ~34 GB, qwen3-omni ~70 GB, qwen-image ~58 GB, flux ~34 GB; built on the "
+        "GPU when one is present)",
     )
     tiny.add_argument(
         "--num-layers",
         type=int,
         default=None,
-        help="with --size full: depth of every stack (AR, vision, DiT, T5), widths unchanged; "
-        "for testing the full-size code path on a small machine",
+        help="with --size full: depth of every stack (AR, vision, DiT, text encoders), widths "
+        "unchanged; for testing the full-size code path on a small machine",
     )
     tiny.set_defaults(func=_make_tiny_model)
 

@@ -15,6 +15,9 @@ python3 "$here/resolve_kit.py" "$cache" vllm==0.26.0 diffusers==0.42.1 transform
   antlr4-python3-runtime==4.13.2 importlib_metadata pydantic pycountry "$@" >/dev/null
 rm -f "$kit"/part_*
 tar cf - -C "$cache" . | split -b 58M -d - "$kit/part_"
-grep -qx "/$(basename "$kit")/" .git/info/exclude 2>/dev/null || echo "/$(basename "$kit")/" >> .git/info/exclude
+# In a git worktree .git is a file: ask git where its exclude file lives.
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx "/$(basename "$kit")/" "$exclude" 2>/dev/null || echo "/$(basename "$kit")/" >> "$exclude"
 ls -la "$kit"
 echo "$(ls "$kit" | wc -l) parts: carry each once (run: mkdir -p /tmp/kit && cp $kit/part_NN /tmp/kit/), then run install_kit.sh there"

@@ -35,6 +35,8 @@ KINDS = tuple(_BUILDERS)
 _FULL_BUILDERS = {
     "glm-image": "vllm_omni_plugin.testing.full_glm_image",
     "qwen3-omni": "vllm_omni_plugin.testing.full_qwen3_omni",
+    "qwen-image": "vllm_omni_plugin.testing.full_qwen_image",
+    "flux": "vllm_omni_plugin.testing.full_flux",
 }
 FULL_KINDS = tuple(_FULL_BUILDERS)
 
