@@ -44,7 +44,9 @@ def family_request(kind: str, engine: DiffusionEngine):
         return GenerationRequest(
             rid,
             f"prompt {seed}",
-            negative_prompt=negative,
+            # GLM-Image takes no negative prompt (its uncond pass reads an empty one; a
+            # negative prompt is refused), yet runs CFG: its CFG rows still decide together.
+            negative_prompt=None if kind.startswith("glm") else negative,
             height=size,
             width=size,
             num_inference_steps=steps,
