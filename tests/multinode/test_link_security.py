@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import socket
@@ -42,7 +43,15 @@ from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.orchestrator import link as link_mod
 from vllm_omni_plugin.orchestrator import remote
-from vllm_omni_plugin.orchestrator.link import MAGIC, AuthenticationError, Link, accept, connect
+from vllm_omni_plugin.orchestrator.link import (
+    MAGIC,
+    AuthenticationError,
+    Link,
+    Session,
+    accept,
+    connect,
+    frame_mac,
+)
 from vllm_omni_plugin.orchestrator.node import shutdown_concurrently, stage_init
 from vllm_omni_plugin.orchestrator.node_protocol import AUTHKEY_ENV, authkey, is_loopback
 from vllm_omni_plugin.orchestrator.stage_process import stage_env
@@ -170,12 +179,16 @@ async def test_handshake_with_the_same_key_on_both_sides():
 
     t = threading.Thread(target=head_side, daemon=True)
     t.start()
-    sock = await in_thread(connect, "127.0.0.1", port, KEY, 5.0)
+    node = await in_thread(connect, "127.0.0.1", port, KEY, 5.0)
     t.join(5)
     server.close()
-    assert isinstance(results[0], socket.socket)
-    results[0].close()
-    sock.close()
+    head_side_session = results[0]
+    assert isinstance(head_side_session, Session)
+    # One key per direction, and each side sends under the key the other receives with.
+    assert head_side_session.send_key == node.recv_key != node.send_key
+    assert head_side_session.recv_key == node.send_key
+    head_side_session.sock.close()
+    node.sock.close()
 
 
 # ---- no code execution -------------------------------------------------------------------
@@ -206,8 +219,9 @@ async def test_pickle_with_the_right_key_is_not_executed(head, tmp_path):
     marker = tmp_path / "pwned"
     frame = struct.pack(">I", len(evil_pickle(marker))) + evil_pickle(marker)
 
-    sock = await in_thread(connect, "127.0.0.1", h.port, KEY, 5.0)
-    sock.sendall(frame)  # instead of Register
+    session = await in_thread(connect, "127.0.0.1", h.port, KEY, 5.0)
+    sock = session.sock
+    sock.sendall(frame + frame_mac(session.send_key, 0, frame))  # instead of Register
     assert await in_thread(closed_by_peer, sock)
     sock.close()
     assert not marker.exists() and not client.ready
@@ -219,7 +233,9 @@ async def test_pickle_with_the_right_key_is_not_executed(head, tmp_path):
             break
         await asyncio.sleep(0.02)
     assert client.ready
-    link.sock.sendall(frame)  # behind the Link's back, as a hostile node would
+    # Behind the Link's back, as a hostile node holding the key would (a valid MAC: this
+    # tests the decoder, not the MAC).
+    link.sock.sendall(frame + frame_mac(link._send_key, link._send_seq, frame))
     for _ in range(150):
         if client.deaths:  # the loop heard the drop (ready turns False a moment earlier)
             break
@@ -238,7 +254,8 @@ async def test_unknown_message_types_are_rejected(head):
         await asyncio.sleep(0.02)
     # Well-formed msgpack, plausible shape, a tag the protocol does not have.
     data = msgspec.msgpack.encode({"type": "RunShell", "cmd": "touch /tmp/x"})
-    link.sock.sendall(struct.pack(">I", len(data)) + data)
+    frame = struct.pack(">I", len(data)) + data
+    link.sock.sendall(frame + frame_mac(link._send_key, link._send_seq, frame))
     for _ in range(150):
         if client.deaths:
             break
@@ -340,7 +357,7 @@ async def test_send_never_blocks_on_a_peer_that_stops_reading(monkeypatch):
     peer = socket.create_connection(server.getsockname())  # never reads
     ours, _ = server.accept()
     server.close()
-    link = Link(ours, "stalled peer")
+    link = Link(Session(ours, KEY, KEY), "stalled peer")
     lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     link.start_reader(
         asyncio.get_running_loop(), lambda *_: None, lambda _l, why: lost.set_result(why)
@@ -474,3 +491,114 @@ async def test_a_node_with_the_derived_key_is_refused(monkeypatch, tmp_path):
             await register(h.port, key=derived)
     finally:
         h.close()
+
+
+# ---- every frame after the handshake carries a MAC (issue 31 item 1) -------------------------
+class Relay:
+    """A TCP relay between a node and the head: a man in the middle that can flip one byte of
+    the next node -> head chunk (a whole small frame on loopback) after `flip_next()`."""
+
+    def __init__(self, target_port: int):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.target = target_port
+        self._flip = threading.Event()
+        self.flipped = threading.Event()
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def flip_next(self) -> None:
+        self._flip.set()
+
+    def _accept(self) -> None:
+        try:
+            node, _ = self.server.accept()
+        except OSError:
+            return
+        head = socket.create_connection(("127.0.0.1", self.target))
+        self.socks += [node, head]
+        threading.Thread(target=self._pump, args=(node, head, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(head, node, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if tamper and self._flip.is_set() and len(chunk) > 4 + 8 + 32:
+                    self._flip.clear()
+                    data = bytearray(chunk)
+                    data[4 + 4] ^= 0x01  # one bit of the message itself, not its length
+                    chunk = bytes(data)
+                    self.flipped.set()
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.server.close()
+        for s in self.socks:
+            s.close()
+
+
+async def test_a_tampered_frame_closes_the_link_and_untampered_traffic_flows(head, caplog):
+    h, client = head
+    relay = Relay(h.port)
+    try:
+        link, reply = await register(relay.port)  # handshake, Register, Welcome via the relay
+        assert isinstance(reply, Welcome)  # a MAC-checked frame head -> node
+        await until(lambda: client.ready)
+        (head_link,) = h.links
+        for _ in range(5):  # untampered frames node -> head: read, accepted, link kept
+            before = head_link.last_seen
+            link.send(Heartbeat(DIT))
+            await until(lambda before=before: head_link.last_seen > before)
+        assert client.ready and client.deaths == 0 and head_link.alive
+
+        relay.flip_next()
+        link.send(Heartbeat(DIT))
+        await until(lambda: client.deaths == 1)
+        assert relay.flipped.is_set()
+        assert not client.ready and not head_link.alive
+        assert "tampered frame" in caplog.text and "failed its MAC" in caplog.text
+        with pytest.raises((EOFError, OSError)):  # the node's end is closed too
+            for _ in range(100):  # whatever the head sent before closing, then the end
+                await in_thread(link.recv, 5.0)
+        link.close()
+        fresh, reply = await register(h.port)  # the head serves on
+        assert isinstance(reply, Welcome)
+        fresh.close()
+    finally:
+        relay.close()
+
+
+async def test_a_replayed_frame_fails_its_mac(head):
+    """The MAC covers each frame's sequence number: a recorded, valid frame sent again (or out
+    of order) is refused like a forged one."""
+    h, client = head
+    link, _ = await register(h.port)
+    await until(lambda: client.ready)
+    frame = link_mod.encode(Heartbeat(DIT))
+    link.sock.sendall(frame + frame_mac(link._send_key, link._send_seq - 1, frame))
+    await until(lambda: client.deaths == 1)
+    link.close()
+
+
+async def test_an_old_peer_is_refused_at_the_greeting(head):
+    h, _ = head
+    assert MAGIC == b"vllm-omni-link/3"
+    sock = socket.create_connection(("127.0.0.1", h.port), timeout=5)
+    try:
+        assert sock.recv(len(MAGIC)) == MAGIC
+        sock.sendall(b"vllm-omni-link/2" + os.urandom(64))  # a node of the previous version
+        assert await in_thread(closed_by_peer, sock)
+    finally:
+        sock.close()
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.01)

@@ -1,8 +1,11 @@
 """One authenticated head <-> node connection, bridged into an asyncio loop.
 
-Wire: after the handshake below, frames of a 4-byte big-endian length and one msgpack message
-of common/messages.py's LINK union (typed msgspec structs; never pickle: decoding cannot run
-code).
+Wire: after the handshake below, frames of a 4-byte big-endian length, one msgpack message of
+common/messages.py's LINK union (typed msgspec structs; never pickle: decoding cannot run
+code) and a 32-byte MAC: HMAC-SHA256 under this connection's key for that direction, over the
+frame's sequence number (counted, never sent), length and message. A frame whose MAC fails
+(rewritten, injected, replayed, reordered or dropped on the way) closes the link before it is
+decoded. The frames are authenticated, not encrypted.
 
 Handshake (both directions authenticated with the shared key, HMAC-SHA256; the role label in
 each MAC keeps one side's proof from being replayed as the other's, fresh nonces from both
@@ -10,6 +13,8 @@ sides keep an old exchange from being replayed at all):
     head -> node  MAGIC + head_nonce
     node -> head  MAGIC + node_nonce + MAC(key, "node", head_nonce, node_nonce)
     head -> node  MAC(key, "head", head_nonce, node_nonce)      (only if the node's MAC held)
+    session keys  one per direction, HMAC(key, "session", both nonces, direction): fresh for
+                  every connection, so a frame of another connection never verifies on this one
 Every pre-authentication read has a fixed size and a deadline: a stranger can hold a
 connection for REGISTER_TIMEOUT_S at most and never makes us allocate by its say-so.
 
@@ -33,7 +38,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..common.messages import DecodeError, decode_link
 from ..common.messages import encode as encode_message
@@ -41,10 +46,11 @@ from .node_protocol import AUTHKEY_ENV
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.link")
 
-MAGIC = b"vllm-omni-link/2"  # protocol name + version: a mismatch fails fast and says so
+MAGIC = b"vllm-omni-link/3"  # protocol name + version: a mismatch fails fast and says so
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HEADER = struct.Struct(">I")
+SEQ = struct.Struct(">Q")
 MAX_FRAME_BYTES = 256 << 20  # a Result with a batch of encoded images fits many times over
 MAX_QUEUED_BYTES = 512 << 20  # unsent bytes before a peer that does not read is dropped
 FLUSH_TIMEOUT_S = 2.0  # close(flush=True): how long a last message may take to leave
@@ -56,6 +62,23 @@ class AuthenticationError(ConnectionError):
 
 class UnreadableMessage(ValueError):
     """A frame that is too large or does not decode to a known message type."""
+
+
+class TamperedFrame(UnreadableMessage):
+    """A frame whose MAC does not verify under this connection's session key."""
+
+
+class Session(NamedTuple):
+    """An authenticated socket and this side's per-direction session keys (from the handshake)."""
+
+    sock: socket.socket
+    send_key: bytes
+    recv_key: bytes
+
+
+def frame_mac(key: bytes, seq: int, frame: bytes) -> bytes:
+    """The MAC that follows frame number `seq` (counted from 0 per direction) on the wire."""
+    return hmac.new(key, SEQ.pack(seq) + frame, hashlib.sha256).digest()
 
 
 def encode(msg: Any) -> bytes:
@@ -81,12 +104,17 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_message(sock: socket.socket) -> Any:
-    """Read one frame and decode it (EOFError, OSError, UnreadableMessage)."""
-    (size,) = HEADER.unpack(_read_exact(sock, HEADER.size))
+def read_message(sock: socket.socket, key: bytes, seq: int) -> Any:
+    """Read frame number `seq`, verify its MAC under `key`, decode it (EOFError, OSError,
+    TamperedFrame, UnreadableMessage)."""
+    header = _read_exact(sock, HEADER.size)
+    (size,) = HEADER.unpack(header)
     if size > MAX_FRAME_BYTES:
         raise UnreadableMessage(f"frame of {size} bytes announced (limit {MAX_FRAME_BYTES})")
     data = _read_exact(sock, size)
+    mac = _read_exact(sock, MAC_BYTES)
+    if not hmac.compare_digest(mac, frame_mac(key, seq, header + data)):
+        raise TamperedFrame(f"frame {seq} failed its MAC (altered or injected on the way)")
     try:
         return decode_link(data)
     except DecodeError as exc:
@@ -94,9 +122,12 @@ def read_message(sock: socket.socket) -> Any:
 
 
 class Link:
-    def __init__(self, sock: socket.socket, peer: str):
-        self.sock = sock
+    def __init__(self, session: Session, peer: str):
+        self.sock = session.sock
         self.peer = peer
+        self._send_key, self._recv_key = session.send_key, session.recv_key
+        self._send_seq = 0  # only the writer thread counts these
+        self._recv_seq = 0  # only one reader at a time: recv() before start_reader()
         self.last_seen = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
@@ -138,7 +169,13 @@ class Link:
                 self._shutdown()
                 break
             try:
-                self.sock.sendall(item)
+                mac = frame_mac(self._send_key, self._send_seq, item)
+                self._send_seq += 1
+                if len(item) < 1 << 16:
+                    self.sock.sendall(item + mac)  # one segment for a small message
+                else:
+                    self.sock.sendall(item)  # no copy of a large one
+                    self.sock.sendall(mac)
             except OSError as exc:
                 why = f"send failed ({exc})"
                 break
@@ -154,11 +191,16 @@ class Link:
         """Blocking receive with a deadline (only during registration, before start_reader)."""
         self.sock.settimeout(timeout)
         try:
-            return read_message(self.sock)
+            return self._read_one()
         except socket.timeout:
             raise TimeoutError(f"{self.peer} sent nothing within {timeout:.0f} s") from None
         finally:
             self.sock.settimeout(None)
+
+    def _read_one(self) -> Any:
+        msg = read_message(self.sock, self._recv_key, self._recv_seq)
+        self._recv_seq += 1
+        return msg
 
     def start_reader(
         self,
@@ -178,11 +220,14 @@ class Link:
         why = "connection closed"
         try:
             while True:
-                msg = read_message(self.sock)
+                msg = self._read_one()
                 self.last_seen = time.monotonic()
                 self._loop.call_soon_threadsafe(on_message, self, msg)
         except (EOFError, OSError):
             pass
+        except TamperedFrame as exc:  # a man in the middle, or a peer without the session key
+            why = f"tampered frame ({exc})"
+            logger.warning("link %s: %s; closing the link", self.peer, why)
         except UnreadableMessage as exc:  # not our protocol, or a peer trying something
             why = f"unreadable message ({exc})"
             logger.warning("link %s: %s; dropping it", self.peer, why)
@@ -250,13 +295,20 @@ def _mac(key: bytes, role: bytes, head_nonce: bytes, node_nonce: bytes) -> bytes
     return hmac.new(key, MAGIC + role + head_nonce + node_nonce, hashlib.sha256).digest()
 
 
+def session_keys(key: bytes, head_nonce: bytes, node_nonce: bytes) -> tuple[bytes, bytes]:
+    """(head->node, node->head) keys for one connection, from the shared key and both nonces."""
+    base = MAGIC + b"session" + head_nonce + node_nonce
+    to_node, to_head = (hmac.new(key, base + d, hashlib.sha256).digest() for d in (b"h>n", b"n>h"))
+    return to_node, to_head
+
+
 def _prepare(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout)
 
 
-def connect(host: str, port: int, authkey: bytes, timeout: float) -> socket.socket:
-    """Connect to the head and authenticate both ways; an authenticated blocking socket."""
+def connect(host: str, port: int, authkey: bytes, timeout: float) -> Session:
+    """Connect to the head and authenticate both ways; the authenticated (blocking) session."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         _prepare(sock, timeout)
@@ -286,13 +338,14 @@ def connect(host: str, port: int, authkey: bytes, timeout: float) -> socket.sock
                 f"{host}:{port} could not prove it holds the key ({AUTHKEY_ENV} differs?)"
             )
         sock.settimeout(None)
-        return sock
+        to_node, to_head = session_keys(authkey, head_nonce, node_nonce)
+        return Session(sock, send_key=to_head, recv_key=to_node)
     except BaseException:
         sock.close()
         raise
 
 
-def accept(sock: socket.socket, authkey: bytes, timeout: float) -> socket.socket:
+def accept(sock: socket.socket, authkey: bytes, timeout: float) -> Session:
     """Authenticate an accepted socket (AuthenticationError, EOFError, OSError on timeout).
     The caller closes `sock` on failure."""
     _prepare(sock, timeout)
@@ -307,4 +360,5 @@ def accept(sock: socket.socket, authkey: bytes, timeout: float) -> socket.socket
         raise AuthenticationError(f"wrong key (the node's {AUTHKEY_ENV} differs)")
     sock.sendall(_mac(authkey, b"head", head_nonce, node_nonce))
     sock.settimeout(None)
-    return sock
+    to_node, to_head = session_keys(authkey, head_nonce, node_nonce)
+    return Session(sock, send_key=to_node, recv_key=to_head)

@@ -132,8 +132,8 @@ class HeadlessNode:
             attempt += 1
             link = None
             try:
-                sock = await loop.run_in_executor(None, connect, host, port, self.key, 10.0)
-                link = Link(sock, f"head {host}:{port}")
+                session = await loop.run_in_executor(None, connect, host, port, self.key, 10.0)
+                link = Link(session, f"head {host}:{port}")
                 link.send(Register(self.name, socket.gethostname(), os.getpid(), self.statuses()))
                 reply = await loop.run_in_executor(None, link.recv, REGISTER_TIMEOUT_S)
                 if isinstance(reply, Welcome):

@@ -4,7 +4,8 @@ Transport (link.py): one TCP connection per node. Both sides first prove they ho
 key (an HMAC-SHA256 challenge in each direction); after that, length-prefixed frames each hold
 one msgpack message of the project's one message schema (common/messages.py, the LINK union:
 Register, Heartbeat, ToStage, Result, Progress, ...), the same structs a local stage's socket
-carries. Decoding builds only those structs and plain data, never an arbitrary object, so a
+carries, and a MAC under a session key of this connection (from the key and both sides'
+nonces): a frame altered, injected or replayed on the way closes the link. Decoding builds only those structs and plain data, never an arbitrary object, so a
 peer, even one holding the key, cannot make the other side run code. No pickle on this link.
 
 The key:

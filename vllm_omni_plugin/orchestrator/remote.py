@@ -161,12 +161,12 @@ class StageHead:
     def _authenticate(self, sock: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
-            accept(sock, self.authkey, REGISTER_TIMEOUT_S)
+            session = accept(sock, self.authkey, REGISTER_TIMEOUT_S)
         except Exception as exc:  # wrong key, garbage, timeout: drop it
             logger.warning("node registry: rejected connection from %s: %r", peer, exc)
             sock.close()
             return
-        link = Link(sock, peer)
+        link = Link(session, peer)
         try:
             msg = link.recv(REGISTER_TIMEOUT_S)
         except Exception as exc:
