@@ -53,7 +53,12 @@ from vllm_omni_plugin.orchestrator.link import (
     frame_mac,
 )
 from vllm_omni_plugin.orchestrator.node import shutdown_concurrently, stage_init
-from vllm_omni_plugin.orchestrator.node_protocol import AUTHKEY_ENV, authkey, is_loopback
+from vllm_omni_plugin.orchestrator.node_protocol import (
+    AUTHKEY_ENV,
+    HANDSHAKE_DEADLINE_S,
+    authkey,
+    is_loopback,
+)
 from vllm_omni_plugin.orchestrator.stage_process import stage_env
 from vllm_omni_plugin.stages.payloads import from_inline, inline
 
@@ -602,3 +607,74 @@ async def until(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() - t0 < timeout, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+# ---- the handshake: one deadline, slots per address (issue 31 item 1) ------------------------
+def trickle(port: int, source: str = "127.0.0.1") -> float:
+    """Connect, read the head's greeting, then send a valid node greeting one byte a second.
+    The seconds from connecting until the head closes the connection (inf: it never did)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+    t0 = time.monotonic()
+    try:
+        sock.recv(len(MAGIC) + 32)
+        for byte in MAGIC + os.urandom(32 + 32):  # 80 s of bytes at this pace
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                return time.monotonic() - t0
+            if closed_by_peer(sock, timeout=1.0):
+                return time.monotonic() - t0
+        return float("inf")
+    finally:
+        sock.close()
+
+
+async def test_a_trickling_handshake_is_dropped_at_its_deadline_while_a_node_registers(head):
+    """One byte a second renews any per-recv timeout forever; the whole handshake has one
+    deadline (HANDSHAKE_DEADLINE_S, 5 s): dropped within 1.5 s of it, and a real node registers
+    while the trickle is in progress."""
+    h, client = head
+    trickler = asyncio.ensure_future(in_thread(trickle, h.port))
+    await asyncio.sleep(1.5)  # the trickle holds its slot
+    assert not trickler.done()
+    t0 = time.monotonic()
+    link, reply = await register(h.port)
+    assert isinstance(reply, Welcome) and time.monotonic() - t0 < 2.0
+    await until(lambda: client.ready)
+    held = await asyncio.wait_for(trickler, 20)
+    assert HANDSHAKE_DEADLINE_S - 0.5 <= held <= HANDSHAKE_DEADLINE_S + 1.5, held
+    assert client.ready  # the node's link was not touched by the trickle's end
+    link.close()
+
+
+async def test_handshake_slots_are_limited_per_address(head):
+    """Connections from one address beyond MAX_HANDSHAKES_PER_ADDRESS are closed at once;
+    another address (a node on another host; here 127.0.0.1 vs 127.0.0.2) still registers."""
+    h, client = head
+    silent = [
+        socket.create_connection(("127.0.0.1", h.port), timeout=5, source_address=("127.0.0.2", 0))
+        for _ in range(remote.MAX_HANDSHAKES_PER_ADDRESS)
+    ]
+    try:
+        await asyncio.sleep(0.3)
+        extra = socket.create_connection(
+            ("127.0.0.1", h.port), timeout=5, source_address=("127.0.0.2", 0)
+        )
+        t0 = time.monotonic()
+        with extra:
+            assert await in_thread(closed_by_peer, extra, 2.0)
+        assert time.monotonic() - t0 < 1.5  # at once, not at the deadline
+        link, reply = await register(h.port)  # from 127.0.0.1: a slot of its own
+        assert isinstance(reply, Welcome)
+        link.close()
+        for s in silent:  # each held its slot until the deadline, no longer
+            assert await in_thread(closed_by_peer, s, HANDSHAKE_DEADLINE_S + 1.5)
+    finally:
+        for s in silent:
+            s.close()
+    await asyncio.sleep(0.3)
+    assert h._per_address == {}  # every slot given back
+    again = socket.create_connection(("127.0.0.1", h.port), source_address=("127.0.0.2", 0))
+    with again:  # the address may authenticate again: greeted, not closed
+        again.settimeout(2.0)
+        assert again.recv(len(MAGIC)) == MAGIC

@@ -15,8 +15,9 @@ sides keep an old exchange from being replayed at all):
     head -> node  MAC(key, "head", head_nonce, node_nonce)      (only if the node's MAC held)
     session keys  one per direction, HMAC(key, "session", both nonces, direction): fresh for
                   every connection, so a frame of another connection never verifies on this one
-Every pre-authentication read has a fixed size and a deadline: a stranger can hold a
-connection for REGISTER_TIMEOUT_S at most and never makes us allocate by its say-so.
+Every pre-authentication read has a fixed size, and the whole exchange one deadline (not one
+per recv, which a peer trickling a byte at a time would renew forever): a stranger holds a
+connection for the head's HANDSHAKE_DEADLINE_S at most and never makes us allocate by its say-so.
 
 Threads, not the event loop, touch the socket: a reader thread blocks in recv and hands each
 message to the loop; `send()` only encodes and queues, and a writer thread does the blocking
@@ -92,11 +93,18 @@ def encode(msg: Any) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a deadline (time.monotonic()), all of them by then or TimeoutError,
+    however the peer spreads them (a socket timeout alone bounds each recv, not the whole)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"deadline passed with {got} of {n} bytes read")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise EOFError("connection closed by the peer")
@@ -104,15 +112,15 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_message(sock: socket.socket, key: bytes, seq: int) -> Any:
-    """Read frame number `seq`, verify its MAC under `key`, decode it (EOFError, OSError,
-    TamperedFrame, UnreadableMessage)."""
-    header = _read_exact(sock, HEADER.size)
+def read_message(sock: socket.socket, key: bytes, seq: int, deadline: float | None = None) -> Any:
+    """Read frame number `seq` (whole by `deadline` when given), verify its MAC under `key`,
+    decode it (EOFError, OSError, TimeoutError, TamperedFrame, UnreadableMessage)."""
+    header = _read_exact(sock, HEADER.size, deadline)
     (size,) = HEADER.unpack(header)
     if size > MAX_FRAME_BYTES:
         raise UnreadableMessage(f"frame of {size} bytes announced (limit {MAX_FRAME_BYTES})")
-    data = _read_exact(sock, size)
-    mac = _read_exact(sock, MAC_BYTES)
+    data = _read_exact(sock, size, deadline)
+    mac = _read_exact(sock, MAC_BYTES, deadline)
     if not hmac.compare_digest(mac, frame_mac(key, seq, header + data)):
         raise TamperedFrame(f"frame {seq} failed its MAC (altered or injected on the way)")
     try:
@@ -188,17 +196,19 @@ class Link:
 
     # ---- receiving ---------------------------------------------------------------------
     def recv(self, timeout: float) -> Any:
-        """Blocking receive with a deadline (only during registration, before start_reader)."""
-        self.sock.settimeout(timeout)
+        """Blocking receive of one whole message within `timeout` seconds (only during
+        registration, before start_reader)."""
         try:
-            return self._read_one()
-        except socket.timeout:
-            raise TimeoutError(f"{self.peer} sent nothing within {timeout:.0f} s") from None
+            return self._read_one(time.monotonic() + timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.peer} sent no whole message within {timeout:.1f} s"
+            ) from None
         finally:
             self.sock.settimeout(None)
 
-    def _read_one(self) -> Any:
-        msg = read_message(self.sock, self._recv_key, self._recv_seq)
+    def _read_one(self, deadline: float | None = None) -> Any:
+        msg = read_message(self.sock, self._recv_key, self._recv_seq, deadline)
         self._recv_seq += 1
         return msg
 
@@ -302,18 +312,20 @@ def session_keys(key: bytes, head_nonce: bytes, node_nonce: bytes) -> tuple[byte
     return to_node, to_head
 
 
-def _prepare(sock: socket.socket, timeout: float) -> None:
+def _prepare(sock: socket.socket, timeout: float) -> float:
+    """Set up `sock` for the handshake; the deadline that bounds the whole exchange."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(timeout)
+    sock.settimeout(timeout)  # sends: small, but a peer that never reads cannot hold them
+    return time.monotonic() + timeout
 
 
 def connect(host: str, port: int, authkey: bytes, timeout: float) -> Session:
     """Connect to the head and authenticate both ways; the authenticated (blocking) session."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        _prepare(sock, timeout)
+        deadline = _prepare(sock, timeout)
         try:
-            magic = _read_exact(sock, len(MAGIC))
+            magic = _read_exact(sock, len(MAGIC), deadline)
         except EOFError:
             raise ConnectionError(
                 f"{host}:{port} closed the connection before its challenge"
@@ -323,11 +335,11 @@ def connect(host: str, port: int, authkey: bytes, timeout: float) -> Session:
                 f"{host}:{port} is not a vllm-omni node registry of this version "
                 f"(greeting {magic!r}, expected {MAGIC!r})"
             )
-        head_nonce = _read_exact(sock, NONCE_BYTES)
+        head_nonce = _read_exact(sock, NONCE_BYTES, deadline)
         node_nonce = os.urandom(NONCE_BYTES)
         sock.sendall(MAGIC + node_nonce + _mac(authkey, b"node", head_nonce, node_nonce))
         try:
-            proof = _read_exact(sock, MAC_BYTES)
+            proof = _read_exact(sock, MAC_BYTES, deadline)
         except EOFError:
             raise AuthenticationError(
                 f"the head at {host}:{port} refused this node's key: set the same "
@@ -346,15 +358,16 @@ def connect(host: str, port: int, authkey: bytes, timeout: float) -> Session:
 
 
 def accept(sock: socket.socket, authkey: bytes, timeout: float) -> Session:
-    """Authenticate an accepted socket (AuthenticationError, EOFError, OSError on timeout).
-    The caller closes `sock` on failure."""
-    _prepare(sock, timeout)
+    """Authenticate an accepted socket, the whole exchange within `timeout` seconds however
+    the peer spreads its bytes (AuthenticationError, EOFError, TimeoutError, OSError). The
+    caller closes `sock` on failure."""
+    deadline = _prepare(sock, timeout)
     head_nonce = os.urandom(NONCE_BYTES)
     sock.sendall(MAGIC + head_nonce)
     # The greeting first: anything else (a pickle, HTTP, a port scanner) is refused at once.
-    if _read_exact(sock, len(MAGIC)) != MAGIC:
+    if _read_exact(sock, len(MAGIC), deadline) != MAGIC:
         raise AuthenticationError("not a vllm-omni node (bad greeting)")
-    rest = _read_exact(sock, NONCE_BYTES + MAC_BYTES)
+    rest = _read_exact(sock, NONCE_BYTES + MAC_BYTES, deadline)
     node_nonce, mac = rest[:NONCE_BYTES], rest[NONCE_BYTES:]
     if not hmac.compare_digest(mac, _mac(authkey, b"node", head_nonce, node_nonce)):
         raise AuthenticationError(f"wrong key (the node's {AUTHKEY_ENV} differs)")

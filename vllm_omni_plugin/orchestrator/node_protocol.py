@@ -35,7 +35,10 @@ HEARTBEAT_ENV = "VLLM_OMNI_HEARTBEAT_S"
 
 HEARTBEAT_S = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
 DEAD_AFTER_S = 5 * HEARTBEAT_S  # missed heartbeats before a peer counts as dead
-REGISTER_TIMEOUT_S = 10.0  # a connection must say Register (or Welcome) within this
+REGISTER_TIMEOUT_S = 10.0  # a node waits this long for the head's Welcome
+# The head gives a connection this long for the whole handshake, its Register included: one
+# deadline, not one per read, so trickling a byte at a time cannot hold a slot any longer.
+HANDSHAKE_DEADLINE_S = 5.0
 DEFAULT_BIND = "127.0.0.1"  # the registry listens on loopback unless told otherwise
 
 

@@ -40,8 +40,8 @@ from .link import Link, accept
 from .node_protocol import (
     DEAD_AFTER_S,
     DEFAULT_BIND,
+    HANDSHAKE_DEADLINE_S,
     HEARTBEAT_S,
-    REGISTER_TIMEOUT_S,
     explicit_authkey,
     is_loopback,
     require_explicit_key,
@@ -51,9 +51,12 @@ from .stage_client import StageClient
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
 
-# Connections still authenticating, each on a thread for up to REGISTER_TIMEOUT_S: beyond this
-# many, a new one is closed at once (a flood of strangers cannot pile up threads).
+# Connections still authenticating, each on a thread for up to HANDSHAKE_DEADLINE_S: beyond
+# this many, a new one is closed at once (a flood of strangers cannot pile up threads)...
 MAX_PENDING_HANDSHAKES = 32
+# ...and beyond this many from one address: one host cannot hold every slot, so a restarted
+# node on another host still gets in while someone trickles bytes at the registry.
+MAX_HANDSHAKES_PER_ADDRESS = 4
 
 
 class StageHead:
@@ -71,6 +74,8 @@ class StageHead:
         self._watchdog: asyncio.Task | None = None
         self._closed = False
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._per_address: dict[str, int] = {}  # handshakes in progress by peer address
+        self._per_address_lock = threading.Lock()
 
     def client_for(self, init: StageInit) -> RemoteStageClient:
         client = RemoteStageClient(init, self)
@@ -144,31 +149,54 @@ class StageHead:
                 sock, addr = self._sock.accept()
             except OSError:
                 return  # closed
+            host = addr[0]
+            with self._per_address_lock:
+                mine = self._per_address.get(host, 0)
+                if mine < MAX_HANDSHAKES_PER_ADDRESS:
+                    self._per_address[host] = mine + 1
+            if mine >= MAX_HANDSHAKES_PER_ADDRESS:
+                logger.warning(
+                    "node registry: %s already has %d connections authenticating; closing one",
+                    host,
+                    mine,
+                )
+                sock.close()
+                continue
             if not self._handshakes.acquire(blocking=False):
                 logger.warning("node registry: too many connections authenticating; closing one")
+                self._release_address(host)
                 sock.close()
                 continue
             threading.Thread(
                 target=self._handshake, args=(sock, addr), name="omni-head-handshake", daemon=True
             ).start()
 
+    def _release_address(self, host: str) -> None:
+        with self._per_address_lock:
+            left = self._per_address.pop(host, 1) - 1
+            if left > 0:
+                self._per_address[host] = left
+
     def _handshake(self, sock: socket.socket, addr: Any) -> None:
         try:
             self._authenticate(sock, addr)
         finally:
             self._handshakes.release()
+            self._release_address(addr[0])
 
     def _authenticate(self, sock: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        # One deadline for the whole exchange, Register included.
+        deadline = time.monotonic() + HANDSHAKE_DEADLINE_S
         try:
-            session = accept(sock, self.authkey, REGISTER_TIMEOUT_S)
+            session = accept(sock, self.authkey, HANDSHAKE_DEADLINE_S)
         except Exception as exc:  # wrong key, garbage, timeout: drop it
             logger.warning("node registry: rejected connection from %s: %r", peer, exc)
             sock.close()
             return
         link = Link(session, peer)
         try:
-            msg = link.recv(REGISTER_TIMEOUT_S)
+            msg = link.recv(max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             logger.warning("node registry: %s did not register: %r", peer, exc)
             link.close()
