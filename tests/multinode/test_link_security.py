@@ -147,6 +147,18 @@ async def test_wrong_key_is_rejected_and_the_head_serves_on(head):
     link.close()
 
 
+async def test_a_wrong_key_cannot_replace_a_live_node(head):
+    h, client = head
+    live, reply = await register(h.port, node="live")
+    assert isinstance(reply, Welcome)
+    await until(lambda: client.ready)
+    for bad in (b"not the key", KEY[:-1] + b"!"):
+        with pytest.raises(AuthenticationError):
+            await register(h.port, key=bad, node="intruder")
+    assert client.ready and client.link.peer.startswith("live") and client.deaths == 0
+    live.close()
+
+
 async def test_a_head_without_the_key_is_not_trusted_by_the_node():
     """An impostor head that cannot prove the key: the node's connect() refuses it."""
     server = socket.create_server(("127.0.0.1", 0))

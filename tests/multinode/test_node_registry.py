@@ -168,14 +168,18 @@ async def test_node_lost_fails_in_flight_at_once_and_reregistration_resumes(head
     assert client.restarts == 1
 
 
-async def test_newer_registration_supersedes_the_old_node(head):
+async def test_newer_registration_supersedes_an_old_node_that_does_not_answer(head):
+    """The old node sends nothing after registering (hung, or its link half-dead): a node that
+    proves the key takes its stage after TAKEOVER_PROBE_S, not before."""
     h, client = head
     old, _ = await register(h.port, node="old")
     await until(lambda: client.ready)
     task = asyncio.ensure_future(client.submit(submit("r1")))
     await recv(old)
+    t0 = time.monotonic()
     new, reply = await register(h.port, node="new")
     assert isinstance(reply, Welcome)
+    assert remote.TAKEOVER_PROBE_S - 0.2 <= time.monotonic() - t0 < remote.TAKEOVER_PROBE_S + 2
     assert isinstance(await recv(old), Superseded)  # the old node is told to exit
     with pytest.raises(StageUnavailableError):
         await asyncio.wait_for(task, 5)
@@ -325,3 +329,35 @@ def test_stage_ids_are_checked_against_the_pipeline():
     for bad in ("2", "x", ","):
         with pytest.raises(SystemExit):
             parse_stage_ids(bad, cfg)
+
+
+async def test_a_registration_never_replaces_a_live_node(head):
+    """Issue 31: the newest registration does not simply win. A node that keeps heartbeating
+    keeps its stage; another node holding the key is refused (Rejected, saying why), and the
+    live node's link, requests and readiness are untouched."""
+    h, client = head
+    live, _ = await register(h.port, node="live")
+    await until(lambda: client.ready)
+    stop = asyncio.Event()
+
+    async def heartbeat() -> None:
+        while not stop.is_set():
+            live.send(Heartbeat(DIT))
+            await asyncio.sleep(0.3)
+
+    beating = asyncio.ensure_future(heartbeat())
+    try:
+        task = asyncio.ensure_future(client.submit(submit("r1")))
+        while isinstance(msg := await recv(live), Ping):  # the head's answers to heartbeats
+            pass
+        assert isinstance(msg, ToStage)
+        intruder, reply = await register(h.port, node="intruder")
+        assert isinstance(reply, Rejected) and "still answer" in reply.reason, reply
+        assert client.ready and client.link.peer.startswith("live") and client.deaths == 0
+        assert not task.done()  # the in-flight request still waits on the live node
+        intruder.close()
+    finally:
+        stop.set()
+        await beating
+    task.cancel()
+    live.close()

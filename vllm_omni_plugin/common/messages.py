@@ -22,7 +22,8 @@ Node link (N = node, H = head), after link.py's handshake:
     N -> H  Result | Unavailable(request_id)    Unavailable: the node's stage is down (503)
     N -> H  Progress | Pulse                    relayed from the node's stages as they come
     N -> H  Heartbeat(stages)                   every HEARTBEAT_S; the head answers Ping
-    H -> N  Superseded(reason)                  a newer node registered the same stage: exit
+    H -> N  Superseded(reason)                  a newer node took the stage after this one did
+                                                not answer for TAKEOVER_PROBE_S: exit
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ HEARTBEAT_ENV = "VLLM_OMNI_HEARTBEAT_S"
 
 HEARTBEAT_S = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
 DEAD_AFTER_S = 5 * HEARTBEAT_S  # missed heartbeats before a peer counts as dead
+# A registration for a stage a live node holds waits this long: if that node sends nothing
+# meanwhile (it heartbeats every HEARTBEAT_S), the newcomer takes the stage, else it is refused.
+TAKEOVER_PROBE_S = 3 * HEARTBEAT_S
 REGISTER_TIMEOUT_S = 10.0  # a node waits this long for the head's Welcome
 # The head gives a connection this long for the whole handshake, its Register included: one
 # deadline, not one per read, so trickling a byte at a time cannot hold a slot any longer.

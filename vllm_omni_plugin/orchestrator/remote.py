@@ -6,7 +6,9 @@
 registered that stage. Without a live node the stage is not ready: /health is unhealthy and
 requests fail fast with StageUnavailableError (HTTP 503). A node that closes its connection or
 misses heartbeats fails its in-flight requests at once; when a node (re)registers, serving
-resumes. The wire protocol is described in node_protocol.py, the connection in link.py.
+resumes. A registration never takes a stage from a node that still answers: only from one that
+is gone, or silent for TAKEOVER_PROBE_S while the newcomer (which proved the key) waits. The
+wire protocol is described in node_protocol.py, the connection in link.py.
 
 The registry listens on loopback unless --omni-master-address says otherwise, and refuses to
 listen on any other address without VLLM_OMNI_AUTHKEY (node_protocol.require_explicit_key).
@@ -42,6 +44,7 @@ from .node_protocol import (
     DEFAULT_BIND,
     HANDSHAKE_DEADLINE_S,
     HEARTBEAT_S,
+    TAKEOVER_PROBE_S,
     explicit_authkey,
     is_loopback,
     require_explicit_key,
@@ -76,6 +79,8 @@ class StageHead:
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._per_address: dict[str, int] = {}  # handshakes in progress by peer address
         self._per_address_lock = threading.Lock()
+        self._pending: set[Link] = set()  # registrations waiting to see if a holder answers
+        self._probes: set[asyncio.Task] = set()
 
     def client_for(self, init: StageInit) -> RemoteStageClient:
         client = RemoteStageClient(init, self)
@@ -138,8 +143,11 @@ class StageHead:
                 self._sock.close()
         if self._watchdog is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._watchdog.cancel)
-        for link in list(self.links):
+        for link in list(self.links) + list(self._pending):
             link.close()
+        for task in list(self._probes):
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(task.cancel)
 
     # ---- threads: accept + handshake ---------------------------------------------------
     def _accept_loop(self) -> None:
@@ -213,19 +221,71 @@ class StageHead:
     def _on_register(self, link: Link, msg: Register) -> None:
         problem = self._check(msg)
         if problem is not None:
-            logger.error("node registry: rejected node %s: %s", link.peer, problem)
-            with contextlib.suppress(OSError):
-                link.send(Rejected(problem))
-            link.close(flush=True)  # the node reads why before the connection ends
+            self._reject(link, problem)
             return
-        # Last registration wins: a restarted node takes over at once, even before the old
-        # connection's death is noticed; the superseded node is told to exit.
+        # A live node's stage is never taken by a registration alone (anyone on a host that
+        # holds the key could otherwise steal it): only when its node is gone (EOF, or missed
+        # heartbeats) or does not answer while the newcomer, which proved the key, waits.
+        now = time.monotonic()
+        live = [old for old in self._holders(link, msg) if now - old.last_seen <= DEAD_AFTER_S]
+        if not live:
+            self._admit(link, msg)
+            return
+        logger.warning(
+            "node registry: node %s registers stage(s) %s held by %s; it takes them over only "
+            "if that node does not answer within %.1f s",
+            link.peer,
+            sorted(msg.stages),
+            ", ".join(sorted(old.peer for old in live)),
+            TAKEOVER_PROBE_S,
+        )
+        self._pending.add(link)
+        task = asyncio.ensure_future(self._takeover_after_probe(link, msg, now))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    def _holders(self, link: Link, msg: Register) -> set[Link]:
+        """The other live links holding any stage `msg` registers."""
+        holders = (self.clients[sid].link for sid in msg.stages)
+        return {old for old in holders if old is not None and old is not link and old.alive}
+
+    async def _takeover_after_probe(self, link: Link, msg: Register, since: float) -> None:
+        """A node heartbeats every HEARTBEAT_S: one that sent nothing since `since` for
+        TAKEOVER_PROBE_S does not answer, and the newcomer takes its stages."""
+        try:
+            await asyncio.sleep(TAKEOVER_PROBE_S)
+        finally:
+            self._pending.discard(link)
+        problem = self._check(msg)
+        if problem is None:
+            answering = sorted(
+                old.peer for old in self._holders(link, msg) if old.last_seen > since
+            )
+            if answering:
+                problem = (
+                    f"stage(s) {sorted(msg.stages)} are served by live node(s) "
+                    f"{', '.join(answering)}, which still answer; a stage moves to another node "
+                    "only once its node is gone"
+                )
+        if problem is not None:
+            self._reject(link, problem)
+        else:
+            self._admit(link, msg)
+
+    def _reject(self, link: Link, problem: str) -> None:
+        logger.error("node registry: rejected node %s: %s", link.peer, problem)
+        with contextlib.suppress(OSError):
+            link.send(Rejected(problem))
+        link.close(flush=True)  # the node reads why before the connection ends
+
+    def _admit(self, link: Link, msg: Register) -> None:
+        # Holders still attached here are gone or silent: told to exit, replaced at once.
         for sid in msg.stages:
             old = self.clients[sid].link
             if old is not None and old is not link:
                 with contextlib.suppress(OSError):
                     old.send(Superseded(f"node {link.peer} registered stage {sid}"))
-                why = f"superseded by node {link.peer}"
+                why = f"superseded by node {link.peer} (this node did not answer)"
                 self.clients[sid].detach(old, why)  # now: the new link replaces it below
                 old.drop(why, flush=True)
         try:
