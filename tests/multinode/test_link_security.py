@@ -515,7 +515,8 @@ class Relay:
     """A TCP relay between a node and the head: a man in the middle that can flip one byte of
     the next node -> head chunk (a whole small frame on loopback) after `flip_next()`."""
 
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, where: str = "message"):
+        self.where = where  # which byte of the frame: of its length, message or MAC
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.target = target_port
@@ -543,7 +544,8 @@ class Relay:
                 if tamper and self._flip.is_set() and len(chunk) > 4 + 8 + 32:
                     self._flip.clear()
                     data = bytearray(chunk)
-                    data[4 + 4] ^= 0x01  # one bit of the message itself, not its length
+                    at = {"length": 2, "message": 4 + 4, "mac": len(data) - 1}[self.where]
+                    data[at] ^= 0x01  # one bit; in the length: 256 bytes more announced
                     chunk = bytes(data)
                     self.flipped.set()
                 dst.sendall(chunk)
@@ -559,9 +561,10 @@ class Relay:
             s.close()
 
 
-async def test_a_tampered_frame_closes_the_link_and_untampered_traffic_flows(head, caplog):
+@pytest.mark.parametrize("where", ["message", "mac", "length"])
+async def test_a_tampered_frame_closes_the_link_and_untampered_traffic_flows(head, caplog, where):
     h, client = head
-    relay = Relay(h.port)
+    relay = Relay(h.port, where)
     try:
         link, reply = await register(relay.port)  # handshake, Register, Welcome via the relay
         assert isinstance(reply, Welcome)  # a MAC-checked frame head -> node
@@ -574,7 +577,12 @@ async def test_a_tampered_frame_closes_the_link_and_untampered_traffic_flows(hea
         assert client.ready and client.deaths == 0 and head_link.alive
 
         relay.flip_next()
-        link.send(Heartbeat(DIT))
+        for _ in range(25):  # heartbeats go on (a longer length swallows the next frames)
+            if client.deaths:
+                break
+            with contextlib.suppress(BrokenPipeError):  # the relay closed the node's end
+                link.send(Heartbeat(DIT))
+            await asyncio.sleep(0.2)
         await until(lambda: client.deaths == 1)
         assert relay.flipped.is_set()
         assert not client.ready and not head_link.alive
