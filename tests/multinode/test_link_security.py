@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import pickle
 import socket
@@ -26,20 +25,27 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from link_peers import (
+    DIT,
+    KEY,
+    cfg,
+    closed_by_peer,
+    dit_info,
+    in_thread,
+    register,
+    running_head,
+    until,
+)
 
-from vllm_omni_plugin.common.limits import RequestLimits
 from vllm_omni_plugin.common.messages import (
-    DiffusionSettings,
     Heartbeat,
     Register,
     Result,
-    StageInfo,
     StageStatus,
     Welcome,
     decode_link,
 )
 from vllm_omni_plugin.common.payload import InlineTensor, Via
-from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.orchestrator import link as link_mod
 from vllm_omni_plugin.orchestrator import remote
@@ -55,64 +61,19 @@ from vllm_omni_plugin.orchestrator.link import (
 from vllm_omni_plugin.orchestrator.node import shutdown_concurrently, stage_init
 from vllm_omni_plugin.orchestrator.node_protocol import (
     AUTHKEY_ENV,
-    HANDSHAKE_DEADLINE_S,
     authkey,
     is_loopback,
 )
 from vllm_omni_plugin.orchestrator.stage_process import stage_env
 from vllm_omni_plugin.stages.payloads import from_inline, inline
 
-KEY = b"link-security-test-key"
-
-
-def dit_info(**limits: int) -> StageInfo:
-    """A diffusion stage's Ready info as a node relays it (settings: plain placeholders)."""
-    settings = DiffusionSettings({}, "cpu", "torch.float32", None, 1, 0.0, None, None, 1, None)
-    bounds = RequestLimits(16, 64, 64, 1024, 1024, 50, 4, 512, 512)
-    return StageInfo("diffusion", settings, limits=RequestLimits(**{**bounds.to_dict(), **limits}))
-
-
-DIT = {1: StageStatus("diffusion", True, dit_info(), pid=4242)}
 REPO = Path(__file__).resolve().parents[2]
-
-
-def cfg():
-    return load_deploy_config("glm_image_tiny_nixl", model="/unused/glm-image")
 
 
 @pytest.fixture
 async def head():
-    h = remote.StageHead(KEY, 0, "127.0.0.1")
-    h.local_ids = [0]
-    client = h.client_for(stage_init(cfg(), 1))
-    await h.start()
-    yield h, client
-    h.close()
-
-
-async def in_thread(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-async def register(port: int, key: bytes = KEY, node: str = "n1") -> tuple[Link, object]:
-    sock = await in_thread(connect, "127.0.0.1", port, key, 5.0)
-    link = Link(sock, "head")
-    link.send(Register(node, "host", 1, DIT))
-    return link, await in_thread(link.recv, 5.0)
-
-
-def closed_by_peer(sock: socket.socket, timeout: float = 3.0) -> bool:
-    """True when the peer closes within `timeout` (whatever it sent before is discarded)."""
-    sock.settimeout(timeout)
-    try:
-        while True:
-            chunk = sock.recv(4096)
-            if not chunk:
-                return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
+    async with running_head() as started:
+        yield started
 
 
 class _Marker:
@@ -508,193 +469,3 @@ async def test_a_node_with_the_derived_key_is_refused(monkeypatch, tmp_path):
             await register(h.port, key=derived)
     finally:
         h.close()
-
-
-# ---- every frame after the handshake carries a MAC (issue 31 item 1) -------------------------
-class Relay:
-    """A TCP relay between a node and the head: a man in the middle that can flip one byte of
-    the next node -> head chunk (a whole small frame on loopback) after `flip_next()`."""
-
-    def __init__(self, target_port: int, where: str = "message"):
-        self.where = where  # which byte of the frame: of its length, message or MAC
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.target = target_port
-        self._flip = threading.Event()
-        self.flipped = threading.Event()
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def flip_next(self) -> None:
-        self._flip.set()
-
-    def _accept(self) -> None:
-        try:
-            node, _ = self.server.accept()
-        except OSError:
-            return
-        head = socket.create_connection(("127.0.0.1", self.target))
-        self.socks += [node, head]
-        threading.Thread(target=self._pump, args=(node, head, True), daemon=True).start()
-        threading.Thread(target=self._pump, args=(head, node, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
-        try:
-            while chunk := src.recv(1 << 16):
-                if tamper and self._flip.is_set() and len(chunk) > 4 + 8 + 32:
-                    self._flip.clear()
-                    data = bytearray(chunk)
-                    at = {"length": 2, "message": 4 + 4, "mac": len(data) - 1}[self.where]
-                    data[at] ^= 0x01  # one bit; in the length: 256 bytes more announced
-                    chunk = bytes(data)
-                    self.flipped.set()
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.server.close()
-        for s in self.socks:
-            s.close()
-
-
-@pytest.mark.parametrize("where", ["message", "mac", "length"])
-async def test_a_tampered_frame_closes_the_link_and_untampered_traffic_flows(head, caplog, where):
-    h, client = head
-    relay = Relay(h.port, where)
-    try:
-        link, reply = await register(relay.port)  # handshake, Register, Welcome via the relay
-        assert isinstance(reply, Welcome)  # a MAC-checked frame head -> node
-        await until(lambda: client.ready)
-        (head_link,) = h.links
-        for _ in range(5):  # untampered frames node -> head: read, accepted, link kept
-            before = head_link.last_seen
-            link.send(Heartbeat(DIT))
-            await until(lambda before=before: head_link.last_seen > before)
-        assert client.ready and client.deaths == 0 and head_link.alive
-
-        relay.flip_next()
-        for _ in range(25):  # heartbeats go on (a longer length swallows the next frames)
-            if client.deaths:
-                break
-            with contextlib.suppress(BrokenPipeError):  # the relay closed the node's end
-                link.send(Heartbeat(DIT))
-            await asyncio.sleep(0.2)
-        await until(lambda: client.deaths == 1)
-        assert relay.flipped.is_set()
-        assert not client.ready and not head_link.alive
-        assert "tampered frame" in caplog.text and "failed its MAC" in caplog.text
-        with pytest.raises((EOFError, OSError)):  # the node's end is closed too
-            for _ in range(100):  # whatever the head sent before closing, then the end
-                await in_thread(link.recv, 5.0)
-        link.close()
-        fresh, reply = await register(h.port)  # the head serves on
-        assert isinstance(reply, Welcome)
-        fresh.close()
-    finally:
-        relay.close()
-
-
-async def test_a_replayed_frame_fails_its_mac(head):
-    """The MAC covers each frame's sequence number: a recorded, valid frame sent again (or out
-    of order) is refused like a forged one."""
-    h, client = head
-    link, _ = await register(h.port)
-    await until(lambda: client.ready)
-    frame = link_mod.encode(Heartbeat(DIT))
-    link.sock.sendall(frame + frame_mac(link._send_key, link._send_seq - 1, frame))
-    await until(lambda: client.deaths == 1)
-    link.close()
-
-
-async def test_an_old_peer_is_refused_at_the_greeting(head):
-    h, _ = head
-    assert MAGIC == b"vllm-omni-link/3"
-    sock = socket.create_connection(("127.0.0.1", h.port), timeout=5)
-    try:
-        assert sock.recv(len(MAGIC)) == MAGIC
-        sock.sendall(b"vllm-omni-link/2" + os.urandom(64))  # a node of the previous version
-        assert await in_thread(closed_by_peer, sock)
-    finally:
-        sock.close()
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-# ---- the handshake: one deadline, slots per address (issue 31 item 1) ------------------------
-def trickle(port: int, source: str = "127.0.0.1") -> float:
-    """Connect, read the head's greeting, then send a valid node greeting one byte a second.
-    The seconds from connecting until the head closes the connection (inf: it never did)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
-    t0 = time.monotonic()
-    try:
-        sock.recv(len(MAGIC) + 32)
-        for byte in MAGIC + os.urandom(32 + 32):  # 80 s of bytes at this pace
-            try:
-                sock.sendall(bytes([byte]))
-            except OSError:
-                return time.monotonic() - t0
-            if closed_by_peer(sock, timeout=1.0):
-                return time.monotonic() - t0
-        return float("inf")
-    finally:
-        sock.close()
-
-
-async def test_a_trickling_handshake_is_dropped_at_its_deadline_while_a_node_registers(head):
-    """One byte a second renews any per-recv timeout forever; the whole handshake has one
-    deadline (HANDSHAKE_DEADLINE_S, 5 s): dropped within 1.5 s of it, and a real node registers
-    while the trickle is in progress."""
-    h, client = head
-    trickler = asyncio.ensure_future(in_thread(trickle, h.port))
-    await asyncio.sleep(1.5)  # the trickle holds its slot
-    assert not trickler.done()
-    t0 = time.monotonic()
-    link, reply = await register(h.port)
-    assert isinstance(reply, Welcome) and time.monotonic() - t0 < 2.0
-    await until(lambda: client.ready)
-    held = await asyncio.wait_for(trickler, 20)
-    assert HANDSHAKE_DEADLINE_S - 0.5 <= held <= HANDSHAKE_DEADLINE_S + 1.5, held
-    assert client.ready  # the node's link was not touched by the trickle's end
-    link.close()
-
-
-async def test_handshake_slots_are_limited_per_address(head):
-    """Connections from one address beyond MAX_HANDSHAKES_PER_ADDRESS are closed at once;
-    another address (a node on another host; here 127.0.0.1 vs 127.0.0.2) still registers."""
-    h, client = head
-    silent = [
-        socket.create_connection(("127.0.0.1", h.port), timeout=5, source_address=("127.0.0.2", 0))
-        for _ in range(remote.MAX_HANDSHAKES_PER_ADDRESS)
-    ]
-    try:
-        await asyncio.sleep(0.3)
-        extra = socket.create_connection(
-            ("127.0.0.1", h.port), timeout=5, source_address=("127.0.0.2", 0)
-        )
-        t0 = time.monotonic()
-        with extra:
-            assert await in_thread(closed_by_peer, extra, 2.0)
-        assert time.monotonic() - t0 < 1.5  # at once, not at the deadline
-        link, reply = await register(h.port)  # from 127.0.0.1: a slot of its own
-        assert isinstance(reply, Welcome)
-        link.close()
-        for s in silent:  # each held its slot until the deadline, no longer
-            assert await in_thread(closed_by_peer, s, HANDSHAKE_DEADLINE_S + 1.5)
-    finally:
-        for s in silent:
-            s.close()
-    await asyncio.sleep(0.3)
-    assert h._per_address == {}  # every slot given back
-    again = socket.create_connection(("127.0.0.1", h.port), source_address=("127.0.0.2", 0))
-    with again:  # the address may authenticate again: greeted, not closed
-        again.settimeout(2.0)
-        assert again.recv(len(MAGIC)) == MAGIC
