@@ -77,9 +77,13 @@ class Session(NamedTuple):
     recv_key: bytes
 
 
-def frame_mac(key: bytes, seq: int, frame: bytes) -> bytes:
-    """The MAC that follows frame number `seq` (counted from 0 per direction) on the wire."""
-    return hmac.new(key, SEQ.pack(seq) + frame, hashlib.sha256).digest()
+def frame_mac(key: bytes, seq: int, *frame: bytes) -> bytes:
+    """The MAC that follows frame number `seq` (counted from 0 per direction) on the wire;
+    `frame`: its bytes, whole or in parts (never joined: a large frame is not copied)."""
+    mac = hmac.new(key, SEQ.pack(seq), hashlib.sha256)
+    for part in frame:
+        mac.update(part)
+    return mac.digest()
 
 
 def encode(msg: Any) -> bytes:
@@ -121,7 +125,7 @@ def read_message(sock: socket.socket, key: bytes, seq: int, deadline: float | No
         raise UnreadableMessage(f"frame of {size} bytes announced (limit {MAX_FRAME_BYTES})")
     data = _read_exact(sock, size, deadline)
     mac = _read_exact(sock, MAC_BYTES, deadline)
-    if not hmac.compare_digest(mac, frame_mac(key, seq, header + data)):
+    if not hmac.compare_digest(mac, frame_mac(key, seq, header, data)):
         raise TamperedFrame(f"frame {seq} failed its MAC (altered or injected on the way)")
     try:
         return decode_link(data)
