@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..common.messages import GenerationParams, TextOutput
+from ..common.messages import GenerationParams
+from ..common.text_messages import TextOutput
 from .speech_events import AudioDelta, SpeechDone, SpeechEvent, TranscriptDelta
 
 # Qwen3-Omni's Code2Wav: 24 kHz (1920 samples per codec frame).

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ..common.messages import GenerateText, TextOutput
+from ..common.text_messages import GenerateText, TextOutput
 from ..orchestrator import StageUnavailableError
 
 logger = logging.getLogger("vllm_omni_plugin.serving")

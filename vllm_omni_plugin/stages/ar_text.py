@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..common.messages import GenerateText, Result, TextCompletion, TextOutput
+from ..common.messages import Result
+from ..common.text_messages import GenerateText, TextCompletion, TextOutput
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
 
