@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..common.limits import RequestLimits
 from ..common.messages import Progress, Result, StageInfo, Submit
 from .errors import StageUnavailableError
+from .pending import PendingRequests
 
 
 class StageState(str, enum.Enum):
@@ -53,6 +54,24 @@ class StageStats:
     node: str = ""  # where it runs, when not in this process's host: a node's peer, a Ray IP
     # Diffusion step caching: request steps whose transformer call was skipped, per policy.
     cache_skipped: dict[str, int] = field(default_factory=dict)
+
+
+def pending_stats(
+    pending: PendingRequests, up: bool, restarts: int, deaths: int, stalls: int, node: str = ""
+) -> StageStats:
+    """A single stage's counters: its lifecycle counts and what its pending requests counted."""
+    return StageStats(
+        up,
+        restarts,
+        deaths,
+        stalls,
+        pending.completed,
+        pending.failed,
+        len(pending),
+        pending.busy_s,
+        node,
+        dict(pending.cache_skipped),
+    )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ..common.messages import Result, StageInfo, Submit
 from ..config.resolve import detect_platform
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
+from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats, refuse_streams
 from .pending import PendingRequests, stall_timeout_of
 from .ray_auth import START_HINT, RayAuthError, use_token_auth
 from .replicas import ReplicaLostError, ReplicaSet
@@ -215,18 +215,8 @@ class RayReplicaClient:
         return limits_of(self._info)
 
     def stats(self) -> StageStats:
-        p = self.pending
-        return StageStats(
-            self.ready,
-            self.restarts,
-            self.deaths,
-            0,
-            p.completed,
-            p.failed,
-            len(p),
-            p.busy_s,
-            self.node_ip or "",
-            dict(p.cache_skipped),
+        return pending_stats(
+            self.pending, self.ready, self.restarts, self.deaths, 0, self.node_ip or ""
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

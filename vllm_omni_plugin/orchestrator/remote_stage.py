@@ -31,7 +31,7 @@ from ..common.messages import (
 )
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of, refuse_streams
+from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats, refuse_streams
 from .link import Link
 from .pending import PendingRequests, stall_timeout_of
 
@@ -76,18 +76,9 @@ class RemoteStageClient:
         return len(self.pending)
 
     def stats(self) -> StageStats:
-        p = self.pending
-        return StageStats(
-            self.ready,
-            self.restarts,
-            self.deaths,
-            self.stalls,
-            p.completed,
-            p.failed,
-            len(p),
-            p.busy_s,
-            self.link.peer if self.link is not None else "",
-            dict(p.cache_skipped),
+        node = self.link.peer if self.link is not None else ""
+        return pending_stats(
+            self.pending, self.ready, self.restarts, self.deaths, self.stalls, node
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

@@ -46,7 +46,7 @@ from ..common.messages import (
 from ..config.stage_init import StageInit
 from .connector_stats import absorb_relayed
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of
+from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats
 from .pending import PendingRequests, stall_timeout_of
 from .stage_process import StageProcess
 
@@ -112,18 +112,7 @@ class StageClient:
         return limits_of(self._info)
 
     def stats(self) -> StageStats:
-        p = self.pending
-        return StageStats(
-            self.ready,
-            self.restarts,
-            self.deaths,
-            self.stalls,
-            p.completed,
-            p.failed,
-            len(p),
-            p.busy_s,
-            cache_skipped=dict(p.cache_skipped),
-        )
+        return pending_stats(self.pending, self.ready, self.restarts, self.deaths, self.stalls)
 
     def replica_stats(self) -> list[ReplicaStats]:
         return []

@@ -3,6 +3,7 @@ where it will run in bf16, count it, save it through its own library, report as 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,3 +60,10 @@ def depth(value: int, num_layers: int | None) -> int:
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     return num_layers
+
+
+def write_model_index(out_dir: Path, index: dict) -> None:
+    """The pipeline's model_index.json (sorted keys, as the hub files are written here)."""
+    (Path(out_dir) / "model_index.json").write_text(
+        json.dumps(index, indent=2, sort_keys=True) + "\n"
+    )

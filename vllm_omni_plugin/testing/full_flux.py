@@ -28,13 +28,12 @@ width: the CPU tests build the full-width model through this same code path.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from vllm_omni_plugin.testing.full_build import ComponentWriter, depth
+from vllm_omni_plugin.testing.full_build import ComponentWriter, depth, write_model_index
 from vllm_omni_plugin.testing.tiny_flux import (
     CLIP_MAX_LENGTH,
     build_clip_tokenizer,
@@ -158,8 +157,6 @@ def build(
         "transformer": ["diffusers", "FluxTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKL"],
     }
-    (Path(out_dir) / "model_index.json").write_text(
-        json.dumps(index, indent=2, sort_keys=True) + "\n"
-    )
+    write_model_index(out_dir, index)
     report(writer.summary("FLUX.1-dev", num_layers))
     return Path(out_dir)

@@ -29,13 +29,12 @@ tests build the full-width model through this same code path.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from vllm_omni_plugin.testing.full_build import ComponentWriter, depth
+from vllm_omni_plugin.testing.full_build import ComponentWriter, depth, write_model_index
 from vllm_omni_plugin.testing.tiny_qwen_image import (
     _MERGED_WORDS,
     build_scheduler,
@@ -151,8 +150,6 @@ def build(
         "transformer": ["diffusers", "QwenImageTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLQwenImage"],
     }
-    (Path(out_dir) / "model_index.json").write_text(
-        json.dumps(index, indent=2, sort_keys=True) + "\n"
-    )
+    write_model_index(out_dir, index)
     report(writer.summary("Qwen-Image", num_layers))
     return Path(out_dir)
