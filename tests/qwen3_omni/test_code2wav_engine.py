@@ -122,6 +122,34 @@ def test_finished_without_new_frames_ends_with_an_empty_chunk(decoder, omni_dir)
     assert not engine.has_unfinished()
 
 
+def test_frames_arriving_during_a_decode_are_not_dropped(decoder, omni_dir):
+    """The talker's last frames (and its end) may arrive from another thread while a chunk is
+    being decoded: that chunk is not the last, and every frame is still decoded."""
+    codes = _codes(9, 40)
+    engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir)), decoder)
+    engine.add_request("a")
+    engine.add_frames("a", codes[:, :4])
+    decode = decoder.decode
+
+    def decode_while_the_rest_arrives(windows):
+        engine.add_frames("a", codes[:, 4:], finished=True)
+        return decode(windows)
+
+    engine.decoder = type("D", (), {})()  # the same decoder, with frames arriving mid-decode
+    for name in ("num_groups", "samples_per_frame", "output_length"):
+        setattr(engine.decoder, name, getattr(decoder, name))
+    engine.decoder.decode = decode_while_the_rest_arrives
+    first = engine.step()
+    engine.decoder = decoder
+    assert [c.finished for c in first] == [False]
+    chunks = first
+    while engine.has_unfinished():
+        chunks += engine.step()
+    assert chunks[-1].finished
+    total = sum(len(c.samples) for c in chunks)
+    assert total == len(decoder.decode([codes])[0])
+
+
 def test_engine_runs_without_vllm(omni_dir):
     """The Code2Wav and talker packages import and run with vLLM made unimportable."""
     import json

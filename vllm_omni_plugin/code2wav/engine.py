@@ -52,6 +52,7 @@ class _Request:
     emitted_samples: int = 0  # one-shot positions [0, emitted) already sent
     finished: bool = False  # the talker sent its last frames
     chunks_sent: int = 0
+    held: bool = False  # its reader is behind: no decodes until released
 
     def num_frames(self) -> int:
         pending = sum(f.shape[1] for f in self.frames)
@@ -98,6 +99,13 @@ class Code2WavEngine:
         with self._lock:
             self._requests.pop(request_id, None)
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Pause (or resume) a request's decodes: back-pressure from its reader."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None:
+                req.held = held
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._requests)
@@ -120,7 +128,8 @@ class Code2WavEngine:
             for (rid, req, _, w0, end), wav in zip(plan, wavs, strict=True):
                 if self._requests.get(rid) is not req:  # aborted meanwhile
                     continue
-                last = req.finished and end == req.codes.shape[1]
+                # Frames may have arrived during the decode (still in req.frames): count them.
+                last = req.finished and end == req.num_frames()
                 stop = self.decoder.output_length(end)  # one-shot position the window reaches
                 start = req.emitted_samples - w0 * self.decoder.samples_per_frame
                 samples = wav[start : stop - w0 * self.decoder.samples_per_frame]
@@ -140,6 +149,8 @@ class Code2WavEngine:
         for rid, req in list(self._requests.items()):
             if len(plan) >= cfg.max_batch_size:
                 break
+            if req.held:
+                continue
             if req.frames:
                 parts = ([req.codes] if req.codes is not None else []) + req.frames
                 req.codes = torch.cat(parts, dim=1)

@@ -50,6 +50,10 @@ class StageSpec:
     runner: str | None = None
     """"module:Class" of the stage process's loop (a stages.loop.StageLoop subclass); None:
     the loop of the stage's kind."""
+    settings: tuple[str, ...] | None = None
+    """With a `runner` that is not its kind's engine: the deploy keys it reads (dotted for
+    nested ones, "key=value" where only that value works); loading refuses any other key a
+    deploy file or override sets on the stage, naming it. None: every key of its kind."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ..common.messages import (
 )
 from ..config.stage_init import StageInit
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
+from ..pipelines.registry import get_pipeline
 from . import engine_metrics
 from .ar_glue import glue_for
 from .ar_text import run_text, speak_chat
@@ -127,8 +128,9 @@ def _plain(value: Any) -> Any:
 class ARStageRunner(AsyncStageLoop):
     def __init__(self, init: StageInit, conn: Any):
         super().__init__(init, conn)
-        # A text-only chat stage (emits "text") needs no pipeline glue of its own.
-        self.glue = glue_for(init.pipeline, init.stage, chat_only=init.spec.emits == "text")
+        # A pipeline's chat stage (Qwen3-Omni's thinker) needs no pipeline glue of its own.
+        chat = get_pipeline(init.pipeline).chat_stage == self.stage_id
+        self.glue = glue_for(init.pipeline, init.stage, chat_only=chat)
         self.engine = self.loop.run_until_complete(self._build_engine())
 
     async def _build_engine(self):

@@ -51,6 +51,7 @@ class _Request:
     last_hidden: torch.Tensor | None = None
     code0: int | None = None
     frames: int = 0
+    held: bool = False  # its reader is behind: no decode steps until released
 
 
 class TalkerEngine:
@@ -117,6 +118,13 @@ class TalkerEngine:
         with self._lock:
             self._requests.pop(request_id, None)
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Pause (or resume) a request's decode steps: back-pressure from its reader."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None:
+                req.held = held
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._requests)
@@ -140,6 +148,7 @@ class TalkerEngine:
             if (
                 req.cache is None
                 or req.code0 == self.runner.eos
+                or req.held
                 or len(batch) >= self.max_batch_size
             ):
                 continue

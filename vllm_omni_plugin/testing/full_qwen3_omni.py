@@ -103,6 +103,9 @@ def build_config(ids: dict[str, int], num_layers: int | None = None):
             "out_hidden_size": 2048,
             "num_position_embeddings": 2304,
             "deepstack_visual_indexes": [i for i in (8, 16, 24) if i < depth(27)] or [0],
+            "image_size": 768,  # vLLM's thinker: a 48 x 48 grid of 16-pixel patches
+            "apply_vit_abs_pos_embed": True,
+            "in_channels": 3,
         },
         "text_config": {
             "vocab_size": TEXT_VOCAB_SIZE,

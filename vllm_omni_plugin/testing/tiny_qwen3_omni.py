@@ -253,6 +253,11 @@ def build_config(ids: dict[str, int] | None = None):
             "out_hidden_size": thinker_hidden,
             "num_position_embeddings": 64,
             "deepstack_visual_indexes": [0],
+            # Read by vLLM's thinker (not by transformers): the grid of the position
+            # embedding is image_size / patch_size per side (8 x 8 = 64 here).
+            "image_size": 128,
+            "apply_vit_abs_pos_embed": True,
+            "in_channels": 3,
         },
         "text_config": {
             "vocab_size": TEXT_VOCAB_SIZE,
