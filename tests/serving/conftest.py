@@ -206,3 +206,17 @@ def chat_servers(tmp_path_factory):
     finally:
         ours.stop()
         stock.stop()
+
+
+# ---- Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav on the tiny checkpoint (issue 29) ----
+@pytest.fixture(scope="session")
+def omni_speech_server(tiny_models, tmp_path_factory):
+    """The bundled CPU config (talker greedy, at most 64 frames per request)."""
+    root = tmp_path_factory.mktemp("omni-speech-server")
+    server = start_shared(
+        tiny_models("qwen3-omni"), REPO / "stage_configs" / "qwen3_omni_tiny.yaml", root
+    )
+    try:
+        yield server
+    finally:
+        server.stop()

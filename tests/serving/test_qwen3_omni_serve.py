@@ -1,0 +1,175 @@
+"""Qwen3-Omni served end to end (issue 29): `vllm serve DIR --stage-config qwen3_omni_tiny` on the
+tiny checkpoint, thinker (vLLM's own model) -> talker -> Code2Wav, every edge streamed, through the
+official `openai` client.
+
+Parity, greedy (the thinker at temperature 0, the talker greedy by config, 64 frames at most):
+- the transcript is the text the same server answers for the text-only request, whose token ids
+  equal transformers' thinker's;
+- the WAV equals transformers' `generate(..., return_audio=True)` within max abs 0.01: the bound of
+  chunked Code2Wav decoding (tests/qwen3_omni/test_code2wav_engine.py) plus the WAV's 16-bit
+  quantization (3e-5); it is ~0.002 here;
+- the streamed pcm16 deltas join to exactly the non-streamed WAV's samples;
+- requests decoded together give what each gives alone within 2 LSB of 16-bit audio (6e-5: a
+  batched decode sums in another order; tests/qwen3_omni bounds it at 1e-4 in float).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import time
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from omni_server import API_KEY
+
+from vllm_omni_plugin.testing.qwen3_omni_reference import (
+    SAMPLE_RATE,
+    chat_input_ids,
+    load_reference_model,
+    reference_generate,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Say hi"
+THINKER_TOKENS = 8
+MAX_FRAMES = 64  # qwen3_omni_tiny.yaml: the talker's default_sampling_params.max_tokens
+SPEECH = {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}}
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def chat(server, prompt: str = PROMPT, **kw):
+    return client(server).chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=kw.pop("max_tokens", THINKER_TOKENS),
+        **kw,
+    )
+
+
+def wav_samples(b64: str) -> np.ndarray:
+    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (SAMPLE_RATE, 1, 2)
+        return np.frombuffer(w.readframes(w.getnframes()), np.int16)
+
+
+def speak(server, prompt: str = PROMPT) -> tuple[str, np.ndarray]:
+    audio = chat(server, prompt, **SPEECH).choices[0].message.audio
+    assert audio.id and audio.expires_at > time.time()
+    return audio.transcript, wav_samples(audio.data)
+
+
+@pytest.fixture(scope="module")
+def reference(omni_speech_server):
+    model = load_reference_model(omni_speech_server.model)
+    ids = chat_input_ids(omni_speech_server.model, PROMPT)
+    return reference_generate(
+        model, ids, thinker_max_new_tokens=THINKER_TOKENS, max_frames=MAX_FRAMES
+    )
+
+
+def test_speech_equals_transformers_wav_within_0_01(omni_speech_server, reference):
+    text = chat(omni_speech_server, extra_body={"return_token_ids": True}).choices[0]
+    assert text.token_ids == reference.text_ids  # the thinker: vLLM's model, greedy
+    transcript, samples = speak(omni_speech_server)
+    assert transcript == text.message.content
+    assert len(samples) == len(reference.waveform) > 20 * 1920  # the talker's frames: all of them
+    diff = np.abs(samples / 32768.0 - reference.waveform)
+    assert diff.max() <= 0.01, diff.max()
+
+
+def test_streamed_audio_starts_before_the_text_ends_and_equals_the_wav(omni_speech_server):
+    """pcm16 deltas: several, the first before the last transcript delta (the thinker writes 200
+    tokens while the talker and Code2Wav already work), joined equal to the non-streamed WAV."""
+    kw = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+    events: list[tuple[str, bytes | str]] = []
+    stream = chat(
+        omni_speech_server,
+        stream=True,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+        **kw,
+    )
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        audio = getattr(chunk.choices[0].delta, "audio", None)
+        if audio is None:
+            continue
+        audio = audio if isinstance(audio, dict) else audio.model_dump()
+        if audio.get("transcript"):
+            events.append(("text", audio["transcript"]))
+        if audio.get("data"):
+            events.append(("audio", base64.b64decode(audio["data"])))
+    kinds = [k for k, _ in events]
+    assert kinds.count("audio") >= 3, kinds
+    last_text = len(kinds) - 1 - kinds[::-1].index("text")
+    assert kinds.index("audio") < last_text, kinds
+    streamed = np.frombuffer(b"".join(v for k, v in events if k == "audio"), np.int16)
+    transcript = "".join(v for k, v in events if k == "text")
+    full = chat(omni_speech_server, **SPEECH, **kw).choices[0].message.audio
+    assert transcript == full.transcript
+    np.testing.assert_array_equal(streamed, wav_samples(full.data))
+
+
+def test_requests_together_give_what_each_gives_alone(omni_speech_server):
+    prompts = ["Say hi", "Count to three", "What is blue?"]
+    alone = [speak(omni_speech_server, p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda p: speak(omni_speech_server, p), prompts))
+    for (t1, a1), (t2, a2) in zip(alone, together, strict=True):
+        assert t1 == t2 and a1.shape == a2.shape
+        assert np.abs(a1.astype(np.int32) - a2).max() <= 2
+
+
+def test_bad_speech_requests_are_openai_400s(omni_speech_server):
+    for audio, field in (
+        ({"voice": "nobody", "format": "wav"}, "voice"),
+        ({"voice": "ethan", "format": "aiff"}, "format"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(omni_speech_server, modalities=["text", "audio"], audio=audio)
+        assert field in str(err.value.body), err.value.body
+    with pytest.raises(openai.BadRequestError):
+        chat(omni_speech_server, n=2, **SPEECH)
+
+
+def _live(server) -> list[dict]:
+    r = httpx.get(
+        f"{server.url}/v1/omni/stages?live=1", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    return [s["live"] for s in r.json()["stages"]]
+
+
+def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speech_server):
+    stream = chat(
+        omni_speech_server,
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+    )
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        live = _live(omni_speech_server)
+        if not any(s["requests"] for s in live):
+            break
+        time.sleep(0.2)
+    assert not any(s["requests"] for s in live), live
+    _, samples = speak(omni_speech_server)  # every stage still answers
+    assert len(samples) > 0
+    text = httpx.get(f"{omni_speech_server.url}/metrics").text
+    for name in ("omni_speech_time_to_first_audio_seconds", "omni_speech_real_time_factor"):
+        assert f'{name}_count{{pipeline="qwen3_omni"}}' in text, name
