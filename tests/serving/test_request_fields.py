@@ -31,7 +31,9 @@ QWEN = rf.FamilyFields(
     "Qwen-Image",
     (Knob("true_cfg_scale", "number", "true CFG", 0.0, 100.0),),
     {},
-    CfgFacts("true_cfg_scale", 4.0, True, False, True, True),
+    CfgFacts(
+        "true_cfg_scale", 4.0, needs_negative=True, default_negative=False, guidance_used=False
+    ),
 )
 WAN_KNOBS = (
     Knob("guidance_scale_2", "number", "g2", 0.0, 100.0),
@@ -41,9 +43,7 @@ WAN_KNOBS = (
 
 
 def wan(default_guidance: float = 5.0) -> rf.FamilyFields:
-    cfg = CfgFacts(
-        "guidance_scale", default_guidance, False, False, False, True, "guidance_scale_2"
-    )
+    cfg = CfgFacts("guidance_scale", default_guidance, False, False, True, "guidance_scale_2")
     return rf.FamilyFields("Wan2.2", WAN_KNOBS, {}, cfg)
 
 
@@ -74,11 +74,14 @@ def test_a_knob_of_the_family_is_checked_and_carried():
 
 
 def test_fields_the_cfg_rule_leaves_unread_are_refused_before_any_stage():
-    """Qwen-Image's true CFG needs a negative prompt and a scale > 1 (diffusers' rule)."""
+    """Qwen-Image's true CFG needs a negative prompt and a scale > 1 (diffusers' rule), and
+    its guidance_scale is read only by a guidance-distilled transformer (not this one)."""
     for body, param in (
         ({"true_cfg_scale": 3}, "true_cfg_scale"),  # no negative prompt
         ({"negative_prompt": "n", "true_cfg_scale": 1}, "negative_prompt"),
-        ({"negative_prompt": "n", "guidance_scale": 0.5}, "negative_prompt"),  # the older name
+        ({"negative_prompt": "n", "true_cfg_scale": 0.5}, "negative_prompt"),
+        ({"guidance_scale": 4.0}, "guidance_scale"),  # diffusers ignores it here
+        ({"negative_prompt": "n", "guidance_scale": 3}, "guidance_scale"),  # CFG: 4.0, not 3
         ({"negative_prompt": "n", "guidance_scale": 3, "true_cfg_scale": 3}, "guidance_scale"),
     ):
         err = refusal(validate_request, {"prompt": "a", **body}, image_limits())
