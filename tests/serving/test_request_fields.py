@@ -130,6 +130,29 @@ def test_response_format_file_is_not_a_stream():
     assert err.param == "response_format"
 
 
+def test_fields_a_request_would_not_read_are_refused():
+    """Stream-only fields without a stream, a response format a stream does not use, and a
+    lossy-format quality on PNG: each a 400 naming it, never accepted and ignored."""
+    for body, param in (
+        ({"partial_images": 2}, "partial_images"),
+        ({"progress_events": True}, "progress_events"),
+        ({"stream": True, "response_format": "url"}, "response_format"),
+        ({"output_compression": 50}, "output_compression"),  # PNG, the default
+        ({"output_compression": 50, "output_format": "PNG"}, "output_compression"),
+    ):
+        err = refusal(validate_request, {"prompt": "a", **body}, image_limits())
+        assert (err.status, err.param, err.code) == (400, param, "invalid_value"), body
+    # The same fields where they are read, and the values that ask for nothing.
+    for body in (
+        {"stream": True, "partial_images": 2, "progress_events": True},
+        {"stream": True, "response_format": "b64_json"},
+        {"partial_images": 0, "progress_events": False, "stream": False},
+        {"output_compression": 50, "output_format": "jpg"},
+        {"output_compression": 50, "output_format": "webp"},
+    ):
+        validate_request({"prompt": "a", **body}, image_limits())
+
+
 def test_file_answer_one_image_or_a_zip():
     one = file_answer([b"\xff\xd8jpeg"], "jpeg", "img-1")
     assert (one.content, one.media_type, one.filename) == (

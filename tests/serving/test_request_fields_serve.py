@@ -278,6 +278,31 @@ def test_response_format_file_and_output_format_spellings(small_qwen_server):
     assert stream.status_code == 400 and stream.json()["error"]["param"] == "response_format"
 
 
+def test_fields_a_request_would_not_read_are_400s(small_qwen_server, shared_edit_server):
+    """Through the official client, on both image routes: stream-only fields without a stream,
+    `url` with a stream, output_compression with PNG: each a 400 naming it (no stage work)."""
+    gen = client(small_qwen_server).images.generate
+    kw = {"model": small_qwen_server.model, "prompt": "a cube", "size": "64x64"}
+    for more, param in (
+        ({"partial_images": 2}, "partial_images"),
+        ({"stream": True, "response_format": "url"}, "response_format"),
+        ({"output_compression": 50}, "output_compression"),
+        ({"extra_body": {"progress_events": True}}, "progress_events"),
+    ):
+        with pytest.raises(BadRequestError) as info:
+            gen(**kw, **more)
+        assert (info.value.body["param"], info.value.body["code"]) == (param, "invalid_value")
+    with pytest.raises(BadRequestError) as info:
+        client(shared_edit_server).images.edit(
+            model=shared_edit_server.model,
+            image=("s.png", source_png(), "image/png"),
+            prompt="make it red",
+            output_format="png",
+            output_compression=50,
+        )
+    assert info.value.body["param"] == "output_compression"
+
+
 def test_edit_true_cfg_scale_through_the_openai_client(shared_edit_server):
     c = client(shared_edit_server)
     extra = {"seed": 4, "num_inference_steps": 2, "negative_prompt": "blurry"}
