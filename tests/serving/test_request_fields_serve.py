@@ -154,6 +154,12 @@ def test_walk_generations_glm_image(shared_glm_server):
     assert res.status_code == 400 and res.json()["error"]["param"] == "negative_prompt"
 
 
+def test_walk_edits_glm_image(shared_glm_server):
+    base = {"prompt": "make it red", "size": "32x32", "num_inference_steps": "2", "seed": "5"}
+    out = walk_images(shared_glm_server, "edits", base)
+    assert set(out.values()) == {"refused"}  # no knob of its own: every one is a 400
+
+
 def test_walk_edits_qwen_image_edit(shared_edit_server):
     base = {"prompt": "make it red", "num_inference_steps": "2", "seed": "5"}
     out = walk_images(shared_edit_server, "edits", {**base, "negative_prompt": "blurry"})
