@@ -46,7 +46,8 @@ def requests(family: str) -> tuple[list[GenerationRequest], list[GenerationReque
             kw["guidance_scale"] = 1.5 if cfg else 1.0
         else:
             kw["negative_prompt"] = "blurry, low quality" if cfg else None
-            kw["guidance_scale"] = 3.5 if family == "flux" else 4.0
+            if family == "flux":  # FLUX's embedded guidance; Qwen-Image would refuse it
+                kw["guidance_scale"] = 3.5
         return GenerationRequest(
             rid, prompt, n=n, height=SIZE, width=SIZE, num_inference_steps=steps, seed=seed, **kw
         )

@@ -89,7 +89,7 @@ def reference(pipe, r: GenerationRequest, output_type: str = "latent"):
         r.input_images[0],
         r.prompt,
         negative_prompt=r.negative_prompt,
-        true_cfg_scale=r.guidance_scale,
+        true_cfg_scale=r.knobs.get("true_cfg_scale", 4.0),  # diffusers' default, and ours
         height=SIZE,
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
@@ -112,7 +112,6 @@ def req(rid, prompt, image, seed, steps=2, negative=None, n=1):
         height=SIZE,
         width=SIZE,
         num_inference_steps=steps,
-        guidance_scale=4.0,
         seed=seed,
         input_images=[image],
     )
@@ -179,13 +178,13 @@ def test_stage_decodes_the_api_servers_png(engine):
 
 
 def test_true_cfg_scale_knob_matches_diffusers(engine, pipe):
-    """A request's own `true_cfg_scale` (diffusers' name) instead of the older guidance_scale:
-    the same final latents as diffusers given that scale (1e-4), other than the default's."""
+    """A request's own `true_cfg_scale`: the same final latents as diffusers given that scale
+    (1e-4), other than the default's (4.0)."""
     base = req("knob", "make it red", source(3), seed=11, negative="blurry")
-    r = dataclasses.replace(base, guidance_scale=None, knobs={"true_cfg_scale": 2.5})
+    r = dataclasses.replace(base, knobs={"true_cfg_scale": 2.5})
     (out,) = engine.generate([r])
     assert out.error is None, out.error
-    want = reference(pipe, dataclasses.replace(base, guidance_scale=2.5))
+    want = reference(pipe, r)
     got = engine.final_latents[r.request_id]
     assert float((got - want).abs().max()) <= LATENT_TOLERANCE
     (default,) = engine.generate([dataclasses.replace(r, request_id="knob0", knobs={})])

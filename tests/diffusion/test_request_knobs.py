@@ -84,7 +84,10 @@ def test_qwen_true_cfg_scale_refusals_name_the_field(qwen):
     assert refused(engine, image_req("a", negative=None, knobs={"true_cfg_scale": 3})) == (
         "true_cfg_scale"
     )
-    # Two names for the one scale of a model that is not guidance-distilled.
+    # guidance_scale: diffusers reads it only on a guidance-distilled transformer (not this
+    # one), with or without a negative prompt or true_cfg_scale.
+    assert refused(engine, image_req("b", negative=None, guidance=4.0)) == "guidance_scale"
+    assert refused(engine, image_req("b", guidance=3.0)) == "guidance_scale"
     both = image_req("b", knobs={"true_cfg_scale": 3}, guidance=3.0)
     assert refused(engine, both) == "guidance_scale"
     # A negative prompt without true CFG (scale <= 1) would be ignored.

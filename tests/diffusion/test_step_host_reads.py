@@ -69,7 +69,8 @@ def requests(family: str, engine: DiffusionEngine) -> list[GenerationRequest]:
         for e in extra:
             codes = torch.randint(0, vocab, (1, (SIZE // 32) ** 2), generator=g)
             e["prior_token_ids"] = pipe._upsample_token_ids(codes, SIZE // 32, SIZE // 32)
-    guidance = {"flux": 3.5, "qwen-image": 4.0, "glm-image": 1.5}[family]
+    # Qwen-Image: no guidance_scale (not guidance-distilled), its true CFG default (4.0).
+    guidance = {"flux": 3.5, "qwen-image": None, "glm-image": 1.5}[family]
     negative = "blurry" if family == "qwen-image" else None
     return [
         GenerationRequest(

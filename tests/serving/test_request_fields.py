@@ -31,7 +31,9 @@ QWEN = rf.FamilyFields(
     "Qwen-Image",
     (Knob("true_cfg_scale", "number", "true CFG", 0.0, 100.0),),
     {},
-    CfgFacts("true_cfg_scale", 4.0, True, False, True, True),
+    CfgFacts(
+        "true_cfg_scale", 4.0, needs_negative=True, default_negative=False, guidance_used=False
+    ),
 )
 WAN_KNOBS = (
     Knob("guidance_scale_2", "number", "g2", 0.0, 100.0),
@@ -41,9 +43,7 @@ WAN_KNOBS = (
 
 
 def wan(default_guidance: float = 5.0) -> rf.FamilyFields:
-    cfg = CfgFacts(
-        "guidance_scale", default_guidance, False, False, False, True, "guidance_scale_2"
-    )
+    cfg = CfgFacts("guidance_scale", default_guidance, False, False, True, "guidance_scale_2")
     return rf.FamilyFields("Wan2.2", WAN_KNOBS, {}, cfg)
 
 
@@ -74,11 +74,14 @@ def test_a_knob_of_the_family_is_checked_and_carried():
 
 
 def test_fields_the_cfg_rule_leaves_unread_are_refused_before_any_stage():
-    """Qwen-Image's true CFG needs a negative prompt and a scale > 1 (diffusers' rule)."""
+    """Qwen-Image's true CFG needs a negative prompt and a scale > 1 (diffusers' rule), and
+    its guidance_scale is read only by a guidance-distilled transformer (not this one)."""
     for body, param in (
         ({"true_cfg_scale": 3}, "true_cfg_scale"),  # no negative prompt
         ({"negative_prompt": "n", "true_cfg_scale": 1}, "negative_prompt"),
-        ({"negative_prompt": "n", "guidance_scale": 0.5}, "negative_prompt"),  # the older name
+        ({"negative_prompt": "n", "true_cfg_scale": 0.5}, "negative_prompt"),
+        ({"guidance_scale": 4.0}, "guidance_scale"),  # diffusers ignores it here
+        ({"negative_prompt": "n", "guidance_scale": 3}, "guidance_scale"),  # CFG: 4.0, not 3
         ({"negative_prompt": "n", "guidance_scale": 3, "true_cfg_scale": 3}, "guidance_scale"),
     ):
         err = refusal(validate_request, {"prompt": "a", **body}, image_limits())
@@ -125,6 +128,29 @@ def test_response_format_file_is_not_a_stream():
         validate_request, {"prompt": "a", "response_format": "file", "stream": True}, image_limits()
     )
     assert err.param == "response_format"
+
+
+def test_fields_a_request_would_not_read_are_refused():
+    """Stream-only fields without a stream, a response format a stream does not use, and a
+    lossy-format quality on PNG: each a 400 naming it, never accepted and ignored."""
+    for body, param in (
+        ({"partial_images": 2}, "partial_images"),
+        ({"progress_events": True}, "progress_events"),
+        ({"stream": True, "response_format": "url"}, "response_format"),
+        ({"output_compression": 50}, "output_compression"),  # PNG, the default
+        ({"output_compression": 50, "output_format": "PNG"}, "output_compression"),
+    ):
+        err = refusal(validate_request, {"prompt": "a", **body}, image_limits())
+        assert (err.status, err.param, err.code) == (400, param, "invalid_value"), body
+    # The same fields where they are read, and the values that ask for nothing.
+    for body in (
+        {"stream": True, "partial_images": 2, "progress_events": True},
+        {"stream": True, "response_format": "b64_json"},
+        {"partial_images": 0, "progress_events": False, "stream": False},
+        {"output_compression": 50, "output_format": "jpg"},
+        {"output_compression": 50, "output_format": "webp"},
+    ):
+        validate_request({"prompt": "a", **body}, image_limits())
 
 
 def test_file_answer_one_image_or_a_zip():

@@ -154,6 +154,12 @@ def test_walk_generations_glm_image(shared_glm_server):
     assert res.status_code == 400 and res.json()["error"]["param"] == "negative_prompt"
 
 
+def test_walk_edits_glm_image(shared_glm_server):
+    base = {"prompt": "make it red", "size": "32x32", "num_inference_steps": "2", "seed": "5"}
+    out = walk_images(shared_glm_server, "edits", base)
+    assert set(out.values()) == {"refused"}  # no knob of its own: every one is a 400
+
+
 def test_walk_edits_qwen_image_edit(shared_edit_server):
     base = {"prompt": "make it red", "num_inference_steps": "2", "seed": "5"}
     out = walk_images(shared_edit_server, "edits", {**base, "negative_prompt": "blurry"})
@@ -226,6 +232,9 @@ def test_true_cfg_scale_through_the_openai_client(small_qwen_server):
         ({"true_cfg_scale": 101}, "true_cfg_scale"),
         ({"true_cfg_scale": "x"}, "true_cfg_scale"),
         ({"true_cfg_scale": 3.0, "negative_prompt": None}, "true_cfg_scale"),
+        # Not guidance-distilled: diffusers ignores guidance_scale, with or without CFG.
+        ({"guidance_scale": 4.0, "negative_prompt": None}, "guidance_scale"),
+        ({"guidance_scale": 4.0}, "guidance_scale"),
         ({"lora": {"name": "x"}}, "lora"),
     ):
         body = {k: v for k, v in {**extra, **bad}.items() if v is not None}
@@ -275,23 +284,56 @@ def test_response_format_file_and_output_format_spellings(small_qwen_server):
     assert stream.status_code == 400 and stream.json()["error"]["param"] == "response_format"
 
 
+def test_fields_a_request_would_not_read_are_400s(small_qwen_server, shared_edit_server):
+    """Through the official client, on both image routes: stream-only fields without a stream,
+    `url` with a stream, output_compression with PNG: each a 400 naming it (no stage work)."""
+    gen = client(small_qwen_server).images.generate
+    kw = {"model": small_qwen_server.model, "prompt": "a cube", "size": "64x64"}
+    for more, param in (
+        ({"partial_images": 2}, "partial_images"),
+        ({"stream": True, "response_format": "url"}, "response_format"),
+        ({"output_compression": 50}, "output_compression"),
+        ({"extra_body": {"progress_events": True}}, "progress_events"),
+    ):
+        with pytest.raises(BadRequestError) as info:
+            gen(**kw, **more)
+        assert (info.value.body["param"], info.value.body["code"]) == (param, "invalid_value")
+    with pytest.raises(BadRequestError) as info:
+        client(shared_edit_server).images.edit(
+            model=shared_edit_server.model,
+            image=("s.png", source_png(), "image/png"),
+            prompt="make it red",
+            output_format="png",
+            output_compression=50,
+        )
+    assert info.value.body["param"] == "output_compression"
+
+
 def test_edit_true_cfg_scale_through_the_openai_client(shared_edit_server):
     c = client(shared_edit_server)
     extra = {"seed": 4, "num_inference_steps": 2, "negative_prompt": "blurry"}
 
     def edit(**more):
+        body = {k: v for k, v in {**extra, **more}.items() if v is not None}
         res = c.images.edit(
             model=shared_edit_server.model,
             image=("s.png", source_png(), "image/png"),
             prompt="make it red",
-            extra_body={**extra, **more},
+            extra_body=body,
         )
         return png_bytes(res.data[0].b64_json)
 
     assert np.abs(edit(true_cfg_scale=1.5) - edit(true_cfg_scale=8.0)).mean() > 0
-    with pytest.raises(BadRequestError) as info:
-        edit(true_cfg_scale=1.5, guidance_scale=2.0)  # one scale, two names
-    assert info.value.body["param"] == "guidance_scale"
+    # Not guidance-distilled: diffusers ignores guidance_scale, with or without CFG.
+    for more in (
+        {"guidance_scale": 4.0, "negative_prompt": None},
+        {"guidance_scale": 4.0},
+        {"true_cfg_scale": 1.5, "guidance_scale": 2.0},
+    ):
+        with pytest.raises(BadRequestError) as info:
+            edit(**more)
+        assert info.value.body["param"] == "guidance_scale", more
+        assert info.value.body["code"] == "invalid_value", more
 
 
 def test_edit_source_as_data_url_equals_the_upload(shared_edit_server):

@@ -123,8 +123,8 @@ def test_bad_stream_fields_are_400(field):
 
 
 def test_stream_fields_default_off():
-    req = validate_request({"prompt": "a", "partial_images": 3}, LIMITS)
-    assert (req.stream, req.partial_images, req.progress_events) == (False, 3, False)
+    req = validate_request({"prompt": "a"}, LIMITS)
+    assert (req.stream, req.partial_images, req.progress_events) == (False, 0, False)
 
 
 def test_preview_steps_are_evenly_spaced_and_never_the_last():

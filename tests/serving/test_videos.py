@@ -381,9 +381,10 @@ def test_restarted_server_keeps_finished_jobs_and_content(server, setup, shared)
 
 
 def test_job_bounds_queue_timeout_and_event_streams(shared):
-    """The second server runs 1 job, lets 1 wait (the next gets 429 with Retry-After), fails a
-    job past job_timeout_s (2 s) and frees its stage for the waiting one, and keeps at most one
-    /events stream open."""
+    """The second server runs 1 job, lets 1 wait (the next gets 429 with Retry-After, on
+    /v1/videos/sync too), fails a job past job_timeout_s (2 s) and frees its stage for the
+    waiting one (a sync request past it gets a 504), and keeps at most one /events stream
+    open."""
     second = shared.pop("second")
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
@@ -395,6 +396,11 @@ def test_job_bounds_queue_timeout_and_event_streams(shared):
             create(second, seed=22)
         assert refused.value.body["code"] == "too_many_requests"
         assert int(refused.value.response.headers["retry-after"]) >= 1
+        sync_url = f"{second.url}/v1/videos/sync"
+        small = {"prompt": PROMPT, "size": "32x32", "num_frames": 9, "num_inference_steps": 4}
+        busy_sync = httpx.post(sync_url, json={**small, "seed": 22}, headers=auth, timeout=60)
+        assert busy_sync.status_code == 429, busy_sync.text  # the same queue bound
+        assert busy_sync.json()["error"]["code"] == "too_many_requests"
         with httpx.stream("GET", f"{second.url}/v1/videos/{long.id}/events", headers=auth) as r:
             assert r.status_code == 200
             busy = httpx.get(f"{second.url}/v1/videos/{waiting.id}/events", headers=auth)
@@ -409,5 +415,14 @@ def test_job_bounds_queue_timeout_and_event_streams(shared):
         assert time.monotonic() - t0 < 60
         again = httpx.get(f"{second.url}/v1/videos/{done.id}/events", headers=auth)
         assert again.status_code == 200 and "video.completed" in again.text  # the slot came back
+        # A sync request is bounded by the same job timeout: a 504 once the job fails.
+        t1 = time.monotonic()
+        body = {**small, "size": "256x256", "num_frames": 65, "num_inference_steps": 200}
+        late = httpx.post(sync_url, json={**body, "seed": 23}, headers=auth, timeout=60)
+        assert late.status_code == 504, late.text
+        assert late.json()["error"]["code"] == "job_timeout"
+        assert time.monotonic() - t1 < 30
+        (job,) = client(second).videos.list(limit=1, order="desc").data  # it was a job
+        assert job.status == "failed" and job.error.code == "job_timeout"
     finally:
         second.stop()

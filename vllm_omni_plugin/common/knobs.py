@@ -109,8 +109,7 @@ class CfgFacts:
     default_scale: float  # that scale when the request sets none (the stage's default)
     needs_negative: bool  # true CFG (Qwen-Image, FLUX): on only with a negative prompt
     default_negative: bool  # the stage has a default negative prompt
-    guidance_alias: bool  # guidance_scale sets the same scale (Qwen-Image's older name)
-    guidance_used: bool  # guidance_scale is applied at all (False: FLUX.1-schnell)
+    guidance_used: bool  # guidance_scale is applied at all (see `unused_field`)
     second_scale: str | None = None  # a second CFG scale knob (Wan2.2's guidance_scale_2)
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,19 +123,18 @@ class CfgFacts:
 def unused_field(facts: CfgFacts, given: dict[str, Any]) -> tuple[str, str] | None:
     """(field, why) of a field the request set (`given`: the request's own fields and knobs,
     None for unset) that this model would not use, or None."""
-    if given.get("guidance_scale") is not None:
-        if not facts.guidance_used:
-            return "guidance_scale", (
-                "this model is not guidance-distilled: diffusers ignores guidance_scale; use "
-                f"{facts.scale_field} with a negative_prompt"
-            )
-        if facts.guidance_alias and given.get(facts.scale_field) is not None:
-            return "guidance_scale", (
-                f"sets the same scale as {facts.scale_field} on this model: send one of the two"
-            )
+    # True-CFG families (Qwen-Image, Qwen-Image-Edit, FLUX) read guidance_scale only as the
+    # embedded guidance of a guidance-distilled transformer (`guidance_embeds`): diffusers'
+    # QwenImagePipeline and FluxPipeline otherwise drop it with a warning and take the CFG
+    # scale from true_cfg_scale alone (default 4.0 for Qwen-Image, even when guidance_scale is
+    # given), and vLLM-Omni does the same. So such a model refuses it (`guidance_used` False)
+    # rather than read it as the CFG scale: the same request gives diffusers' image.
+    if given.get("guidance_scale") is not None and not facts.guidance_used:
+        return "guidance_scale", (
+            "this model is not guidance-distilled: diffusers ignores guidance_scale; use "
+            f"{facts.scale_field} with a negative_prompt"
+        )
     scale = given.get(facts.scale_field)
-    if scale is None and facts.guidance_alias:
-        scale = given.get("guidance_scale")
     scale = facts.default_scale if scale is None else scale
     negative = given.get("negative_prompt") is not None or facts.default_negative
     rule = f"CFG runs when {facts.scale_field} > 1"

@@ -129,12 +129,7 @@ def validate_request(
     family.check_used(
         {"guidance_scale": req.guidance_scale, "negative_prompt": req.negative_prompt, **knobs}
     )
-    if req.response_format == "file" and req.stream:
-        raise invalid(
-            "response_format 'file' answers with the image bytes; a stream sends events: "
-            "use one of the two",
-            "response_format",
-        )
+    _refuse_unread(req)
 
     if not req.prompt.strip():
         raise invalid("prompt must not be empty", "prompt")
@@ -190,6 +185,33 @@ def validate_request(
         extensions=extensions,
         user=req.user,
     )
+
+
+def _refuse_unread(req: ImageGenerationRequest) -> None:
+    """A field whose value only matters in a stream, or for a lossy format, is refused where
+    the request would never read it (never accepted and ignored)."""
+    if req.stream:
+        if req.response_format in ("file", "url"):
+            raise invalid(
+                f"response_format '{req.response_format}' does not apply to a stream: its "
+                "events carry the images as b64_json; drop stream or response_format",
+                "response_format",
+            )
+    else:
+        if req.partial_images:
+            raise invalid(
+                "partial_images are sent only in a stream (stream: true)", "partial_images"
+            )
+        if req.progress_events:
+            raise invalid(
+                "progress_events shape a stream's progress (stream: true)", "progress_events"
+            )
+    if req.output_compression is not None and req.output_format == "png":
+        raise invalid(
+            "output_compression is the JPEG/WEBP quality; PNG is lossless: send output_format "
+            "jpeg or webp, or drop output_compression",
+            "output_compression",
+        )
 
 
 def _echo(value: Any) -> str:

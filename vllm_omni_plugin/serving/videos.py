@@ -175,10 +175,13 @@ class VideoService:
         if job["status"] != "completed":
             error = job["error"] or {}
             code = error.get("code", "server_error")
-            status = (
-                400 if code == "invalid_request" else 503 if code == "stage_unavailable" else 500
+            status = {"invalid_request": 400, "stage_unavailable": 503, "job_timeout": 504}
+            raise APIError(
+                status.get(code, 500),
+                error.get("message", "the video failed"),
+                code=code,
+                type="timeout_error" if code == "job_timeout" else None,
             )
-            raise APIError(status, error.get("message", "the video failed"), code=code)
         return self.content_path(job_id, None), job_id
 
     def get(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
@@ -225,6 +228,7 @@ class VideoService:
             task.cancel()  # aborts it in the stage that holds it
         self.queue.discard(job["id"])
         self.store.delete(job["id"])
+        self._signal_end(job["id"])
         self.queue.notify()
         return {"id": job["id"], "object": "video.deleted", "deleted": True}
 
@@ -260,6 +264,7 @@ class VideoService:
                     raise
             finally:
                 self._running.pop(job_id, None)
+                self._signal_end(job_id)  # after _time_out stored the failure
                 self.queue.notify()
 
     async def _time_out(self, job_id: str, task: asyncio.Task) -> None:
@@ -314,10 +319,12 @@ class VideoService:
         except Exception as exc:
             logger.exception("video job %s failed", job_id)
             self.store.fail(job_id, "server_error", f"{type(exc).__name__}: {exc}")
-        finally:
-            ended = self._ended.get(job_id)
-            if ended is not None:
-                ended.set()
+
+    def _signal_end(self, job_id: str) -> None:
+        """Wake a /v1/videos/sync request waiting on the job, once its end is stored."""
+        ended = self._ended.get(job_id)
+        if ended is not None:
+            ended.set()
 
     async def aclose(self) -> None:
         for task in [*self._running.values(), *self._workers]:

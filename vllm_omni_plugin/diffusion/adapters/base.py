@@ -95,7 +95,6 @@ class DiffusionAdapter(ABC):
             default_scale=float(self.defaults.get("guidance_scale", self.spec.default_guidance)),
             needs_negative=False,
             default_negative=self.defaults.get("negative_prompt") is not None,
-            guidance_alias=False,
             guidance_used=True,
         )
 

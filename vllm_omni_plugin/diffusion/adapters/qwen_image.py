@@ -3,9 +3,9 @@
 Math follows diffusers 0.42 `pipeline_qwenimage.py`: Qwen2.5-VL hidden states of the templated
 prompt (template tokens dropped, each prompt keeps its own length), packed latents drawn with the
 request's generator, `mu`-shifted linear sigmas, true CFG with the norm rescale (diffusers'
-rule: on when `true_cfg_scale` > 1 and a negative prompt is given; a request without
-`true_cfg_scale` uses its `guidance_scale` as that scale, this server's older name for it), and
-the latents_mean/std un-normalisation before the (video-shaped) VAE decode.
+rule: on when `true_cfg_scale` > 1 and a negative prompt is given; `guidance_scale` is only the
+embedded guidance of a guidance-distilled transformer, as in diffusers), and the
+latents_mean/std un-normalisation before the (video-shaped) VAE decode.
 
 Prompts of different lengths share a forward: rows are right-padded and the transformer gets an
 `encoder_hidden_states_mask`, so padding is never attended to and each token keeps its RoPE
@@ -38,31 +38,39 @@ class QwenImageAdapter(DiffusionAdapter):
         super().__init__(pipe, device, dtype, defaults)
         check_flow_match_scheduler(pipe.scheduler)
         self.vae_scale_factor = pipe.vae_scale_factor
+        self.guidance_distilled = bool(pipe.transformer.config.guidance_embeds)
+        # The stage's true CFG scale: its true_cfg_scale, else (a model without embedded
+        # guidance) its guidance_scale, which the stage config maps to the family's CFG
+        # argument, else diffusers' 4.0.
+        default = self.defaults.get("true_cfg_scale")
+        if default is None and not self.guidance_distilled:
+            default = self.defaults.get("guidance_scale")
+        self.true_cfg_scale = float(4.0 if default is None else default)
 
     @property
     def spec(self) -> FamilySpec:
         g = self.vae_scale_factor * 2
         size = self.pipe.default_sample_size * self.vae_scale_factor
-        # guidance_scale is diffusers' true_cfg_scale here; a stage default may name it so.
+        # The default guidance_scale, read only as a distilled model's embedded guidance.
         cfg = float(self.defaults.get("true_cfg_scale", 4.0))
         return FamilySpec(g, size, size, 50, cfg, g, 2048)
 
     def cfg_scale(self, req: GenerationRequest) -> float:
-        """diffusers' true_cfg_scale: the request's, else its guidance_scale (filled)."""
-        return float(req.knobs.get("true_cfg_scale", req.guidance_scale or 0))
+        """diffusers' true_cfg_scale: the request's, else the stage's."""
+        return float(req.knobs.get("true_cfg_scale", self.true_cfg_scale))
 
     def uses_cfg(self, req: GenerationRequest) -> bool:
         return self.cfg_scale(req) > 1 and req.negative_prompt is not None
 
     def cfg_facts(self) -> CfgFacts:
-        """True CFG (diffusers' rule); guidance_scale is the same scale under our older name
-        unless the model is guidance-distilled (then it is the embedded guidance)."""
-        distilled = bool(self.pipe.transformer.config.guidance_embeds)
+        """True CFG (diffusers' rule); guidance_scale is read only by a guidance-distilled
+        transformer (its embedded guidance), so a request sending it to another is refused."""
         return dataclasses.replace(
             super().cfg_facts(),
             scale_field="true_cfg_scale",
+            default_scale=self.true_cfg_scale,
             needs_negative=True,
-            guidance_alias=not distilled,
+            guidance_used=self.guidance_distilled,
         )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
