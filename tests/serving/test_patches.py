@@ -3,6 +3,7 @@ delegate to vLLM otherwise, and refuse an unknown vLLM version with a clear erro
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -132,3 +133,47 @@ def test_callers_must_look_patched_names_up_at_call_time():
 
     with pytest.raises(patches.OmniPatchError, match="no longer calls build_async_engine_client"):
         patches._require_global_call(caller_binding_early, "build_async_engine_client")
+
+
+PATCH7_PROBE = """
+import sys
+from vllm_omni_plugin.entry_points import patches
+installed = patches.install_torchvision_free_qwen2_vl()
+print("installed", installed)
+if installed:
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+    assert smart_resize is pil.smart_resize
+    import importlib
+    auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+    cls = auto.video_processor_class_from_name("Qwen2VLVideoProcessor")
+    try:
+        cls().preprocess([])
+    except ValueError as exc:
+        print("video refused:", "torchvision" in str(exc))
+else:
+    print("module", patches._QWEN2_VL_IMAGE_PROCESSING in sys.modules)
+"""
+
+
+def _patch7(env_value: str | None) -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != patches.STAGE_PIPELINE_ENV}
+    if env_value is not None:
+        env[patches.STAGE_PIPELINE_ENV] = env_value
+    out = subprocess.run(
+        [sys.executable, "-c", PATCH7_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None, reason="patch 7 is inert with torchvision"
+)
+def test_patch7_only_in_a_stage_pipeline_and_refuses_videos():
+    """Outside a stage pipeline nothing is touched; inside one the Qwen2-VL image module is
+    the PIL one's `smart_resize` and the video processor stand-in refuses videos by name."""
+    assert _patch7(None).split() == ["installed", "False", "module", "False"]
+    assert _patch7("1").split() == ["installed", "True", "video", "refused:", "True"]

@@ -47,12 +47,9 @@ def client(server) -> openai.OpenAI:
 
 
 def chat(server, prompt: str = PROMPT, **kw):
+    kw.setdefault("max_tokens", THINKER_TOKENS)
     return client(server).chat.completions.create(
-        model=server.model,
-        messages=[{"role": "user", "content": prompt}],
-        temperature=0,
-        max_tokens=kw.pop("max_tokens", THINKER_TOKENS),
-        **kw,
+        model=server.model, messages=[{"role": "user", "content": prompt}], temperature=0, **kw
     )
 
 
@@ -129,6 +126,15 @@ def test_requests_together_give_what_each_gives_alone(omni_speech_server):
     for (t1, a1), (t2, a2) in zip(alone, together, strict=True):
         assert t1 == t2 and a1.shape == a2.shape
         assert np.abs(a1.astype(np.int32) - a2).max() <= 2
+
+
+def test_the_thinker_stage_default_sampling_params_apply(omni_speech_server):
+    """qwen3_omni_tiny.yaml sets stage 0's max_tokens default to 32: a request without one
+    (EOS ignored) writes exactly 32 tokens, one with its own writes that many."""
+    ignore = {"extra_body": {"ignore_eos": True}}
+    answer = chat(omni_speech_server, max_tokens=openai.NOT_GIVEN, **ignore)
+    assert answer.usage.completion_tokens == 32
+    assert chat(omni_speech_server, max_tokens=5, **ignore).usage.completion_tokens == 5
 
 
 def test_bad_speech_requests_are_openai_400s(omni_speech_server):

@@ -91,8 +91,17 @@ def test_bad_speech_requests_are_400s_naming_the_field(fields, param, code):
     assert body["type"] == "invalid_request_error"
 
 
-def test_input_audio_within_the_bound_passes():
-    check(chat_request(**{**SPEECH, "messages": audio_message(wav_b64(1.0))}))
+def test_speech_for_media_inputs_is_a_400_not_yet_supported():
+    """Audio within the bound passes the audio checks, then speech for a prompt with media is
+    refused (the talker would need the thinker's hidden states at those positions)."""
+    for messages in (
+        audio_message(wav_b64(1.0)),
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+    ):
+        with pytest.raises(APIError) as err:
+            check(chat_request(**{**SPEECH, "messages": messages}))
+        assert (err.value.status, err.value.code) == (400, "unsupported_modality")
+        assert "not supported yet" in err.value.message
 
 
 def test_speech_of_a_text_only_deployment_is_a_400():

@@ -87,6 +87,30 @@ class ARSamplingDefaults(Owner):
         return out
 
 
+# The defaults vLLM's own chat and completion handlers take from a model's generation config
+# (ModelConfig.get_diff_sampling_param): all that a chat stage's `default_sampling_params` can set.
+CHAT_STAGE_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+)
+
+
+def generation_config_overrides(sampling: ARSamplingDefaults) -> dict[str, Any]:
+    """A chat stage's `default_sampling_params` as vLLM's `override_generation_config` (its
+    handlers apply them to every request that does not set them; HF calls max_tokens
+    max_new_tokens)."""
+    out = {k: v for k, v in sampling.sampling_kwargs().items() if k in CHAT_STAGE_DEFAULTS}
+    if "max_tokens" in out:
+        out["max_new_tokens"] = out.pop("max_tokens")
+    return out
+
+
 # Fields of vllm.SamplingParams (0.32) accepted in `default_sampling_params` beyond the typed ones.
 VLLM_SAMPLING_EXTRA = frozenset(
     {

@@ -9,7 +9,11 @@ from pydantic import ValidationError
 
 from vllm_omni_plugin.config.deploy import StageConfig
 from vllm_omni_plugin.config.errors import ProblemSink, did_you_mean
-from vllm_omni_plugin.config.owners_ar import VLLM_SAMPLING_EXTRA, ARSamplingDefaults
+from vllm_omni_plugin.config.owners_ar import (
+    CHAT_STAGE_DEFAULTS,
+    VLLM_SAMPLING_EXTRA,
+    ARSamplingDefaults,
+)
 from vllm_omni_plugin.config.owners_common import Owner, ServingLimits
 from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults
 from vllm_omni_plugin.config.provenance import Layered
@@ -60,6 +64,8 @@ def build_stage(
             sink.add(sid, key, unknown_key_message(key, kind))
     _check_topology_keys(spec, data, sink)
     _check_runner_settings(spec, data, prov, sink)
+    if topo.chat_stage == sid:
+        _check_chat_defaults(spec, data, sink)
     if ignored_topology:
         warnings.append(
             f"stage {sid}: ignored {', '.join(sorted(ignored_topology))}: pipeline "
@@ -261,6 +267,22 @@ def _check_runner_settings(
                 path,
                 f"is {value!r}, but stage {spec.stage_id} ({spec.name}) supports only {fixed} here",
             )
+
+
+def _check_chat_defaults(spec: StageSpec, data: dict[str, Any], sink: ProblemSink) -> None:
+    """A chat stage's requests are built by vLLM's own handlers, which take only some defaults
+    (CHAT_STAGE_DEFAULTS, applied through override_generation_config): refuse the others."""
+    sampling = data.get("default_sampling_params")
+    if not isinstance(sampling, dict):
+        return
+    for key in sorted(set(sampling) - set(CHAT_STAGE_DEFAULTS)):
+        sink.add(
+            spec.stage_id,
+            f"default_sampling_params.{key}",
+            f"stage {spec.stage_id} ({spec.name}) answers chat through vLLM's own handlers, "
+            f"whose defaults can be only {', '.join(CHAT_STAGE_DEFAULTS)}; send {key} per "
+            "request or remove it",
+        )
 
 
 def _same_number(value: Any, text: str) -> bool:

@@ -10,7 +10,8 @@ Each refusal is an APIError 400 (OpenAI's error object) naming the field:
   OpenAI streams);
 - `n` > 1 (one voice answers once);
 - an `input_audio` part whose data is not base64 of audio FFmpeg decodes, or longer than
-  `serving.max_input_audio_s`.
+  `serving.max_input_audio_s`;
+- speech asked for a prompt with image, audio or video parts (not supported yet).
 """
 
 from __future__ import annotations
@@ -108,7 +109,28 @@ def check_speech_request(
                 "messages",
                 "audio_too_long",
             )
+    media = media_parts(getattr(request, "messages", []))
+    if media:
+        # The talker conditions on the thinker's hidden states at media positions; the thinker
+        # stage does not hand those over yet (text prompts need only its token ids).
+        raise invalid(
+            f"speech answers to {media[0]} inputs are not supported yet; send text only with "
+            '`modalities: ["text", "audio"]`, or drop `audio` for a text answer',
+            "messages",
+            "unsupported_modality",
+        )
     return SpeechRequest(voices[voice.lower()], fmt, stream)
+
+
+def media_parts(messages: Any) -> list[str]:
+    """The types of the non-text content parts of the messages ("input_audio", "image_url"...)."""
+    return [
+        str(part.get("type"))
+        for message in messages or []
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") not in ("text", None)
+    ]
 
 
 def input_audio_durations(messages: Any) -> list[float]:

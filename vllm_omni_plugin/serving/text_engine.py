@@ -82,6 +82,8 @@ class TextEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.input_processor import InputProcessor
 
+        from ..config.owners_ar import generation_config_overrides
+
         self.orchestrator = orchestrator
         self.stage_id = stage_id
         stage_cfg = orchestrator.cfg.stage(stage_id)
@@ -90,6 +92,13 @@ class TextEngine:
         # every item in full: a sender-side cache here would assume items the stage's engine
         # core may no longer hold (after a restart).
         kwargs["mm_processor_cache_gb"] = 0
+        # The stage's default_sampling_params are the defaults vLLM's own handlers apply.
+        overrides = generation_config_overrides(stage_cfg.sampling)
+        if overrides:
+            kwargs["override_generation_config"] = {
+                **(kwargs.get("override_generation_config") or {}),
+                **overrides,
+            }
         self.vllm_config = AsyncEngineArgs(**kwargs).create_engine_config(
             UsageContext.OPENAI_API_SERVER
         )

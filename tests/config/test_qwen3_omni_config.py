@@ -1,0 +1,71 @@
+"""Qwen3-Omni's deploy file (issue 29): the topology's stages, and no setting accepted and ignored
+on the stages that run our own engines (the talker, Code2Wav) or vLLM's own chat handlers (the
+thinker's defaults)."""
+
+from __future__ import annotations
+
+import json
+
+from config_helpers import REPO, problems
+
+from vllm_omni_plugin.config import load_deploy_config
+
+TINY = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"
+
+
+def test_tiny_file_streams_three_stages_and_takes_the_issue_override():
+    cfg = load_deploy_config(
+        TINY,
+        stage_overrides=json.dumps(
+            {"1": {"default_sampling_params": {"temperature": 0, "max_tokens": 16}}}
+        ),
+    )
+    topo = cfg.topology
+    assert [s.name for s in topo.stages] == ["thinker", "talker", "code2wav"]
+    assert topo.chat_stage == 0 and topo.audio_output
+    assert topo.streams(0, 1) and topo.streams(1, 2) and topo.stage(2).stream_output
+    assert cfg.stage(1).sampling.max_tokens == 16
+    assert cfg.stage(1).provenance["default_sampling_params.max_tokens"] == "stage-overrides"
+    assert cfg.stage(0).sampling.max_tokens == 32
+
+
+def test_keys_the_speech_stages_do_not_read_are_refused_by_name():
+    lines = problems(
+        TINY,
+        stage_overrides=json.dumps(
+            {
+                "1": {
+                    "enforce_eager": True,
+                    "default_sampling_params": {"temperature": 0.7, "top_p": 0.5},
+                },
+                "2": {"memory_budget_gb": 4},
+            }
+        ),
+    )
+    text = "\n".join(lines)
+    for field in (
+        "stage 1: enforce_eager",
+        "stage 1: default_sampling_params.top_p",
+        "stage 2: memory_budget_gb",
+    ):
+        assert field in text and "runs its own engine" in text, (field, text)
+    assert "default_sampling_params.temperature: is 0.7" in text and "only 0" in text
+
+
+def test_thinker_defaults_vllm_handlers_do_not_take_are_refused():
+    lines = problems(
+        TINY, stage_overrides='{"0": {"default_sampling_params": {"stop": ["x"], "top_k": 5}}}'
+    )
+    assert len(lines) == 1 and "stage 0: default_sampling_params.stop" in lines[0], lines
+
+
+def test_chat_defaults_become_vllm_generation_config_overrides():
+    from vllm_omni_plugin.config.owners_ar import generation_config_overrides
+
+    cfg = load_deploy_config(
+        TINY, stage_overrides='{"0": {"default_sampling_params": {"temperature": 0.3}}}'
+    )
+    assert generation_config_overrides(cfg.stage(0).sampling) == {
+        "temperature": 0.3,
+        "max_new_tokens": 32,
+    }
