@@ -16,6 +16,7 @@ from config_helpers import FIXTURES, REPO, problems, write
 from vllm_omni_plugin.cli import main
 from vllm_omni_plugin.config import ConfigError, load_deploy_config
 from vllm_omni_plugin.config.connectors_cfg import CODE2WAV_CHUNKING
+from vllm_omni_plugin.config.migrate_cmd import migrated_yaml
 
 INCUMBENT = ("vo26_qwen3_omni_moe.yaml", "vo30_qwen3_omni_moe.yaml")
 
@@ -199,6 +200,25 @@ def test_incumbent_platform_sections_refuse_talker_keys(name, tmp_path):
     if name.startswith("vo30"):  # musa clears a quantization config the talker never reads
         hf = {"hf_overrides.quantization_config"}
         assert _refused(problems(path, platform="musa")) == {1: hf, 2: hf}
+
+
+@pytest.mark.parametrize("name", INCUMBENT)
+def test_config_migrate_drops_exactly_the_refused_keys(name, tmp_path):
+    text = migrated_yaml(str(FIXTURES / name))
+    comment = [line for line in text.splitlines() if line.startswith("#   stage ")]
+    assert {line.split(": ")[0][4:] + ": " + line.split(": ")[1] for line in comment} == {
+        f"stage {sid}: {field}"
+        for sid, fields in _refused(problems(FIXTURES / name, platform="cuda")).items()
+        for field in fields
+    }
+    assert "#   stage 1: default_sampling_params.top_k: it decodes greedily only" in text
+    assert "#   platforms.npu: stage 1: gpu_memory_utilization: it reserves no share" in text
+    migrated = write(tmp_path, text, "migrated.yaml")
+    edited = load_deploy_config(_without_refused(name, tmp_path), platform="cuda")
+    cfg = load_deploy_config(migrated, platform="cuda")
+    assert cfg.pipeline == "qwen3_omni" and cfg.to_dict()["stages"] == edited.to_dict()["stages"]
+    for platform in ("npu", "xpu", "rocm", "musa"):  # every platform section loads too
+        load_deploy_config(migrated, platform=platform)
 
 
 def test_code2wav_chunking_on_a_connector(tmp_path):

@@ -26,6 +26,11 @@ BY_KEY = {
     "scheduler_cls": _NO_SCHEDULER,
     "enforce_eager": "it has no CUDA graphs yet: it always runs eagerly",
     "compilation_config": "it is not compiled yet (no torch.compile, no CUDA graphs)",
+    "max_cudagraph_capture_size": "it has no CUDA graphs yet",
+    "cudagraph_capture_sizes": "it has no CUDA graphs yet",
+    "block_size": "it has no paged KV cache",
+    "kv_cache_dtype": "its KV cache is in the stage's dtype",
+    "quantization": "it runs the checkpoint's weights as they are (no quantization)",
     "moe_backend": "its layers are its own torch code, not vLLM's kernels",
     "trust_remote_code": "it runs no code from the checkpoint",
     "hf_overrides": "it reads the checkpoint's config.json as it is",
@@ -83,6 +88,7 @@ def check_runner_settings(
                 f"stage {spec.stage_id} ({spec.name}) runs its own engine: "
                 f"{why_unread(path, spec.kind)}. It reads only {', '.join(spec.settings)} (and "
                 f"{', '.join(_EVERY_RUNNER_KEYS)}, connectors); remove it",
+                unread=True,
             )
             continue
         fixed = allowed.get(path) or allowed.get(top)
@@ -92,6 +98,7 @@ def check_runner_settings(
                 path,
                 f"is {value!r}, but stage {spec.stage_id} ({spec.name}) supports only {fixed} "
                 f"here: {why_unread(path, spec.kind)}",
+                unread=True,
             )
 
 
