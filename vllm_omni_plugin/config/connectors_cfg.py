@@ -26,10 +26,38 @@ CONNECTOR_TYPES = {
     "OmniNixlConnector": "nixl",
 }
 DEFAULT_CONNECTOR = ConnectorSpec(name="shm", type="shm")
+# The options each connector type's constructor takes (connectors/__init__.py make_connector):
+# anything else would fail only when a stage opens the connector, so loading refuses it.
+CONNECTOR_OPTIONS = {
+    "inproc": ("lease_s",),
+    "shm": ("lease_s", "shm_dir", "device"),
+    "nixl": (
+        "lease_s",
+        "device",
+        "agent_name",
+        "send_pool_mb",
+        "recv_pool_mb",
+        "copy_threshold_mb",
+        "poll_interval_s",
+        "progress_delay_us",
+        "backends",
+    ),
+}
+# vLLM-Omni sets Qwen3-Omni's Code2Wav chunking on its connector (`extra:`). Here the Code2Wav
+# engine fixes it (code2wav/config.py, the same numbers): on a pipeline that speaks, these
+# values are accepted (they are what runs), others are refused.
+CODE2WAV_CHUNKING = {
+    "initial_codec_chunk_frames": 4,
+    "codec_chunk_frames": 25,
+    "codec_left_context_frames": 25,
+}
 _EDGE_KEYS = {"from", "to", "connector", "window_size", "max_inflight", "from_stage", "to_stage"}
 
 
-def parse_connectors(raw: Any, sink: ProblemSink, warnings: list[str]) -> dict[str, ConnectorSpec]:
+def parse_connectors(
+    raw: Any, sink: ProblemSink, warnings: list[str], audio_output: bool = False
+) -> dict[str, ConnectorSpec]:
+    """`audio_output`: the pipeline has a Code2Wav stage (CODE2WAV_CHUNKING applies)."""
     if raw is None:
         return {}
     if isinstance(raw, list):  # vLLM-Omni 0.16's per-edge tensor_transfer list
@@ -63,8 +91,44 @@ def parse_connectors(raw: Any, sink: ProblemSink, warnings: list[str]) -> dict[s
             continue
         options = dict(spec.get("extra") or {})
         options.update(spec.get("options") or {})
-        out[str(name)] = ConnectorSpec(name=str(name), type=ctype, options=options)
+        out[str(name)] = ConnectorSpec(
+            name=str(name),
+            type=ctype,
+            options=_check_options(field, ctype, options, audio_output, sink),
+        )
     return out
+
+
+def _check_options(
+    field: str, ctype: str, options: dict[str, Any], audio_output: bool, sink: ProblemSink
+) -> dict[str, Any]:
+    """The options the connector takes; the others are refused (Code2Wav's chunking is checked
+    against the engine's and dropped: the connector does not take it)."""
+    kept: dict[str, Any] = {}
+    for key, value in options.items():
+        fixed = CODE2WAV_CHUNKING.get(key)
+        if fixed is not None and audio_output:
+            if value != fixed:
+                sink.add(
+                    None,
+                    f"{field}.{key}",
+                    f"is {value!r}, but the Code2Wav stage's chunking is fixed (first chunk "
+                    f"{CODE2WAV_CHUNKING['initial_codec_chunk_frames']} frames, then "
+                    f"{CODE2WAV_CHUNKING['codec_chunk_frames']} with "
+                    f"{CODE2WAV_CHUNKING['codec_left_context_frames']} frames of left context); "
+                    f"set {fixed} or remove it",
+                )
+        elif key not in CONNECTOR_OPTIONS[ctype]:
+            sink.add(
+                None,
+                f"{field}.{key}",
+                f"not an option of the {ctype} connector (options: "
+                f"{', '.join(CONNECTOR_OPTIONS[ctype])})"
+                + did_you_mean(str(key), CONNECTOR_OPTIONS[ctype]),
+            )
+        else:
+            kept[key] = value
+    return kept
 
 
 def assign_edges(

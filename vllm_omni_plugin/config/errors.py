@@ -18,6 +18,8 @@ class ConfigProblem:
     stage_id: int | None
     field: str
     message: str
+    unread: bool = False
+    """A key a stage with its own engine does not read (`config migrate` drops these)."""
 
     def format(self) -> str:
         """`error: FILE: stage N: field: message` (the CLI's line format)."""
@@ -44,8 +46,8 @@ class ProblemSink:
         self.file = file
         self.problems: list[ConfigProblem] = []
 
-    def add(self, stage_id: int | None, field: str, message: str) -> None:
-        problem = ConfigProblem(self.file, stage_id, field, message)
+    def add(self, stage_id: int | None, field: str, message: str, unread: bool = False) -> None:
+        problem = ConfigProblem(self.file, stage_id, field, message, unread)
         if problem not in self.problems:
             self.problems.append(problem)
 

@@ -171,11 +171,10 @@ def load_deploy_config(
             stages.append(stage)
     check_replicas(stages, runtime, sink)
     sink.raise_if_any()
-    connectors = parse_connectors(top.get("connectors"), sink, warnings)
+    connectors = parse_connectors(top.get("connectors"), sink, warnings, topo.audio_output)
     edges = assign_edges(topo, top.get("edges"), stages, connectors, sink)
     sink.raise_if_any()
-    if top.get("async_chunk"):
-        warnings.append("async_chunk: stages here start after their inputs complete (ignored)")
+    _warn_async_chunk(top.get("async_chunk"), topo, warnings)
     return DeployConfig(
         file=str(path),
         model=pipeline_model,
@@ -196,6 +195,21 @@ def load_deploy_config(
             **_section_provenance(docs, path, {"serving": serving, "videos": videos}),
         },
     )
+
+
+def _warn_async_chunk(value: Any, topo: Any, warnings: list[str]) -> None:
+    """vLLM-Omni's `async_chunk` asks whether stages start on their inputs' first chunks. Here
+    the topology fixes it: a value that says otherwise is warned about (nothing changes)."""
+    if value is None:
+        return
+    streamed = all(topo.streams(a, b) for a, b in topo.edges) and bool(topo.edges)
+    if bool(value) != streamed:
+        how = (
+            "stream: each stage starts on its inputs' first chunks"
+            if streamed
+            else "start after their inputs complete"
+        )
+        warnings.append(f"async_chunk: {value} ignored: the stages of {topo.key!r} {how}")
 
 
 def _section_provenance(

@@ -11,7 +11,7 @@ from vllm_omni_plugin.config.owners_common import ServingLimits
 from vllm_omni_plugin.config.stage_keys import flatten_stage, route
 from vllm_omni_plugin.pipelines import PipelineTopology, validate_graph
 
-PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu", "tpu")
+PLATFORMS = ("cuda", "rocm", "npu", "xpu", "musa", "cpu", "tpu")
 
 
 def stage_entries(data: dict[str, Any], sink: ProblemSink) -> dict[int, dict[str, Any]]:

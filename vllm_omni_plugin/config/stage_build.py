@@ -17,6 +17,7 @@ from vllm_omni_plugin.config.owners_ar import (
 from vllm_omni_plugin.config.owners_common import Owner, ServingLimits
 from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults
 from vllm_omni_plugin.config.provenance import Layered
+from vllm_omni_plugin.config.runner_settings import check_runner_settings
 from vllm_omni_plugin.config.scheduler import SchedulerPairError, resolve_scheduler
 from vllm_omni_plugin.config.stage_keys import (
     AR_OWNERS,
@@ -63,7 +64,9 @@ def build_stage(
         elif where == "unknown":
             sink.add(sid, key, unknown_key_message(key, kind))
     _check_topology_keys(spec, data, sink)
-    _check_runner_settings(spec, data, prov, sink)
+    check_runner_settings(spec, data, prov, sink)
+    if spec.settings is not None and len(sink.problems) > before:
+        return None  # the refusals name each key; the owners would only repeat them
     if topo.chat_stage == sid:
         _check_chat_defaults(spec, data, sink)
     if ignored_topology:
@@ -224,51 +227,6 @@ def _check_topology_keys(spec: StageSpec, data: dict[str, Any], sink: ProblemSin
         )
 
 
-# Layers a user writes (the deploy file, the command line, --stage-overrides): a stage with
-# its own runner refuses keys set there that it does not read.
-_USER_LAYERS = ("yaml", "cli", "stage-overrides")
-# Keys every stage process honours whatever its loop (where it runs, its environment and
-# watchdog, its connectors, the topology's own keys).
-_EVERY_RUNNER_KEYS = ("devices", "num_replicas", "env", "stall_timeout_s")
-_EVERY_RUNNER_OWNERS = ("connector", "topology")
-
-
-def _check_runner_settings(
-    spec: StageSpec, data: dict[str, Any], prov: dict[str, str], sink: ProblemSink
-) -> None:
-    """A stage whose runner is not its kind's engine (StageSpec.settings) reads only the keys
-    it lists: any other key a user set is refused, naming it; "key=value" entries also fix the
-    value."""
-    if spec.settings is None:
-        return
-    allowed = dict(entry.partition("=")[::2] for entry in spec.settings)
-    for path, layer in sorted(prov.items()):
-        if layer.split(":")[0].split("+")[0] not in _USER_LAYERS:
-            continue
-        top = path.split(".")[0]
-        if top in _EVERY_RUNNER_KEYS or route(top, spec.kind) in _EVERY_RUNNER_OWNERS:
-            continue
-        if path not in allowed and top not in allowed:
-            sink.add(
-                spec.stage_id,
-                path,
-                f"stage {spec.stage_id} ({spec.name}) runs its own engine, which reads only "
-                f"{', '.join(spec.settings)} (and {', '.join(_EVERY_RUNNER_KEYS)}, connectors); "
-                "remove it",
-            )
-            continue
-        fixed = allowed.get(path) or allowed.get(top)
-        value: Any = data
-        for part in path.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if fixed and str(value) != fixed and not _same_number(value, fixed):
-            sink.add(
-                spec.stage_id,
-                path,
-                f"is {value!r}, but stage {spec.stage_id} ({spec.name}) supports only {fixed} here",
-            )
-
-
 def _check_chat_defaults(spec: StageSpec, data: dict[str, Any], sink: ProblemSink) -> None:
     """A chat stage's requests are built by vLLM's own handlers, which take only some defaults
     (CHAT_STAGE_DEFAULTS, applied through override_generation_config): refuse the others."""
@@ -283,13 +241,6 @@ def _check_chat_defaults(spec: StageSpec, data: dict[str, Any], sink: ProblemSin
             f"whose defaults can be only {', '.join(CHAT_STAGE_DEFAULTS)}; send {key} per "
             "request or remove it",
         )
-
-
-def _same_number(value: Any, text: str) -> bool:
-    try:
-        return float(value) == float(text)
-    except (TypeError, ValueError):
-        return False
 
 
 def _pair_scheduler(owner: Any, prov: dict[str, str], sid: int, sink: ProblemSink) -> Any:

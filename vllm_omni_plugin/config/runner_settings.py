@@ -1,0 +1,109 @@
+"""Stages that run their own engine (StageSpec.settings: not vLLM's engine, not the diffusion
+engine) read only the keys they list: any other key a user sets is refused at load, naming it
+and why the engine has no use for it (vLLM and vLLM-Omni files set such keys routinely), so a
+user knows what to drop and what they lose by dropping it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni_plugin.config.errors import ProblemSink
+from vllm_omni_plugin.config.stage_keys import route
+from vllm_omni_plugin.pipelines import StageSpec
+
+_NO_SHARE = "it reserves no share of the GPU's memory: it allocates what its weights and batch need"
+_NO_SCHEDULER = "it has no vLLM scheduler"
+
+# Top-level stage key -> the reason.
+BY_KEY = {
+    "gpu_memory_utilization": _NO_SHARE,
+    "kv_cache_memory_bytes": _NO_SHARE,
+    "memory_budget_gb": _NO_SHARE,
+    "max_num_batched_tokens": "it has no per-step token budget",
+    "enable_prefix_caching": "it has no prefix cache",
+    "enable_chunked_prefill": "it has no chunked prefill",
+    "async_scheduling": _NO_SCHEDULER,
+    "scheduler_cls": _NO_SCHEDULER,
+    "enforce_eager": "it has no CUDA graphs yet: it always runs eagerly",
+    "compilation_config": "it is not compiled yet (no torch.compile, no CUDA graphs)",
+    "max_cudagraph_capture_size": "it has no CUDA graphs yet",
+    "cudagraph_capture_sizes": "it has no CUDA graphs yet",
+    "block_size": "it has no paged KV cache",
+    "kv_cache_dtype": "its KV cache is in the stage's dtype",
+    "quantization": "it runs the checkpoint's weights as they are (no quantization)",
+    "moe_backend": "its layers are its own torch code, not vLLM's kernels",
+    "trust_remote_code": "it runs no code from the checkpoint",
+    "hf_overrides": "it reads the checkpoint's config.json as it is",
+    "tensor_parallel_size": "it runs on one device",
+    "max_model_len": "it has no vLLM context limit",
+}
+
+# Sampling, by the stage's kind.
+SAMPLING = {
+    "ar": "it decodes greedily only (temperature 0): no sampling, seed, top-k/top-p or penalties",
+    "diffusion": "it decodes every frame it is given: it samples nothing and caps nothing",
+}
+
+
+def why_unread(path: str, kind: str) -> str:
+    """The reason a runner stage of `kind` does not read `path` (a flattened stage key)."""
+    if path.startswith("default_sampling_params"):
+        return SAMPLING.get(kind, "it takes no sampling defaults")
+    return BY_KEY.get(path.split(".")[0], "it has no such setting")
+
+
+# Layers a user writes (the deploy file and its platform sections, the command line,
+# --stage-overrides): a stage with its own runner refuses keys set there that it does not read.
+_USER_LAYERS = ("yaml", "platform", "cli", "stage-overrides")
+# Keys every stage process honours whatever its loop (where it runs, its environment and
+# watchdog, its connectors, the topology's own keys).
+_EVERY_RUNNER_KEYS = ("devices", "num_replicas", "env", "stall_timeout_s")
+_EVERY_RUNNER_OWNERS = ("connector", "topology")
+
+
+def check_runner_settings(
+    spec: StageSpec, data: dict[str, Any], prov: dict[str, str], sink: ProblemSink
+) -> None:
+    """A stage whose runner is not its kind's engine (StageSpec.settings) reads only the keys
+    it lists: any other key a user set is refused, naming it; "key=value" entries also fix the
+    value."""
+    if spec.settings is None:
+        return
+    allowed = dict(entry.partition("=")[::2] for entry in spec.settings)
+    for path, layer in sorted(prov.items()):
+        if layer.split(":")[0].split("+")[0] not in _USER_LAYERS:
+            continue
+        top = path.split(".")[0]
+        if top in _EVERY_RUNNER_KEYS or route(top, spec.kind) in _EVERY_RUNNER_OWNERS:
+            continue
+        value: Any = data
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value == {}:  # an empty section sets nothing
+            continue
+        if path not in allowed and top not in allowed:
+            sink.add(
+                spec.stage_id,
+                path,
+                f"stage {spec.stage_id} ({spec.name}) runs its own engine: "
+                f"{why_unread(path, spec.kind)}. It reads only {', '.join(spec.settings)} (and "
+                f"{', '.join(_EVERY_RUNNER_KEYS)}, connectors); remove it",
+                unread=True,
+            )
+            continue
+        fixed = allowed.get(path) or allowed.get(top)
+        if fixed and str(value) != fixed and not _same_number(value, fixed):
+            sink.add(
+                spec.stage_id,
+                path,
+                f"is {value!r}, but stage {spec.stage_id} ({spec.name}) supports only {fixed} "
+                f"here: {why_unread(path, spec.kind)}",
+                unread=True,
+            )
+
+
+def _same_number(value: Any, text: str) -> bool:
+    try:
+        return float(value) == float(text)
+    except (TypeError, ValueError):
+        return False
