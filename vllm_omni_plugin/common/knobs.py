@@ -188,4 +188,5 @@ FAMILY_KNOBS: dict[str, tuple[Knob, ...]] = {
     "FLUX": (TRUE_CFG_SCALE,),
     "Wan2.2": (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT),
     "GLM-Image": (),
+    "Z-Image": (),
 }
