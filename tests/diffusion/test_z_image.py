@@ -13,6 +13,16 @@ from vllm_omni_plugin.diffusion.errors import RequestValidationError
 SIZE = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny models are per-op overhead: two OpenMP threads on the shared 2-core box spend more
+    # time waiting on each other than computing (as in tests/test_tiny_models.py).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_models):
     return tiny_models("z-image")

@@ -189,4 +189,5 @@ FAMILY_KNOBS: dict[str, tuple[Knob, ...]] = {
     "Wan2.2": (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT),
     "GLM-Image": (),
     "Z-Image": (),
+    "FLUX.2-klein": (),
 }

@@ -18,6 +18,7 @@ from vllm_omni_plugin.pipelines.diffusers_single import (
     WAN,
     Z_IMAGE,
 )
+from vllm_omni_plugin.pipelines.flux2_klein import FLUX2_KLEIN
 from vllm_omni_plugin.pipelines.glm_image import GLM_IMAGE
 from vllm_omni_plugin.pipelines.qwen3_omni import QWEN3_OMNI
 from vllm_omni_plugin.pipelines.qwen_image_edit import QWEN_IMAGE_EDIT
@@ -133,3 +134,4 @@ for _topo in (GLM_IMAGE, QWEN_IMAGE, FLUX, WAN, Z_IMAGE, GENERIC_DIFFUSERS):
     register_pipeline(_topo)
 register_pipeline(QWEN_IMAGE_EDIT)
 register_pipeline(QWEN3_OMNI)
+register_pipeline(FLUX2_KLEIN)
