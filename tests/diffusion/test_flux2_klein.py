@@ -1,7 +1,10 @@
 """FLUX.2 klein: engine images equal diffusers' Flux2KleinPipeline on the tiny checkpoint
 (not step-distilled, so CFG with the empty prompt runs when guidance_scale > 1): text to image
 alone and batched with joins, and edits with one and two reference images batched. Tolerance:
-mean absolute pixel difference <= 1.0 on the 0-255 scale (same seed, same weights, 32x32)."""
+mean absolute pixel difference <= 1.0 on the 0-255 scale (same seed, same weights, 32x32); for
+edits <= 0.02 (measured: 0.0003), because the tiny random transformer barely listens to its
+reference tokens (a reference moves the image by ~0.1-0.4), so 1.0 could not tell a dropped
+reference from a used one."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, G
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
 SIZE = 32
+EDIT_TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,12 +85,12 @@ def req(rid, prompt, seed, steps=2, guidance=4.0, n=1, images=()):
     )
 
 
-def check(results, pipe, pixel_diff, requests):
+def check(results, pipe, pixel_diff, requests, tolerance=1.0):
     for r in requests:
         out = results[r.request_id]
         assert out.error is None, out.error
         for got, want in zip(out.images, reference(pipe, r), strict=True):
-            assert pixel_diff(got, want) <= 1.0, r.request_id
+            assert pixel_diff(got, want) <= tolerance, r.request_id
 
 
 def test_text_to_image_batched_with_joins_and_cfg(engine, pipe, pixel_diff, staggered):
@@ -100,16 +104,20 @@ def test_text_to_image_batched_with_joins_and_cfg(engine, pipe, pixel_diff, stag
 
 
 def test_edits_with_reference_images_batched(engine, pipe, pixel_diff, staggered):
-    """Two edits whose references crop to the same 64x64 share forwards; a 2-image edit
-    runs beside them."""
+    """Two edits with CFG whose references crop to the same 64x64 share forwards (their
+    empty-prompt rows carry the references too); a 2-image edit without CFG runs beside."""
     first = [
-        req("e0", "a red cube", seed=3, guidance=1.0, images=[picture(1, 64, 72)]),
-        req("e1", "a cat", seed=4, guidance=1.0, images=[picture(2, 72, 64)]),
+        req("e0", "a red cube", seed=3, images=[picture(1, 64, 72)]),
+        req("e1", "a cat", seed=4, images=[picture(2, 72, 64)]),
     ]
     later = [req("e2", "make it red", seed=5, guidance=1.0, images=[picture(3, 64, 64)] * 2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert results["e0"].metrics["max_batch"] == 2  # e0 and e1: same reference size 64x64
-    check(results, pipe, pixel_diff, first + later)
+    check(results, pipe, pixel_diff, first + later, EDIT_TOLERANCE)
+    # Not vacuous: without its references the same request gives a farther image.
+    for r in (first[0], later[0]):
+        plain = reference(pipe, req("plain", r.prompt, seed=r.seed, guidance=r.guidance_scale))[0]
+        assert pixel_diff(results[r.request_id].images[0], plain) > 2 * EDIT_TOLERANCE
 
 
 def test_refused_fields(engine):

@@ -12,8 +12,9 @@ un-normalisation and 2x2 un-patchify before decode.
 Edits: each reference image is checked as diffusers checks it, shrunk to 1 MP when larger,
 cropped to a multiple of 16, VAE encoded (the latent mode: the generator is not drawn from),
 normalised, packed and appended after the noisy tokens with its own time coordinate (10, 20,
-...); only the noisy tokens' prediction is used. The output size is the request's (or the
-stage default's), not the last reference image's as in diffusers when height/width are unset.
+...); only the noisy tokens' prediction is used. The output size is the request's (the edits
+route fills it from the first image's aspect ratio), not the last reference image's size as in
+diffusers when height/width are unset.
 
 Step batching: requests share a forward when they have the same output size, the same
 reference image sizes and the same CFG use (`batch_key`); CFG's empty-prompt rows join the same
