@@ -9,7 +9,8 @@ from vllm_omni_plugin.pipelines.diffusers_single import single_diffusion_stage
 
 # Edits are optional (a request without images is text to image); Flux2KleinPipeline has no
 # inpainting, so a mask is a 400. Reference images: the adapter's bound (max_input_images),
-# and diffusers' own aspect-ratio check (Flux2ImageProcessor.check_image_input: 8:1).
+# and diffusers' own check (Flux2ImageProcessor.check_image_input: at most 8:1, at least 64
+# pixels a side), answered by the API server before any stage.
 FLUX2_KLEIN = dataclasses.replace(
     single_diffusion_stage(
         "flux2_klein",
@@ -21,4 +22,5 @@ FLUX2_KLEIN = dataclasses.replace(
     requires_input_image=False,
     accepts_mask=False,
     max_input_aspect_ratio=8.0,
+    min_input_side=64,
 )
