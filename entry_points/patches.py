@@ -186,7 +186,8 @@ def add_omni_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="Serve a multi-stage pipeline described by this deploy YAML (a path or a "
-        "bundled name such as glm_image_tiny). MODEL, if given, overrides the YAML's model.",
+        "bundled name such as glm_image_tiny), or `auto`: the bundled file for MODEL's "
+        "pipeline class (model_index.json). MODEL, if given, overrides the YAML's model.",
     )
     group.add_argument(
         "--stage-overrides",

@@ -18,6 +18,8 @@ PIPELINE_CLASS = {
     "glm-image": "GlmImagePipeline",
     "qwen-image": "QwenImagePipeline",
     "flux": "FluxPipeline",
+    "z-image": "ZImagePipeline",
+    "flux2-klein": "Flux2KleinPipeline",
 }
 # Families whose builder is checked by their own family test instead of the text-to-image runs
 # below: qwen-image-edit needs a source image (and ~15 s per CPU run at its 1 MP condition

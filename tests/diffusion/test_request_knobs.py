@@ -253,6 +253,8 @@ def test_each_adapter_declares_its_family_knobs_from_the_table():
         "FluxPipeline",
         "WanPipeline",
         "GlmImagePipeline",
+        "ZImagePipeline",
+        "Flux2KleinPipeline",
     ):
         adapter = get_adapter_class(pipeline_class)
         assert adapter.knobs == FAMILY_KNOBS[adapter.family], pipeline_class

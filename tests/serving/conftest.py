@@ -220,3 +220,28 @@ def omni_speech_server(tiny_models, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# ---- Shared by test_t2i_families_serve.py (issue 34): Z-Image-Turbo and FLUX.2 klein ----
+@pytest.fixture(scope="session")
+def z_image_server(tiny_models, tmp_path_factory):
+    """Z-Image-Turbo through `--stage-config auto` (model_index.json -> z_image_tiny.yaml)."""
+    root = tmp_path_factory.mktemp("z-image-server")
+    server = start_shared(tiny_models("z-image"), "auto", root)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def flux2_klein_server(tiny_models, tmp_path_factory):
+    """FLUX.2 klein, the bundled CPU config (text to image and edits)."""
+    root = tmp_path_factory.mktemp("flux2-klein-server")
+    server = start_shared(
+        tiny_models("flux2-klein"), REPO / "stage_configs" / "flux2_klein_tiny.yaml", root
+    )
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -189,3 +189,17 @@ def test_form_cache_field_as_nested_form_keys_or_json():
     assert code_of(form_fields, [("cache", "fast")])[1:] == ("invalid_type", "cache")
     bad = [("cache[policy]", "teacache"), ("cache[threshold]", "low")]
     assert code_of(form_fields, bad)[1:] == ("invalid_type", "cache.threshold")
+
+
+def test_source_images_below_the_pipelines_smallest_side_are_a_400():
+    """FLUX.2 klein (diffusers: at least 64 pixels a side) refuses smaller uploads up front."""
+    side = get_pipeline("flux2_klein").min_input_side
+    assert side == 64
+    assert decode_uploads([png((64, 80))], None, None, side)[0]
+    with pytest.raises(APIError) as info:
+        decode_uploads([png((64, 64)), png((80, 63))], None, None, side)
+    assert (info.value.status, info.value.param, info.value.code) == (
+        400,
+        "image[1]",
+        "invalid_image_size",
+    )

@@ -188,4 +188,6 @@ FAMILY_KNOBS: dict[str, tuple[Knob, ...]] = {
     "FLUX": (TRUE_CFG_SCALE,),
     "Wan2.2": (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT),
     "GLM-Image": (),
+    "Z-Image": (),
+    "FLUX.2-klein": (),
 }

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_plugin.config import legacy
+from vllm_omni_plugin.config.auto_config import AUTO, auto_config_name
 from vllm_omni_plugin.config.connectors_cfg import assign_edges, parse_connectors
 from vllm_omni_plugin.config.deploy import DeployConfig, StageConfig
 from vllm_omni_plugin.config.detect import find_topology
@@ -87,6 +88,9 @@ def load_deploy_config(
     line (applied to every stage that has the field); `strategy` is a stage-id-keyed mapping like
     `stage_overrides`, applied below the CLI.
     """
+    platform = (platform or detect_platform()).lower()
+    if str(path_or_name) == AUTO:
+        path_or_name = auto_config_name(model, platform)
     path = find_config_file(path_or_name)
     sink = ProblemSink(str(path_or_name))
     warnings: list[str] = []
@@ -130,7 +134,6 @@ def load_deploy_config(
                 "stage_overrides",
                 f"no stage {sid} in pipeline {topo.key!r} (stages: {topo.stage_ids})",
             )
-    platform = (platform or detect_platform()).lower()
     platform_stages = platform_entries(top.get("platforms"), platform, topo, sink)
     serving = serving_limits(top.get("serving"), sink)
     videos = video_jobs(top.get("videos"), sink)

@@ -51,6 +51,13 @@ FLUX = single_diffusion_stage(
     model_types=("flux",),
     description="FLUX.1: one diffusion stage",
 )
+# Z-Image-Turbo: VAE scale 8 x transformer patch 2; text-to-image without CFG.
+Z_IMAGE = single_diffusion_stage(
+    "z_image",
+    "ZImagePipeline",
+    class_names=("ZImagePipeline",),
+    description="Z-Image-Turbo: one diffusion stage",
+)
 # Wan2.1 / Wan2.2 text-to-video: VAE scale 8 x transformer patch 2; served on /v1/videos.
 WAN = single_diffusion_stage(
     "wan",

@@ -11,7 +11,14 @@ import logging
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from vllm_omni_plugin.pipelines.diffusers_single import FLUX, GENERIC_DIFFUSERS, QWEN_IMAGE, WAN
+from vllm_omni_plugin.pipelines.diffusers_single import (
+    FLUX,
+    GENERIC_DIFFUSERS,
+    QWEN_IMAGE,
+    WAN,
+    Z_IMAGE,
+)
+from vllm_omni_plugin.pipelines.flux2_klein import FLUX2_KLEIN
 from vllm_omni_plugin.pipelines.glm_image import GLM_IMAGE
 from vllm_omni_plugin.pipelines.qwen3_omni import QWEN3_OMNI
 from vllm_omni_plugin.pipelines.qwen_image_edit import QWEN_IMAGE_EDIT
@@ -123,7 +130,8 @@ def diffusers_class_of(model: str | Path) -> str | None:
     return None
 
 
-for _topo in (GLM_IMAGE, QWEN_IMAGE, FLUX, WAN, GENERIC_DIFFUSERS):
+for _topo in (GLM_IMAGE, QWEN_IMAGE, FLUX, WAN, Z_IMAGE, GENERIC_DIFFUSERS):
     register_pipeline(_topo)
 register_pipeline(QWEN_IMAGE_EDIT)
 register_pipeline(QWEN3_OMNI)
+register_pipeline(FLUX2_KLEIN)

@@ -81,6 +81,8 @@ class PipelineTopology:
     """Whether an edit may carry a `mask` (inpainting); otherwise a mask is a 400."""
     max_input_aspect_ratio: float | None = None
     """Longest over shortest side a source image may have (a 400 otherwise); None: no bound."""
+    min_input_side: int | None = None
+    """Pixels a source image's shorter side must have at least (a 400 otherwise); None: any."""
     chat_stage: int | None = None
     """The stage that answers /v1/chat/completions and /v1/completions as `vllm serve` of its
     model alone would (a vLLM text generator, e.g. Qwen3-Omni's thinker); None: no text routes."""

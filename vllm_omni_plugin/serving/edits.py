@@ -227,7 +227,10 @@ def mask_png(mask: Image.Image, size: tuple[int, int]) -> bytes:
 
 
 def decode_uploads(
-    images: list[bytes], mask: bytes | None, max_aspect_ratio: float | None = None
+    images: list[bytes],
+    mask: bytes | None,
+    max_aspect_ratio: float | None = None,
+    min_side: int | None = None,
 ) -> tuple[list[bytes], bytes | None]:
     """Check and convert the uploads (CPU work: the caller runs it off the event loop)."""
     params = ["image" if len(images) == 1 else f"image[{i}]" for i in range(len(images))]
@@ -238,6 +241,13 @@ def decode_uploads(
             raise invalid(
                 f"'{param}' is {w}x{h}: this pipeline takes source images with an aspect "
                 f"ratio of at most {max_aspect_ratio:g}",
+                param,
+                "invalid_image_size",
+            )
+        if min_side is not None and min(w, h) < min_side:
+            raise invalid(
+                f"'{param}' is {w}x{h}: this pipeline takes source images of at least "
+                f"{min_side} pixels on each side",
                 param,
                 "invalid_image_size",
             )

@@ -74,7 +74,7 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
     for url in urls:  # after the files, in order
         blobs.append(await fetch_url(url, "url", service.edit_url_hosts, MAX_IMAGE_BYTES))
     images, mask_png = await asyncio.to_thread(
-        decode_uploads, blobs, mask, topology.max_input_aspect_ratio
+        decode_uploads, blobs, mask, topology.max_input_aspect_ratio, topology.min_input_side
     )
     if not service.orchestrator.healthy():
         raise unavailable(

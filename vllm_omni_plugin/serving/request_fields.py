@@ -134,7 +134,8 @@ REFUSED: dict[str, str] = {
     "return_stage_metrics": "per-stage timings are always in the x-omni-stage-timings header",
     "strength": "no served edit family has an image-to-image strength",
     "mask_image": "send the mask as the 'mask' file (OpenAI's field)",
-    "reference_image": "no served family takes a reference image",
+    "reference_image": "send reference images as the 'image' / 'image[]' files of "
+    "POST /v1/images/edits (FLUX.2 klein)",
     "image_reference": "image-to-video is not served",
     "video_reference": "video-to-video is not served",
     "audio_reference": "speech-to-video is not served",

@@ -24,6 +24,8 @@ _BUILDERS = {
     "qwen-image-edit": "vllm_omni_plugin.testing.tiny_qwen_image_edit",
     "flux": "vllm_omni_plugin.testing.tiny_flux",
     "wan": "vllm_omni_plugin.testing.tiny_wan",  # Wan2.2 text-to-video (WanPipeline)
+    "z-image": "vllm_omni_plugin.testing.tiny_z_image",  # Z-Image-Turbo (ZImagePipeline)
+    "flux2-klein": "vllm_omni_plugin.testing.tiny_flux2_klein",  # FLUX.2 klein (t2i + edits)
     # Qwen3-Omni (thinker + talker + Code2Wav; config.json at the top, no model_index.json)
     "qwen3-omni": "vllm_omni_plugin.testing.tiny_qwen3_omni",
 }

@@ -28,6 +28,8 @@ _ADAPTERS: dict[str, str | type[DiffusionAdapter]] = {
     "QwenImageEditPipeline": "vllm_omni_plugin.diffusion.adapters.qwen_image_edit:QwenImageEditAdapter",
     "FluxPipeline": "vllm_omni_plugin.diffusion.adapters.flux:FluxAdapter",
     "WanPipeline": "vllm_omni_plugin.diffusion.adapters.wan:WanAdapter",
+    "ZImagePipeline": "vllm_omni_plugin.diffusion.adapters.z_image:ZImageAdapter",
+    "Flux2KleinPipeline": "vllm_omni_plugin.diffusion.adapters.flux2_klein:Flux2KleinAdapter",
     FALLBACK: "vllm_omni_plugin.diffusion.adapters.generic:GenericAdapter",
 }
 # Names older configs use for the same families (legacy `model_arch`).
