@@ -30,6 +30,16 @@ TOLERANCE = 1.0
 STEPS = 2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The diffusers references run here beside the server's stage process on a 2-core box:
+    # one thread each instead of two contending (tiny models are per-op overhead).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def client(server) -> OpenAI:
     return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
