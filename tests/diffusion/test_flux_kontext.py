@@ -163,6 +163,13 @@ def test_batched_with_joins_matches_diffusers(engine, pipe, staggered):
 
 
 def test_two_images_or_a_mask_are_refused(engine):
+    from vllm_omni_plugin.pipelines import get_pipeline, pipeline_for_class
+
+    # The API server's bound (the topology's) is the engine's: one source image, no mask.
+    topology = get_pipeline("flux_kontext")
+    assert pipeline_for_class("FluxKontextPipeline") is topology
+    assert (topology.max_input_images, topology.requires_input_image) == (1, False)
+    assert FluxKontextAdapter.max_input_images == 1 and not topology.accepts_mask
     for bad in (
         GenerationRequest("two", "x", input_images=[source(0), source(1)]),
         GenerationRequest("m", "x", input_images=[source(0)], mask=Image.new("L", (64, 48))),

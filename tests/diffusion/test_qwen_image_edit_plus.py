@@ -193,6 +193,13 @@ def test_2511_zero_cond_t_batched_matches_diffusers(tmp_path, staggered):
 
 
 def test_more_images_than_the_model_takes_or_a_mask_are_refused(engine):
+    from vllm_omni_plugin.pipelines import get_pipeline, pipeline_for_class
+
+    # The API server's bound (the topology's) is the engine's: 1 to 4 source images, no mask.
+    topology = get_pipeline("qwen_image_edit_plus")
+    assert pipeline_for_class("QwenImageEditPlusPipeline") is topology
+    assert (topology.max_input_images, topology.requires_input_image) == (4, True)
+    assert QwenImageEditPlusAdapter.max_input_images == 4 and not topology.accepts_mask
     five = [source(i) for i in range(5)]
     for bad, field in (
         (GenerationRequest("none", "x"), "image"),

@@ -3,8 +3,9 @@
 
 The components and sizes of the tiny Qwen-Image-Edit checkpoint (tiny_qwen_image_edit.py: the
 processor with the real image-processor settings, a Qwen2.5-VL text encoder with the real
-vision-patch geometry, the tokenizer whose template prefix is exactly 64 tokens, the MMDiT,
-the Qwen-Image VAE and the scheduler), saved by `QwenImageEditPlusPipeline.save_pretrained`.
+vision-patch geometry, the tokenizer whose template prefix is exactly 64 tokens, the MMDiT and
+the scheduler; the Qwen-Image VAE at half that checkpoint's width, `build_vae`), saved by
+`QwenImageEditPlusPipeline.save_pretrained`.
 2511's transformer differs only in its config (`zero_cond_t`: the source images' tokens are
 modulated at timestep 0).
 """
@@ -14,11 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from vllm_omni_plugin.testing.tiny_qwen_image import (
     build_scheduler,
     build_text_encoder,
     build_transformer,
-    build_vae,
 )
 from vllm_omni_plugin.testing.tiny_qwen_image_edit import (
     SPECIAL_OFFSET,
@@ -27,6 +29,25 @@ from vllm_omni_plugin.testing.tiny_qwen_image_edit import (
     build_tokenizer,
     write_processor,
 )
+
+
+def build_vae(seed: int):
+    """AutoencoderKLQwenImage (z_dim 16, scale 8) of half the tiny Qwen-Image VAE's width: each
+    source image is VAE encoded at diffusers' 1024x1024-pixel area, which at base_dim 8 costs
+    ~5 s per image on one CPU core, ~2x less here."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed + 2)
+    gen = torch.Generator().manual_seed(seed)
+    return AutoencoderKLQwenImage(
+        base_dim=4,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=(torch.randn(16, generator=gen) * 0.5).tolist(),
+        latents_std=(1.0 + torch.rand(16, generator=gen) * 2.0).tolist(),
+    )
 
 
 def build(out_dir: Path, seed: int, zero_cond_t: bool = False) -> Path:
