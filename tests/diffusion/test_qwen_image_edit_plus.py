@@ -112,7 +112,7 @@ def reference(pipe, r: GenerationRequest):
         list(r.input_images),
         r.prompt,
         negative_prompt=r.negative_prompt,
-        true_cfg_scale=r.guidance_scale,
+        true_cfg_scale=r.knobs.get("true_cfg_scale", 4.0),  # diffusers' default, and ours
         height=SIZE,
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
@@ -136,7 +136,6 @@ def req(rid, prompt, images, seed, steps=2, negative=None, n=1):
         height=SIZE,
         width=SIZE,
         num_inference_steps=steps,
-        guidance_scale=4.0,
         seed=seed,
         input_images=list(images),
     )

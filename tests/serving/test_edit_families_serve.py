@@ -86,7 +86,7 @@ def refused_before_any_stage(server, images: list[bytes]) -> dict:
     return err
 
 
-def test_kontext_edit_matches_diffusers_and_takes_one_image(kontext_server):
+def test_kontext_edit_and_generation_match_diffusers_and_one_image_only(kontext_server):
     from diffusers import FluxKontextPipeline
 
     src = png(0)
@@ -112,6 +112,24 @@ def test_kontext_edit_matches_diffusers_and_takes_one_image(kontext_server):
     assert np.abs(decode(res.data[0].b64_json) - np.asarray(want, dtype=float)).mean() <= TOLERANCE
     err = refused_before_any_stage(kontext_server, [src, src])
     assert (err["code"], err["param"]) == ("too_many_images", "image"), err
+    # Without a source image Kontext generates from text (diffusers' image=None), on the
+    # generations route.
+    res = client(kontext_server).images.generate(
+        model=kontext_server.model,
+        prompt="a red cube",
+        size="64x64",
+        extra_body={"seed": 6, "num_inference_steps": STEPS},
+    )
+    want = pipe(
+        None,
+        "a red cube",
+        height=64,
+        width=64,
+        max_area=64 * 64,
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(6),
+    ).images[0]
+    assert np.abs(decode(res.data[0].b64_json) - np.asarray(want, dtype=float)).mean() <= TOLERANCE
 
 
 def test_edit_plus_two_images_match_diffusers_and_five_are_refused(edit_plus_server):
