@@ -24,9 +24,12 @@ PIPELINE_CLASS = {
 # Families whose builder is checked by their own family test instead of the text-to-image runs
 # below: qwen-image-edit needs a source image (and ~15 s per CPU run at its 1 MP condition
 # area), so tests/diffusion/test_qwen_image_edit.py runs it in diffusers' QwenImageEditPipeline.
+# flux-kontext and qwen-image-edit-plus edit source images (Kontext also sizes its output to
+# a 1 MP area): tests/diffusion/test_flux_kontext.py and test_qwen_image_edit_plus.py run them in
+# diffusers' FluxKontextPipeline and QwenImageEditPlusPipeline.
 # wan makes videos (WanPipeline returns frames, not images): tests/diffusion/test_wan.py runs it.
 # qwen3-omni is a transformers model (text and speech): tests/qwen3_omni/ runs it.
-OWN_TESTS = ("qwen-image-edit", "wan", "qwen3-omni")
+OWN_TESTS = ("qwen-image-edit", "flux-kontext", "qwen-image-edit-plus", "wan", "qwen3-omni")
 TEXT_TO_IMAGE_KINDS = tuple(k for k in KINDS if k not in OWN_TESTS)
 
 

@@ -250,7 +250,9 @@ def test_each_adapter_declares_its_family_knobs_from_the_table():
     for pipeline_class in (
         "QwenImagePipeline",
         "QwenImageEditPipeline",
+        "QwenImageEditPlusPipeline",
         "FluxPipeline",
+        "FluxKontextPipeline",
         "WanPipeline",
         "GlmImagePipeline",
         "ZImagePipeline",

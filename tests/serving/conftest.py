@@ -137,6 +137,31 @@ def shared_wan_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
+# ---- The edit families of issue 34 (test_edit_families_serve.py): one server each ----------
+@pytest.fixture(scope="session")
+def kontext_server(tiny_models, tmp_path_factory):
+    """FLUX.1-Kontext, the bundled CPU config."""
+    root = tmp_path_factory.mktemp("kontext-server")
+    config = REPO / "stage_configs" / "flux_kontext_tiny.yaml"
+    server = start_shared(tiny_models("flux-kontext"), config, root)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def edit_plus_server(tiny_models, tmp_path_factory):
+    """Qwen-Image-Edit-2509, the bundled CPU config."""
+    root = tmp_path_factory.mktemp("edit-plus-server")
+    config = REPO / "stage_configs" / "qwen_image_edit_plus_tiny.yaml"
+    server = start_shared(tiny_models("qwen-image-edit-plus"), config, root)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 # ---- A pipeline with a chat stage next to stock `vllm serve` of the same model (issue 29) ----
 HERE = REPO / "tests" / "serving"
 # A byte-level chat template for the tiny Qwen2 (it has none of its own).

@@ -186,6 +186,8 @@ FAMILY_KNOBS: dict[str, tuple[Knob, ...]] = {
     "Qwen-Image": (TRUE_CFG_SCALE,),
     "Qwen-Image-Edit": (TRUE_CFG_SCALE,),
     "FLUX": (TRUE_CFG_SCALE,),
+    "FLUX.1-Kontext": (TRUE_CFG_SCALE,),
+    "Qwen-Image-Edit-Plus": (TRUE_CFG_SCALE,),
     "Wan2.2": (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT),
     "GLM-Image": (),
     "Z-Image": (),

@@ -22,6 +22,8 @@ AUTO_CONFIGS: dict[str, tuple[str, str]] = {
     "QwenImagePipeline": ("qwen_image", "qwen_image_tiny"),
     "QwenImageEditPipeline": ("qwen_image_edit", "qwen_image_edit_tiny"),
     "FluxPipeline": ("flux", "flux_tiny"),
+    "FluxKontextPipeline": ("flux_kontext", "flux_kontext_tiny"),
+    "QwenImageEditPlusPipeline": ("qwen_image_edit_plus", "qwen_image_edit_plus_tiny"),
     "WanPipeline": ("wan2_2", "wan_tiny"),
     "ZImagePipeline": ("z_image", "z_image_tiny"),
     "Flux2KleinPipeline": ("flux2_klein", "flux2_klein_tiny"),

@@ -20,6 +20,7 @@ from vllm_omni_plugin.pipelines.diffusers_single import (
 )
 from vllm_omni_plugin.pipelines.flux2_klein import FLUX2_KLEIN
 from vllm_omni_plugin.pipelines.glm_image import GLM_IMAGE
+from vllm_omni_plugin.pipelines.image_edits import FLUX_KONTEXT, QWEN_IMAGE_EDIT_PLUS
 from vllm_omni_plugin.pipelines.qwen3_omni import QWEN3_OMNI
 from vllm_omni_plugin.pipelines.qwen_image_edit import QWEN_IMAGE_EDIT
 from vllm_omni_plugin.pipelines.topology import PipelineTopology
@@ -135,3 +136,5 @@ for _topo in (GLM_IMAGE, QWEN_IMAGE, FLUX, WAN, Z_IMAGE, GENERIC_DIFFUSERS):
 register_pipeline(QWEN_IMAGE_EDIT)
 register_pipeline(QWEN3_OMNI)
 register_pipeline(FLUX2_KLEIN)
+register_pipeline(FLUX_KONTEXT)
+register_pipeline(QWEN_IMAGE_EDIT_PLUS)

@@ -68,13 +68,11 @@ def build_t5_tokenizer():
     return T5TokenizerFast(vocab=pieces, extra_ids=100, model_max_length=512)
 
 
-def build(out_dir: Path, seed: int) -> Path:
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
+def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Path:
+    """The checkpoint of `pipeline_class` (FluxPipeline, or FluxKontextPipeline: the same
+    components, tiny_flux_kontext.py)."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer = build_clip_tokenizer()
@@ -155,7 +153,7 @@ def build(out_dir: Path, seed: int) -> Path:
         max_image_seq_len=4096,
     )
 
-    pipe = FluxPipeline(
+    pipe = getattr(diffusers, pipeline_class)(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,

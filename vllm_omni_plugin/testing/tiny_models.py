@@ -23,6 +23,8 @@ _BUILDERS = {
     "qwen-image": "vllm_omni_plugin.testing.tiny_qwen_image",
     "qwen-image-edit": "vllm_omni_plugin.testing.tiny_qwen_image_edit",
     "flux": "vllm_omni_plugin.testing.tiny_flux",
+    "flux-kontext": "vllm_omni_plugin.testing.tiny_flux_kontext",
+    "qwen-image-edit-plus": "vllm_omni_plugin.testing.tiny_qwen_image_edit_plus",
     "wan": "vllm_omni_plugin.testing.tiny_wan",  # Wan2.2 text-to-video (WanPipeline)
     "z-image": "vllm_omni_plugin.testing.tiny_z_image",  # Z-Image-Turbo (ZImagePipeline)
     "flux2-klein": "vllm_omni_plugin.testing.tiny_flux2_klein",  # FLUX.2 klein (t2i + edits)

@@ -145,10 +145,10 @@ class FluxAdapter(DiffusionAdapter):
             ]
             guidance = per_row(g)
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self._text_ids_dtype())
-        req0 = states[0].req
-        img_ids = self._image_ids_for(req0.height, req0.width, self._text_ids_dtype())
+        img_ids = self._img_ids(states)
+        hidden = self._hidden_states(rows, latents)
         kwargs = dict(
-            hidden_states=latents,
+            hidden_states=hidden,
             timestep=t / 1000,
             guidance=guidance,
             pooled_projections=pooled,
@@ -160,11 +160,22 @@ class FluxAdapter(DiffusionAdapter):
         )
         tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
         pred = self.run_transformer(self.transformer, tags, kwargs)[0]
+        if hidden is not latents:
+            pred = pred[:, : latents.shape[1]]  # the noisy latents' part only
         n_cond = sum(s.n for s in states)
         cond, uncond = pred[:n_cond], pred[n_cond:]
         if cfg_states:
             cond = self._apply_cfg(states, cond, uncond)
         self.euler_update(states, cond)
+
+    def _hidden_states(self, rows: list[RequestState], latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's image sequence of the rows: here their noisy latents alone."""
+        return latents
+
+    def _img_ids(self, states: list[RequestState]) -> torch.Tensor:
+        """RoPE ids of one row's image sequence (shared by the batch: same `batch_key`)."""
+        req0 = states[0].req
+        return self._image_ids_for(req0.height, req0.width, self._text_ids_dtype())
 
     def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         out, i, j = [], 0, 0

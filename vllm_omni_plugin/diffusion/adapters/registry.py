@@ -26,7 +26,11 @@ _ADAPTERS: dict[str, str | type[DiffusionAdapter]] = {
     "GlmImagePipeline": "vllm_omni_plugin.diffusion.adapters.glm_image:GlmImageAdapter",
     "QwenImagePipeline": "vllm_omni_plugin.diffusion.adapters.qwen_image:QwenImageAdapter",
     "QwenImageEditPipeline": "vllm_omni_plugin.diffusion.adapters.qwen_image_edit:QwenImageEditAdapter",
+    "QwenImageEditPlusPipeline": (
+        "vllm_omni_plugin.diffusion.adapters.qwen_image_edit_plus:QwenImageEditPlusAdapter"
+    ),
     "FluxPipeline": "vllm_omni_plugin.diffusion.adapters.flux:FluxAdapter",
+    "FluxKontextPipeline": "vllm_omni_plugin.diffusion.adapters.flux_kontext:FluxKontextAdapter",
     "WanPipeline": "vllm_omni_plugin.diffusion.adapters.wan:WanAdapter",
     "ZImagePipeline": "vllm_omni_plugin.diffusion.adapters.z_image:ZImageAdapter",
     "Flux2KleinPipeline": "vllm_omni_plugin.diffusion.adapters.flux2_klein:Flux2KleinAdapter",
