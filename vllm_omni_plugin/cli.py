@@ -20,6 +20,18 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_tiny_lora(args: argparse.Namespace) -> int:
+    from vllm_omni_plugin.testing.tiny_lora import build_tiny_lora
+
+    try:
+        path = build_tiny_lora(args.model_dir, args.out_dir, rank=args.rank, seed=args.seed)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a rank-{args.rank} LoRA adapter for {args.model_dir} to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The builders' own table: a kind they know is a kind this command takes (no second list).
     from vllm_omni_plugin.testing.tiny_models import FULL_KINDS, KINDS, SIZES
@@ -47,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
         "unchanged; for testing the full-size code path on a small machine",
     )
     tiny.set_defaults(func=_make_tiny_model)
+
+    lora = sub.add_parser(
+        "make-tiny-lora",
+        help="write a random LoRA adapter for a checkpoint's transformer (diffusers' format)",
+    )
+    lora.add_argument("model_dir", help="the diffusers checkpoint folder the adapter is for")
+    lora.add_argument("out_dir", help="the adapter folder to write (its name is the adapter's)")
+    lora.add_argument("--rank", type=int, default=4)
+    lora.add_argument("--seed", type=int, default=0)
+    lora.set_defaults(func=_make_tiny_lora)
 
     try:
         from vllm_omni_plugin.config.cli import add_config_commands

@@ -81,6 +81,10 @@ class DiffusionEngineConfig:
     # the largest threshold and the default policy ({"policies": [...], "max_threshold": x,
     # "default": {"policy": ...}}); None: every step computed, `cache` requests refused.
     step_cache: dict[str, Any] | None = None
+    # LoRA adapters per request (the deploy file's `diffusion.lora`): {"dir": folder of adapter
+    # folders, "max_loaded": adapters resident on the device, "max_rank": largest rank taken};
+    # None: requests naming adapters are refused.
+    lora: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

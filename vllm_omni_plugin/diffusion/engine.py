@@ -27,6 +27,8 @@ from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
+from .lora.files import LoraError
+from .lora.setup import build_store, check_request
 from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner
@@ -47,6 +49,9 @@ class DiffusionEngine:
         self.cache_bounds = cache_bounds(config)
         self.adapter = adapter or self._load_adapter()
         configure_vae(self.adapter.pipe, config.vae_use_slicing, config.vae_use_tiling)
+        # LoRA first: it refuses the accelerations it cannot run under, and wraps the linears.
+        self.lora = build_store(config, self.adapter, self.device, self.dtype)
+        self.adapter.lora = self.lora
         try:
             self.adapter.transformer = accelerate_transformer(
                 self.adapter.pipe.transformer,
@@ -79,6 +84,7 @@ class DiffusionEngine:
             budget=self._activation_budget,
             step_batched=self.adapter.step_batched,
             max_wait_s=(config.request_batch_max_wait_ms or 0.0) / 1e3,
+            admit=self._admit_lora,
         )
         self.runner = ModelRunner(self.adapter)
         self._lock = threading.Lock()
@@ -95,14 +101,18 @@ class DiffusionEngine:
     def _fuse_gelu(self, config: DiffusionEngineConfig) -> bool:
         if config.fuse_gelu is not None:
             return config.fuse_gelu
-        return self.device.type == "cuda" and not config.fp8_linear
+        # LoRA adapts the up-projections the fusion would replace.
+        return self.device.type == "cuda" and not config.fp8_linear and config.lora is None
 
     def _caching(self) -> bool:
         return any(p != NONE for p in self.cache_bounds.policies)
 
     def _cuda_graphs(self, config: DiffusionEngineConfig) -> bool | None:
         """Off where step caching is on: a graph of the whole forward would replay one row
-        plan (which rows compute) for every step."""
+        plan (which rows compute) for every step; off with LoRA for the same reason (which rows
+        take which adapter: cuda_graphs true was refused by the LoRA checks)."""
+        if config.lora is not None:
+            return False
         if not self._caching():
             return config.cuda_graphs
         if config.cuda_graphs:
@@ -244,9 +254,11 @@ class DiffusionEngine:
         except KnobError as exc:
             raise RequestValidationError(exc.name, exc.message) from None
         cache = self._cache_policy(req)
+        lora = check_request(self.lora, req.lora)
         out = dataclasses.replace(
             req,
             cache=cache,
+            lora=lora,
             negative_prompt=negative,
             n=n,
             num_inference_steps=steps,
@@ -344,11 +356,38 @@ class DiffusionEngine:
     def step(self) -> list[GenerationOutput]:
         with self._lock:
             batch = self.scheduler.schedule()
-        out = self.runner.run(batch)
+        # Requests whose adapters failed to load at admission fail without running.
+        failed = {s.request_id: f"lora: {s.lora_error}" for s in batch.prefill if s.lora_error}
+        run = batch
+        if failed:
+            run = dataclasses.replace(
+                batch,
+                prefill=[s for s in batch.prefill if s.request_id not in failed],
+                denoise=[s for s in batch.denoise if s.request_id not in failed],
+            )
+        out = self.runner.run(run)
+        out.failed.update(failed)
         with self._lock:
             outputs = self.scheduler.update(batch, out)
             self._note_progress(batch, out, outputs)
+            if self.lora is not None:
+                for o in outputs:
+                    self.lora.release(o.request_id)
         return outputs
+
+    def _admit_lora(self, state: RequestState) -> bool:
+        """Scheduler hook: pin the request's adapters on the device (False: no free slot yet)."""
+        if not state.req.lora or self.lora is None:
+            return True
+        try:
+            held = self.lora.acquire(state.request_id, state.req.lora)
+        except LoraError as exc:
+            state.lora_error = exc.message
+            return True
+        if held is None:
+            return False
+        state.lora = held
+        return True
 
     def _note_progress(self, batch, out, outputs: list[GenerationOutput]) -> None:
         """What a step leaves for readers between steps: previews and per-request progress."""

@@ -38,6 +38,10 @@ class GenerationRequest:
     # Step caching: {"policy": "first_block", "threshold": 0.1} as the user sent it (None: the
     # stage's default); `DiffusionEngine.validate` turns it into a checked CachePolicy.
     cache: Any = None
+    # LoRA adapters: [{"name": ..., "scale": ..., "path": folder under lora.dir (default: the
+    # name)}] as the API server sent them; `DiffusionEngine.validate` turns them into checked
+    # adapters (lora/store.py CheckedLora).
+    lora: Any = None
 
 
 def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:
@@ -85,6 +89,9 @@ class RequestState:
     preview_s: float = 0.0  # time spent decoding its previews
     # Its step-cache state (step_cache/state.py RequestCache); None: every step computed.
     step_cache: Any = None
+    # Its LoRA adapters while it runs: (resident adapter, scale) pairs pinned at admission.
+    lora: list[tuple[Any, float]] = field(default_factory=list)
+    lora_error: str | None = None  # its adapters could not be loaded at admission
 
     @property
     def request_id(self) -> str:

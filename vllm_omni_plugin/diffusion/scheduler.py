@@ -50,6 +50,7 @@ class Scheduler:
         budget: int | None = None,
         step_batched: bool = True,
         max_wait_s: float = 0.0,
+        admit: Callable[[RequestState], bool] | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.batch_key = batch_key
@@ -57,6 +58,9 @@ class Scheduler:
         self.budget = budget  # activation bytes one forward may use (None = unlimited)
         self.step_batched = step_batched
         self.max_wait_s = max_wait_s
+        # False: the request cannot start yet (its LoRA adapters find no free device slot); it
+        # keeps its place at the head of the queue.
+        self.admit = admit or (lambda state: True)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self._aborted: list[RequestState] = []
@@ -117,7 +121,11 @@ class Scheduler:
             return batch
         # Admit in arrival order while the running set still fits one forward; new requests
         # join the denoising loop at this step boundary.
-        while self.waiting and self._fits(self.running, self.waiting[0]):
+        while (
+            self.waiting
+            and self._fits(self.running, self.waiting[0])
+            and self.admit(self.waiting[0])
+        ):
             state = self.waiting.popleft()
             state.status = RequestStatus.RUNNING
             state.started = time.perf_counter()

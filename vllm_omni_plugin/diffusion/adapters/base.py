@@ -55,6 +55,9 @@ class DiffusionAdapter(ABC):
     max_input_images: ClassVar[int] = 0
     requires_input_image: ClassVar[bool] = False
     accepts_mask: ClassVar[bool] = False
+    # LoRA: the transformer modules adapters may adapt, as module-name prefixes (every nn.Linear
+    # under one of them); empty: the family takes no LoRA (a stage with `lora` refuses to start).
+    lora_targets: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         self.pipe = pipe
@@ -65,6 +68,8 @@ class DiffusionAdapter(ABC):
         self.transformer = pipe.transformer
         # The engine's StepCache (step_cache/runtime.py) when the stage enables step caching.
         self.step_cache: Any = None
+        # The engine's LoraStore (lora/store.py) when the stage serves LoRA adapters.
+        self.lora: Any = None
 
     def cached_models(self) -> list[torch.nn.Module]:
         """The transformers whose blocks the step cache wraps (Wan2.2: both experts)."""
@@ -183,7 +188,11 @@ class DiffusionAdapter(ABC):
         self, model: Any, rows: list[tuple[RequestState, str, int]], kwargs: dict, expert: int = 0
     ) -> tuple[torch.Tensor, ...]:
         """`model(**kwargs)`, through the step cache when the stage has one. `rows`: the batch's
-        row groups in order, (state, "cond" or "uncond", rows)."""
+        row groups in order, (state, "cond" or "uncond", rows); with LoRA, each row gets its
+        request's adapters."""
+        if self.lora is not None:
+            with self.lora.rows(rows):
+                return model(**kwargs)
         if self.step_cache is None:
             return model(**kwargs)
         return self.step_cache.run(model, rows, kwargs, expert)

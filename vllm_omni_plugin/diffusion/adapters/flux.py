@@ -28,6 +28,17 @@ class FluxAdapter(DiffusionAdapter):
     pipeline_class = "FluxPipeline"
     family = "FLUX"
     knobs = FAMILY_KNOBS["FLUX"]
+    # Every linear of the blocks and the embedders / output projection around them (the modules
+    # diffusers' FLUX LoRAs adapt).
+    lora_targets = (
+        "transformer_blocks",
+        "single_transformer_blocks",
+        "x_embedder",
+        "context_embedder",
+        "time_text_embed",
+        "norm_out",
+        "proj_out",
+    )
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

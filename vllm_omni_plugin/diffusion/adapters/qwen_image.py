@@ -33,6 +33,15 @@ class QwenImageAdapter(DiffusionAdapter):
     pipeline_class = "QwenImagePipeline"
     family = "Qwen-Image"
     knobs = FAMILY_KNOBS["Qwen-Image"]
+    # Every linear of the blocks and the projections around them (Qwen-Image-Edit inherits).
+    lora_targets = (
+        "transformer_blocks",
+        "img_in",
+        "txt_in",
+        "time_text_embed",
+        "norm_out",
+        "proj_out",
+    )
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

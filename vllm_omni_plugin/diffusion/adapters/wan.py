@@ -42,6 +42,9 @@ class WanAdapter(DiffusionAdapter):
     pipeline_class = "WanPipeline"
     family = "Wan2.2"
     knobs = FAMILY_KNOBS["Wan2.2"]
+    # The blocks of `transformer` (Wan2.2: the high-noise expert), where diffusers'
+    # `load_lora_weights` puts an adapter by default; `transformer_2` runs without it.
+    lora_targets = ("blocks",)
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)
