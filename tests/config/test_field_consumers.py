@@ -16,7 +16,11 @@ from vllm_omni_plugin.config import deploy
 from vllm_omni_plugin.config.consumers import CONSUMERS, Code, EngineArg, Refused, Warned
 from vllm_omni_plugin.config.owners_ar import ARSamplingDefaults
 from vllm_omni_plugin.config.owners_common import Owner, ServingLimits
-from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults, StepCacheOwner
+from vllm_omni_plugin.config.owners_diffusion import (
+    DiffusionSamplingDefaults,
+    LoraOwner,
+    StepCacheOwner,
+)
 from vllm_omni_plugin.config.owners_videos import VideoJobs
 from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
 from vllm_omni_plugin.config.stage_keys import AR_OWNERS, DIFFUSION_FIELDS, DIFFUSION_OWNERS
@@ -46,7 +50,8 @@ def _kinds(owner: type[Owner], field: str) -> set[str]:
         return {"pipeline"}
     if owner is ARSamplingDefaults:
         return {"ar"}
-    if owner in (DiffusionSamplingDefaults, StepCacheOwner):  # StepCacheOwner: `step_cache:`
+    # StepCacheOwner: `step_cache:`; LoraOwner: `lora:` (sections of a diffusion stage)
+    if owner in (DiffusionSamplingDefaults, StepCacheOwner, LoraOwner):
         return {"diffusion"}
     kinds = set()
     if owner in AR_OWNERS.values():

@@ -192,6 +192,12 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
         ("StepCacheOwner", f): {"diffusion": Code(_ENGINE)}
         for f in ("policies", "max_threshold", "default")
     },
+    # LoRA adapters per request (diffusion/lora/).
+    ("DiffusionOwner", "lora"): {"diffusion": Code(_ENGINE)},
+    **{
+        ("LoraOwner", f): {"diffusion": Code("diffusion/lora/setup.py")}
+        for f in ("dir", "max_loaded", "max_rank")
+    },
     ("DiffusionOwner", "cache_backend"): {"diffusion": Refused("tea_cache")},
     ("DiffusionOwner", "cache_config"): {"diffusion": Refused({"rel_l1_thresh": 0.2})},
     # DiffusionSamplingDefaults: the engine's request defaults

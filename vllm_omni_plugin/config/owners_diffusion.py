@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -47,6 +48,25 @@ class StepCacheOwner(Owner):
             except CachePolicyError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+
+class LoraOwner(Owner):
+    """LoRA adapters per request on a diffusion stage (`lora:`): requests name adapters with
+    `lora: [{name, scale}]`; each adapter is a folder of diffusers' LoRA format under `dir`."""
+
+    dir: str
+    """Folder whose sub-folders are the adapters (the sub-folder's name is the adapter's)."""
+    max_loaded: int = Field(4, ge=1, le=256)
+    """Most adapters resident on the device at once (least recently used evicted)."""
+    max_rank: int = Field(64, ge=1, le=4096)
+    """Largest adapter rank accepted; a higher-rank adapter is refused."""
+
+    @field_validator("dir")
+    @classmethod
+    def _is_folder(cls, value: str) -> str:
+        if not Path(value).is_dir():
+            raise ValueError(f"{value!r} is not a folder")
+        return value
 
 
 class DiffusionOwner(Owner):
@@ -124,6 +144,9 @@ class DiffusionOwner(Owner):
     """Step caching (first_block / teacache / taylorseer): which policies requests may choose
     with `cache`, their bounds, and the default of requests that send none (None: off, every
     step computed, a request asking for a policy is refused)."""
+    lora: LoraOwner | None = None
+    """LoRA adapters per request: the adapter folder, how many stay resident, the largest rank
+    (None: off, a request naming an adapter is refused)."""
     cache_backend: str | None = None
     """vLLM-Omni's cache backend: refused at load (set `step_cache` instead)."""
     cache_config: dict[str, Any] | None = None
@@ -153,11 +176,28 @@ class DiffusionOwner(Owner):
                     "step_cache with compile_transformer needs compile_regional: true (the "
                     "per-row decisions sit between the compiled blocks)"
                 )
+        if self.lora is not None:
+            self._lora_combinations()
         if self.memory_budget_gb is not None and self.gpu_memory_utilization is not None:
             raise ValueError(
                 "gpu_memory_utilization and memory_budget_gb both set the memory budget; keep one"
             )
         return self
+
+    def _lora_combinations(self) -> None:
+        """What LoRA cannot run with: each forward gives the adapted linears a new row plan."""
+        clashes = {
+            "cfg_parallel": self.cfg_parallel,
+            "ulysses_degree > 1": self.ulysses_degree > 1,
+            "step_cache": self.step_cache is not None and bool(self.step_cache.policies),
+            "compile_transformer": self.compile_transformer,
+            "cuda_graphs: true": bool(self.cuda_graphs),
+            "fp8_linear": self.fp8_linear,
+            "fuse_gelu: true": bool(self.fuse_gelu),
+        }
+        found = [name for name, on in clashes.items() if on]
+        if found:
+            raise ValueError(f"lora cannot be combined with {', '.join(found)} (yet); drop one")
 
 
 class DiffusionSamplingDefaults(Owner):
