@@ -21,7 +21,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_lora(args: argparse.Namespace) -> int:
-    from vllm_omni_plugin.testing.tiny_lora import build_tiny_lora
+    from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
 
     try:
         path = build_tiny_lora(args.model_dir, args.out_dir, rank=args.rank, seed=args.seed)

@@ -20,7 +20,7 @@ import torch
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.errors import DiffusionEngineError, RequestValidationError
-from vllm_omni_plugin.testing.tiny_lora import build_tiny_lora
+from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
 
 SIZE = 64
 STEPS = 2

@@ -93,8 +93,9 @@ def test_refusals_name_the_field_and_say_who_takes_it():
     err = refusal(validate_request, {"prompt": "a", "flow_shift": 3.0}, image_limits())
     assert (err.param, err.code) == ("flow_shift", "unknown_parameter")
     assert "Wan2.2" in err.message
-    err = refusal(validate_request, {"prompt": "a", "lora": {"name": "x"}}, image_limits())
-    assert err.param == "lora" and "LoRA" in err.message
+    # `lora` is taken (serving/lora_adapters.py); a malformed one names the part at fault.
+    err = refusal(validate_request, {"prompt": "a", "lora": [{"name": 3}]}, image_limits())
+    assert err.param == "lora[0].name" and "adapter name" in err.message
     err = refusal(validate_request, {"prompt": "a", "whatever": 1}, image_limits())
     assert (err.param, err.code) == ("whatever", "unknown_parameter")
     err = refusal(validate_request, {"prompt": "a", "seconds": 4}, image_limits())

@@ -115,6 +115,10 @@ class StageInfo(msgspec.Struct, omit_defaults=True):
     knobs: list[dict[str, Any]] = []
     unsupported: dict[str, str] = {}
     cfg: dict[str, Any] | None = None
+    # A diffusion stage serving LoRA adapters: its resolved `lora.dir`, max_loaded, max_rank,
+    # family and target linears (module name -> [in, out]); requests and runtime loads are
+    # checked against them (serving/lora_adapters.py). None: no LoRA.
+    lora: dict[str, Any] | None = None
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -162,6 +166,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # The model family's own knobs this request sets (name -> value, checked by the API server
     # against the knobs the final stage announced; DiffusionAdapter.knobs).
     knobs: dict[str, float | int | bool | str] = {}
+    # LoRA adapters: [{"name", "scale", "path"}] as the API server checked them, `path` the
+    # adapter's folder relative to the diffusion stage's lora.dir. Empty: none.
+    lora: list[dict[str, Any]] = []
     # Speech (a chat request with `modalities: ["text", "audio"]`, topologies with
     # `audio_output`): the chat stage's vLLM EngineCoreRequest, rendered and processed by vLLM in
     # the API server and encoded as in GenerateText (its sampling params' output kind is DELTA:

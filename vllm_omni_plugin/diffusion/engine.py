@@ -21,13 +21,13 @@ import torch
 from ..common.cache_policy import NONE, CacheBounds, CachePolicy, CachePolicyError, parse_cache
 from ..common.knobs import KnobError, check_knobs
 from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
+from ..common.lora_files import LoraError
 from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter
 from .adapters.loader import load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
-from .lora.files import LoraError
 from .lora.setup import build_store, check_request
 from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState, preview_steps

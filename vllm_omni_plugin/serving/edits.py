@@ -36,7 +36,7 @@ from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from . import cache_field
+from . import cache_field, lora_adapters
 from .errors import APIError, invalid
 from .protocol import ImageLimits, ValidRequest
 from .request_fields import EDITS
@@ -91,6 +91,8 @@ def form_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Any]
             raise invalid(f"'{name}' must be a file upload, not text", name, "invalid_type")
         if name in URL_FIELDS:  # source images by URL, in order, under one name
             data.setdefault("url", []).append(value)
+            continue
+        if lora_adapters.fold_form_field(data, name, value):
             continue
         key = cache_field.form_key(name)
         if key is not None:

@@ -84,7 +84,7 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
     if data.get("size") in (None, "auto"):
         with Image.open(io.BytesIO(images[0])) as first:  # reads the header only
             size = auto_size(first.size, service.limits)
-    return with_uploads(valid, images, mask_png, size)
+    return with_uploads(service.with_lora(valid), images, mask_png, size)
 
 
 async def _wait_disconnect(request: Request) -> None:

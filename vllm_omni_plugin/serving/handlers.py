@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import logging
@@ -23,6 +24,7 @@ from ..orchestrator import Orchestrator, StageRequestError, StageUnavailableErro
 from ..pipelines import get_pipeline
 from .admission import Admission, Ticket
 from .errors import APIError, invalid, unavailable
+from .lora_adapters import LoraAdapters
 from .protocol import ImageLimits, ValidRequest
 from .request_fields import FamilyFields
 from .streaming import KEEPALIVE, completed_event, error_event, progress_events
@@ -95,6 +97,7 @@ class ImageService:
         request_timeout_s: float | None = None,
         admission: Admission | None = None,
         edit_url_hosts: tuple[str, ...] = (),
+        lora: LoraAdapters | None = None,
     ):
         self.orchestrator = orchestrator
         # Requests held at once (running + `serving.max_queued_requests` waiting); 429 beyond.
@@ -109,6 +112,8 @@ class ImageService:
         self.served_names = served_names
         self.url_store = url_store or UrlStore()
         self.outcomes: Counter[str] = Counter()  # status code -> count, for /metrics
+        # The served LoRA adapters (request names resolved and their files checked here).
+        self.lora = lora or LoraAdapters(orchestrator)
 
     def check(self, body: bytes) -> ValidRequest:
         """Parse and validate a request body; APIError (4xx/503) before any stage is touched."""
@@ -135,7 +140,16 @@ class ImageService:
             raise unavailable(
                 f"stage(s) {self.orchestrator.unhealthy_stages()} are restarting; retry shortly"
             )
-        return valid
+        return self.with_lora(valid)
+
+    def with_lora(self, valid: ValidRequest) -> ValidRequest:
+        """The request's `lora` names resolved to served adapters, files checked (4xx)."""
+        refs = valid.extensions.get("lora")
+        if not refs:
+            return valid
+        return dataclasses.replace(
+            valid, extensions={**valid.extensions, "lora": self.lora.resolve(refs)}
+        )
 
     async def generate(self, body: bytes, base_url: str, disconnected: Any) -> tuple[dict, dict]:
         """(response body, timing headers). Raises APIError for every failure."""
@@ -260,6 +274,7 @@ class ImageService:
             input_images=list(valid.input_images),
             mask=valid.mask,
             knobs=dict(valid.knobs),
+            lora=list(valid.extensions.get("lora") or []),
         )
 
     @staticmethod

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.knobs import FAMILY_KNOBS, CfgFacts, Knob, KnobError, unused_field
+from . import lora_adapters
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest
 
@@ -95,8 +96,11 @@ class RequestField:
     check: Callable[[Any], Any]
 
 
-# Route-wide extensions, checked here and carried in ValidRequest.extensions (empty today).
-EXTENSIONS: list[RequestField] = []
+# Route-wide extensions, checked here and carried in ValidRequest.extensions: `lora` (LoRA
+# adapters per request; serving/lora_adapters.py resolves the names before any stage).
+EXTENSIONS: list[RequestField] = [
+    RequestField("lora", ROUTES, lora_adapters.SCHEMA, lora_adapters.check_field),
+]
 
 
 def common_fields(route: str) -> dict[str, dict[str, Any]]:
@@ -116,7 +120,6 @@ def common_fields(route: str) -> dict[str, dict[str, Any]]:
 # Fields other servers' clients send (vLLM-Omni's extensions, OpenAI's fields for its own
 # models) that no family here applies -> why they are refused (the README lists them too).
 REFUSED: dict[str, str] = {
-    "lora": "per-request LoRA adapters are not served yet",
     "layers": "layered output (Qwen-Image-Layered) is not served",
     "resolution": "layered output (Qwen-Image-Layered) is not served",
     "vae_use_slicing": "VAE slicing is a stage setting (vae_use_slicing in the deploy file), "

@@ -25,6 +25,7 @@ from ..common.messages import GenerationParams, Progress
 from ..orchestrator import StageRequestError, StageUnavailableError
 from . import cache_field
 from .errors import APIError, invalid
+from .lora_adapters import LoraAdapters
 from .owners import visible
 from .request_fields import FamilyFields
 from .videos_queue import JobQueue
@@ -49,8 +50,10 @@ class VideoService:
         serving: Any,  # config ServingLimits
         served_names: list[str],
         max_batch_size: int,
+        lora: LoraAdapters | None = None,
     ) -> None:
         self.orchestrator = orchestrator
+        self.lora = lora or LoraAdapters(orchestrator)  # the served LoRA adapters
         self.cfg = jobs_cfg
         self.serving = serving
         self.served_names = served_names
@@ -119,6 +122,9 @@ class VideoService:
         cache = data.pop("cache", None)
         request = check_video_request(data, bounds)
         request["cache"] = cache_field.checked(cache)
+        refs = request["extensions"].get("lora")
+        if refs:
+            request["extensions"] = {**request["extensions"], "lora": self.lora.resolve(refs)}
         return request
 
     def create(self, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
@@ -294,6 +300,7 @@ class VideoService:
             fps=req["fps"],
             knobs=dict(req.get("knobs") or {}),
             cache=req.get("cache"),
+            lora=list((req.get("extensions") or {}).get("lora") or []),
         )
         self.store.set_progress(job_id, 0)
         self.queue.notify()
@@ -371,4 +378,5 @@ def init_video_service(client: Any, state: Any, args: Any) -> None:
         cfg.serving,
         served_names(client, args),
         max_batch_size=final.diffusion.max_batch_size if final.diffusion else 1,
+        lora=getattr(state, "omni_lora", None),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError, invalid
+from .lora_adapters import fold_form_field
 from .request_fields import VIDEOS, FamilyFields, split_fields
 from .validation import json_object
 
@@ -161,6 +162,17 @@ def _num_frames(frames: int | None, seconds: int | None, fps: int, b: VideoBound
             "num_frames",
         )
     return frames
+
+
+def form_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A form's fields as a dict (a repeated field: its last value), with the `lora[][name]`,
+    `lora[][scale]` fields folded into one `lora` list."""
+    data: dict[str, Any] = {}
+    for name, value in items:
+        if isinstance(value, str) and fold_form_field(data, name, value):
+            continue
+        data[name] = value
+    return data
 
 
 def parse_create_body(body: bytes, content_type: str, form: dict[str, Any] | None) -> dict:

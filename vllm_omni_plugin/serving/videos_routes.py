@@ -22,7 +22,7 @@ from .owners import owner_of
 from .request_fields import VIDEOS, body_schema
 from .validation import MAX_BODY_BYTES
 from .videos import ClientGone, VideoService
-from .videos_request import parse_create_body
+from .videos_request import form_dict, parse_create_body
 
 router = APIRouter()
 
@@ -53,7 +53,7 @@ async def _request_data(request: Request, service: VideoService) -> dict:
     ):
         form = await read_form(request, MAX_BODY_BYTES, max_files=4, max_fields=64)
         try:
-            return parse_create_body(b"", content_type, dict(form))
+            return parse_create_body(b"", content_type, form_dict(form.multi_items()))
         finally:
             await form.close()
     return parse_create_body(await read_body(request, MAX_BODY_BYTES), content_type, None)

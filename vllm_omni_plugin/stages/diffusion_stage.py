@@ -74,6 +74,8 @@ class DiffusionStageRunner(SteppedStageLoop):
             video=VideoFacts(**self.engine.adapter.video_facts())
             if _is_video(self.engine)
             else None,
+            # LoRA: the adapter folder and target linears the API server checks against.
+            lora=_lora_facts(self.engine),
         )
 
     def describe(self) -> DiffusionSettings:
@@ -187,6 +189,7 @@ class DiffusionStageRunner(SteppedStageLoop):
                 input_images=[_decode_png(b) for b in p.input_images],
                 mask=None if p.mask is None else _decode_png(p.mask),
                 knobs=dict(p.knobs),
+                lora=[dict(x) for x in p.lora] or None,
             )
             self.engine.add_request(req)
         except RequestValidationError as exc:
@@ -243,3 +246,8 @@ def _decode_png(data: bytes) -> Any:
     im = Image.open(io.BytesIO(data), formats=["PNG"])
     im.load()
     return im
+
+
+def _lora_facts(engine: Any) -> dict[str, Any] | None:
+    store = getattr(engine, "lora", None)
+    return None if store is None else store.facts()

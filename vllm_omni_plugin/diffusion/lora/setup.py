@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...common.lora_files import LoraError
 from ...common.lora_request import LoraFieldError, LoraRef, parse_lora
 from ..errors import DiffusionEngineError, RequestValidationError
-from .files import LoraError
 from .store import CheckedLora, LoraStore
 
 DEFAULT_MAX_LOADED = 4

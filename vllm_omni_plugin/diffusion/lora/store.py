@@ -1,7 +1,7 @@
 """The LoRA adapters of one diffusion engine: checking, the resident set, each forward's plan.
 
 * `check` (request validation): each adapter folder resolved inside `lora.dir` and its header
-  checked against the transformer (files.py); nothing is loaded.
+  checked against the transformer (common/lora_files.py); nothing is loaded.
 * `acquire` (admission, scheduler hook): the request's adapters made resident on the device and
   pinned while it runs. At most `max_loaded` adapters are resident; an unpinned one is evicted
   least recently used first. A request whose adapters cannot all be made resident now (every
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ...common.lora_files import AdapterFile, LoraError, load_tensors, read_adapter, resolve_folder
 from ...common.lora_request import LoraRef
-from .files import AdapterFile, LoraError, load_tensors, read_adapter, resolve_folder
 from .layers import AdapterRows, RowPlan, install
 
 

@@ -8,7 +8,9 @@ file) with, per adapted linear, `transformer.<module>.lora_A.weight` [rank, in] 
 file's header, else 1 (diffusers' rule without alphas: alpha = rank).
 
 `read_adapter` checks the header only (names, shapes, dtypes, metadata): cheap enough for the
-API server to run on every load request. `load_tensors` reads the weights, after the same check.
+API server to run on every request and load (against the target linears the diffusion stage
+announced); the stage checks again before `load_tensors` reads the weights. A leaf module (no
+torch import at module level), shared by the API server and the diffusion engine.
 """
 
 from __future__ import annotations

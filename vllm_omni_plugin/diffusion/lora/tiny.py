@@ -22,8 +22,8 @@ def lora_targets(model_dir: str | Path) -> tuple[str, dict[str, tuple[int, int]]
     """(pipeline class, {linear name: (in, out)}) the family's LoRA adapters may adapt."""
     import diffusers
 
-    from vllm_omni_plugin.diffusion.adapters.registry import get_adapter_class, pipeline_class_of
-    from vllm_omni_plugin.diffusion.lora.layers import _declared
+    from ..adapters.registry import get_adapter_class, pipeline_class_of
+    from .layers import _declared
 
     model_dir = Path(model_dir)
     pipeline = pipeline_class_of(model_dir)
