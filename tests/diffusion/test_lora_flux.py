@@ -143,11 +143,10 @@ def test_a_request_waits_while_every_slot_is_pinned(engine):
     # max_loaded = 2: both slots pinned by the first request; the second (a third adapter)
     # starts only once the first has finished, and then runs.
     engine.add_request(req("p1", 1, [{"name": "style"}, {"name": "detail"}]))
-    engine.step()  # admitted and pinned
+    done = {o.request_id: o for o in engine.step()}  # p1 admitted and pinned
     engine.add_request(req("p2", 2, [{"name": "third"}]))
-    engine.step()
+    done.update({o.request_id: o for o in engine.step()})
     assert engine.scheduler.find("p2") in engine.scheduler.waiting
-    done = {}
     while engine.has_unfinished():
         for o in engine.step():
             done[o.request_id] = o

@@ -1,0 +1,122 @@
+"""LoRA on the other families that declare LoRA targets (Qwen-Image, Qwen-Image-Edit, Wan2.2):
+one mixed batch (a row with an adapter and its scale, a plain row, CFG rows) against diffusers'
+pipeline after `load_lora_weights` + `set_adapters` on the same tiny checkpoint and seed.
+
+Tolerance: mean absolute difference <= 0.5 on the 0-255 scale (frames of a video alike) and
+each image far closer to diffusers' adapted image than the plain image is (the adapter must
+show). Qwen-Image-Edit conditions at a 64x64-pixel area on both sides for CPU time (as in
+test_qwen_image_edit.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion.adapters.loader import load_pipeline
+from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import QwenImageEditAdapter
+from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
+
+AREA = 64 * 64
+
+
+class SmallConditionAdapter(QwenImageEditAdapter):
+    condition_pixels = AREA
+
+
+def source() -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+
+
+def frames(images) -> np.ndarray:
+    return np.stack([np.asarray(i.convert("RGB"), dtype=np.float64) for i in images])
+
+
+def engine_for(kind: str, folder, lora_dir) -> DiffusionEngine:
+    cfg = DiffusionEngineConfig(model=str(folder), max_batch_size=4, lora={"dir": str(lora_dir)})
+    if kind != "qwen-image-edit":
+        return DiffusionEngine(cfg)
+    cpu = torch.device("cpu")
+    pipe = load_pipeline(folder, torch.float32, cpu, skip=QwenImageEditAdapter.skip_components)
+    return DiffusionEngine(cfg, SmallConditionAdapter(pipe, cpu, torch.float32, {}))
+
+
+def request(kind: str, rid: str, seed: int, lora=None) -> GenerationRequest:
+    extra = {}
+    if kind == "wan":
+        extra["num_frames"] = 5
+    if kind == "qwen-image-edit":
+        extra["input_images"] = [source()]
+    size = 32 if kind == "wan" else 64
+    return GenerationRequest(
+        rid,
+        f"prompt {seed}",
+        negative_prompt="blurry",
+        height=size,
+        width=size,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        seed=seed,
+        lora=lora,
+        **extra,
+    )
+
+
+def reference(kind: str, folder, lora_dir, r: GenerationRequest) -> np.ndarray:
+    import diffusers
+
+    gen = torch.Generator("cpu").manual_seed(r.seed)
+    common = dict(
+        negative_prompt=r.negative_prompt,
+        height=r.height,
+        width=r.width,
+        num_inference_steps=r.num_inference_steps,
+        generator=gen,
+    )
+    if kind == "wan":
+        pipe = diffusers.WanPipeline.from_pretrained(str(folder))
+    elif kind == "qwen-image":
+        pipe = diffusers.QwenImagePipeline.from_pretrained(str(folder))
+    else:
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+        from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import load_processor
+
+        pipe = diffusers.QwenImageEditPipeline.from_pretrained(
+            str(folder), processor=load_processor(folder / "processor")
+        )
+    pipe.set_progress_bar_config(disable=True)
+    if r.lora:
+        pipe.load_lora_weights(str(lora_dir / "style"), adapter_name="style")
+        pipe.set_adapters(["style"], [r.lora[0]["scale"]])
+    if kind == "wan":
+        out = pipe(
+            r.prompt, num_frames=5, guidance_scale=r.guidance_scale, output_type="pil", **common
+        )
+        return frames(out.frames[0])
+    if kind == "qwen-image":
+        return frames(pipe(r.prompt, true_cfg_scale=r.guidance_scale, **common).images)
+    original = module.calculate_dimensions
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "calculate_dimensions", lambda _area, ratio: original(AREA, ratio))
+        out = pipe(r.input_images[0], r.prompt, true_cfg_scale=r.guidance_scale, **common)
+    return frames(out.images)
+
+
+@pytest.mark.parametrize("kind", ["qwen-image", "qwen-image-edit", "wan"])
+def test_mixed_batch_equals_diffusers(kind, tiny_models, tmp_path):
+    folder = tiny_models(kind)
+    build_tiny_lora(folder, tmp_path / "style", rank=4, seed=3)
+    engine = engine_for(kind, folder, tmp_path)
+    styled = request(kind, "styled", 1, [{"name": "style", "scale": 0.9}])
+    plain = request(kind, "plain", 1)
+    outs = engine.generate([styled, plain])
+    assert all(o.metrics["max_batch"] == 2 for o in outs)  # one forward for both rows
+    got_styled, got_plain = frames(outs[0].images), frames(outs[1].images)
+    ref = reference(kind, folder, tmp_path, styled)
+    assert np.abs(got_styled - ref).mean() <= 0.5, kind
+    assert np.abs(got_plain - ref).mean() > 4 * max(np.abs(got_styled - ref).mean(), 0.1), kind
