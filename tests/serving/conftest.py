@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from omni_server import (
     API_KEY,
@@ -56,11 +58,11 @@ SMALL_QWEN_OVERRIDES = (
 )
 
 
-def start_shared(model, config, root, *extra: str) -> Server:
+def start_shared(model, config, root, *extra: str, env: dict[str, str] | None = None) -> Server:
     server = Server(
         [str(model), "--stage-config", str(config), "--api-key", API_KEY, *extra],
         root / "server.log",
-        env=SHARED_ENV,
+        env={**SHARED_ENV, **(env or {})},
     )
     try:
         server.startup_s = server.wait_healthy(timeout=600)
@@ -110,11 +112,25 @@ def shared_glm_server(tiny_models, tmp_path_factory):
 # ---- Shared by test_request_fields_serve.py (issue 37): an edit family and a video family ---
 @pytest.fixture(scope="session")
 def shared_edit_server(tiny_models, tmp_path_factory):
-    """Qwen-Image-Edit, the bundled CPU config."""
+    """Qwen-Image-Edit, the bundled CPU config; also serves LoRA adapters (test_lora_serve.py):
+    two tiny ones in `server.lora_dir`, set with --stage-overrides, runtime loading on."""
+    from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
+
     root = tmp_path_factory.mktemp("shared-edit-server")
+    model = tiny_models("qwen-image-edit")
+    lora_dir = root / "loras"
+    build_tiny_lora(model, lora_dir / "style", rank=4, seed=1)
+    build_tiny_lora(model, lora_dir / "detail", rank=8, seed=2)
+    lora = {"dir": str(lora_dir), "max_loaded": 2, "max_rank": 8}
     server = start_shared(
-        tiny_models("qwen-image-edit"), REPO / "stage_configs" / "qwen_image_edit_tiny.yaml", root
+        model,
+        REPO / "stage_configs" / "qwen_image_edit_tiny.yaml",
+        root,
+        "--stage-overrides",
+        json.dumps({"0": {"lora": lora}}),
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
     )
+    server.lora_dir = lora_dir
     try:
         yield server
     finally:

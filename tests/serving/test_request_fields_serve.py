@@ -37,7 +37,6 @@ VALUES: dict[str, object] = {
     "guidance_scale_2": 9.0,
     "boundary_ratio": 0.5,
     "flow_shift": 8.0,
-    "lora": {"name": "style", "path": "/tmp/lora", "scale": 1.0},
     "layers": 4,
     "resolution": 640,
     "vae_use_slicing": True,
@@ -79,7 +78,7 @@ def walked_fields() -> list[str]:
 
 def test_the_walk_covers_every_knob_and_refused_field():
     assert set(walked_fields()) <= set(VALUES), set(walked_fields()) - set(VALUES)
-    assert {"true_cfg_scale", "guidance_scale_2", "boundary_ratio", "flow_shift", "lora"} <= set(
+    assert {"true_cfg_scale", "guidance_scale_2", "boundary_ratio", "flow_shift"} <= set(
         walked_fields()
     )
 
@@ -139,7 +138,7 @@ def test_walk_generations_qwen_image(small_qwen_server):
     base = {"prompt": "a red cube", "size": "64x64", "num_inference_steps": 2, "seed": 5}
     out = walk_images(small_qwen_server, "generations", {**base, "negative_prompt": "blurry"})
     assert out["true_cfg_scale"] == "applied"
-    assert out["lora"] == out["flow_shift"] == out["guidance_scale_2"] == "refused"
+    assert out["flow_shift"] == out["guidance_scale_2"] == "refused"
     # Refusals say which families take a knob this family lacks.
     res = post_image(small_qwen_server, "generations", {**base, "flow_shift": 3.0})
     assert "Wan2.2" in res.json()["error"]["message"]
@@ -421,7 +420,7 @@ def test_openapi_bodies_come_from_the_table(small_qwen_server):
 
     gen = props("/v1/images/generations", "application/json")
     assert "true_cfg_scale" in gen and "Qwen-Image" in gen["true_cfg_scale"]["description"]
-    assert "lora" not in gen and "flow_shift" in gen
+    assert "lora" in gen and "flow_shift" in gen  # lora: a route-wide extension
     assert "url" in props("/v1/images/edits", "multipart/form-data")
     for path in ("/v1/videos", "/v1/videos/sync"):
         video = props(path, "application/json")

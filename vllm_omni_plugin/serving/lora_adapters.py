@@ -10,8 +10,9 @@ above `max_rank`, another family's adapter, a malformed file, a path outside the
 400s), all before any stage is touched; the stage checks again before it loads anything.
 
 Multipart forms (edits, videos from the openai client) carry the field as `lora[][name]`,
-`lora[][scale]` text fields (the client's bracket format; `lora[0][name]` works too), or as
-one `lora` field holding JSON.
+`lora[][scale]` text fields (the client's bracket format; the k-th name and the k-th scale
+belong to the k-th adapter, so give every adapter a scale there; `lora[0][name]` works too), or
+as one `lora` field holding JSON.
 """
 
 from __future__ import annotations
@@ -71,13 +72,12 @@ def fold_form_field(data: dict[str, Any], name: str, value: Any) -> bool:
         i = int(index)
         if i > len(items) or i > 64:
             raise invalid(f"'{name}': adapters must be numbered from 0", "lora", "invalid_value")
-        if i == len(items):
-            items.append({})
-    elif not items or key in items[-1]:  # brackets: a repeated key starts the next adapter
-        items.append({})
-        i = len(items) - 1
     else:
-        i = len(items) - 1
+        # Brackets (the openai client's format, which groups repeated keys: every name, then
+        # every scale): the k-th value of a key belongs to the k-th adapter.
+        i = next((j for j, item in enumerate(items) if key not in item), len(items))
+    if i == len(items):
+        items.append({})
     if key in items[i]:
         raise invalid(f"parameter '{name}' is given twice", "lora", "invalid_value")
     if key == "scale":
