@@ -75,9 +75,8 @@ def test_form_fields_fold_into_one_list():
     want = {"lora": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": -1.0}]}
     assert fold(grouped) == want
     assert fold([grouped[0], grouped[2], grouped[1], grouped[3]]) == want  # interleaved
-    assert fold(
-        [("lora[1][name]", "b")][:0] + [("lora[0][name]", "a"), ("lora[1][name]", "b")]
-    ) == {"lora": [{"name": "a"}, {"name": "b"}]}
+    indexed = fold([("lora[0][name]", "a"), ("lora[1][name]", "b"), ("lora[0][scale]", "2")])
+    assert indexed == {"lora": [{"name": "a", "scale": 2.0}, {"name": "b"}]}
     assert fold([("lora", '[{"name": "a"}]')]) == {"lora": [{"name": "a"}]}
     with pytest.raises(APIError) as info:
         fold([("lora[][name]", "a"), ("lora[][scale]", "big")])
