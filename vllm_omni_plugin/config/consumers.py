@@ -189,7 +189,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     # cache_backend / cache_config are refused, naming step_cache.
     ("DiffusionOwner", "step_cache"): {"diffusion": Code(_ENGINE)},
     **{
-        ("StepCacheOwner", f): {"diffusion": Code(_ENGINE)}
+        ("StepCacheOwner", f): {"diffusion": Code("diffusion/step_cache/runtime.py")}
         for f in ("policies", "max_threshold", "default")
     },
     # LoRA adapters per request (diffusion/lora/).

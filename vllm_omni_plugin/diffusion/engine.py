@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from ..common.cache_policy import NONE, CacheBounds, CachePolicy, CachePolicyError, parse_cache
+from ..common.cache_policy import NONE, CachePolicy, CachePolicyError
 from ..common.knobs import KnobError, check_knobs
 from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from ..common.lora_files import LoraError
 from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter
-from .adapters.loader import load_pipeline, torch_dtype
+from .adapters.loader import configure_vae, load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
@@ -33,7 +33,7 @@ from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .step_cache.runtime import StepCache
+from .step_cache.runtime import StepCache, cache_bounds
 
 __all__ = ["MAX_SEED", "DiffusionEngine"]
 
@@ -444,46 +444,3 @@ def _int_field(name: str, value: Any, lo: int | None, hi: int | None) -> int:
     if hi is not None and value > hi:
         raise RequestValidationError(name, f"must be <= {hi}, got {value}")
     return value
-
-
-def configure_vae(pipe: Any, slicing: bool | None, tiling: bool | None) -> None:
-    """vae_use_slicing / vae_use_tiling: switch the VAE's own decode modes (None: its default).
-
-    The adapters call `vae.decode` directly, which honours both modes in diffusers' VAEs.
-    """
-    vae = getattr(pipe, "vae", None)
-    for name, value, on, off in (
-        ("vae_use_slicing", slicing, "enable_slicing", "disable_slicing"),
-        ("vae_use_tiling", tiling, "enable_tiling", "disable_tiling"),
-    ):
-        if value is None:
-            continue
-        method = getattr(vae, on if value else off, None)
-        if method is None:
-            raise DiffusionEngineError(
-                f"{name}={value}: the VAE of this pipeline ({type(vae).__name__}) has no {on}"
-            )
-        method()
-
-
-def cache_bounds(config: DiffusionEngineConfig) -> CacheBounds:
-    """The stage's step-cache settings (config.step_cache) as CacheBounds; bad ones raise."""
-    raw = dict(config.step_cache or {})
-    try:
-        policies = tuple(raw.pop("policies", None) or (NONE,))
-        for p in policies:
-            parse_cache({"policy": p}, "step_cache.policies")
-        if NONE not in policies:
-            policies = (NONE, *policies)
-        max_threshold = float(raw.pop("max_threshold", CacheBounds.max_threshold))
-        bounds = CacheBounds(policies, max_threshold)
-        default = raw.pop("default", None)
-        if default is not None:
-            bounds = CacheBounds(
-                policies, max_threshold, bounds.check(parse_cache(default, "step_cache.default"))
-            )
-    except CachePolicyError as exc:
-        raise DiffusionEngineError(str(exc)) from None
-    if raw:
-        raise DiffusionEngineError(f"step_cache: unknown settings {sorted(raw)}")
-    return bounds

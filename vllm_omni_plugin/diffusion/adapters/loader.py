@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..errors import DiffusionEngineError
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {
@@ -46,3 +48,23 @@ def load_pipeline(
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def configure_vae(pipe: Any, slicing: bool | None, tiling: bool | None) -> None:
+    """vae_use_slicing / vae_use_tiling: switch the VAE's own decode modes (None: its default).
+
+    The adapters call `vae.decode` directly, which honours both modes in diffusers' VAEs.
+    """
+    vae = getattr(pipe, "vae", None)
+    for name, value, on, off in (
+        ("vae_use_slicing", slicing, "enable_slicing", "disable_slicing"),
+        ("vae_use_tiling", tiling, "enable_tiling", "disable_tiling"),
+    ):
+        if value is None:
+            continue
+        method = getattr(vae, on if value else off, None)
+        if method is None:
+            raise DiffusionEngineError(
+                f"{name}={value}: the VAE of this pipeline ({type(vae).__name__}) has no {on}"
+            )
+        method()

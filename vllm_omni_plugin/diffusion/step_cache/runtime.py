@@ -23,7 +23,17 @@ from typing import Any
 
 import torch
 
-from ...common.cache_policy import FIRST_BLOCK, TAYLORSEER, TEACACHE, CachePolicy
+from ...common.cache_policy import (
+    FIRST_BLOCK,
+    NONE,
+    TAYLORSEER,
+    TEACACHE,
+    CacheBounds,
+    CachePolicy,
+    CachePolicyError,
+    parse_cache,
+)
+from ..errors import DiffusionEngineError
 from . import blocks
 from .rows import RowGroup, regroup, row_index, take_rows
 from .state import RequestCache
@@ -153,3 +163,26 @@ def _taylor_predict(g: RowGroup) -> torch.Tensor:
     for order, factor in enumerate(slot.factors):
         out = out + factor.to(dtype) * (offset**order / math.factorial(order))
     return out
+
+
+def cache_bounds(config: Any) -> CacheBounds:
+    """The stage's step-cache settings (config.step_cache) as CacheBounds; bad ones raise."""
+    raw = dict(config.step_cache or {})
+    try:
+        policies = tuple(raw.pop("policies", None) or (NONE,))
+        for p in policies:
+            parse_cache({"policy": p}, "step_cache.policies")
+        if NONE not in policies:
+            policies = (NONE, *policies)
+        max_threshold = float(raw.pop("max_threshold", CacheBounds.max_threshold))
+        bounds = CacheBounds(policies, max_threshold)
+        default = raw.pop("default", None)
+        if default is not None:
+            bounds = CacheBounds(
+                policies, max_threshold, bounds.check(parse_cache(default, "step_cache.default"))
+            )
+    except CachePolicyError as exc:
+        raise DiffusionEngineError(str(exc)) from None
+    if raw:
+        raise DiffusionEngineError(f"step_cache: unknown settings {sorted(raw)}")
+    return bounds
