@@ -4,7 +4,8 @@ for a checkpoint's transformer, in diffusers' LoRA format (written by the pipeli
 
 It adapts every linear under the family's declared LoRA targets (DiffusionAdapter.lora_targets)
 with seeded random lora_A and lora_B (both non-zero, so the adapter visibly changes the image),
-and records rank and alpha (alpha = 2 x rank: a scaling of 2) in diffusers' adapter metadata.
+stored in bfloat16 (a model of any dtype loads them exactly), and records rank and alpha
+(alpha = 2 x rank: a scaling of 2) in diffusers' adapter metadata.
 The transformer is built on the meta device from its config: no weights are read, so this works
 for full-size checkpoints as well.
 """
@@ -57,8 +58,8 @@ def build_tiny_lora(
     for name, (fan_in, fan_out) in sorted(targets.items()):
         a = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
         b = torch.randn(fan_out, rank, generator=gen) * (0.5 / math.sqrt(rank))
-        layers[f"{name}.lora_A.weight"] = a.to(torch.bfloat16).float()
-        layers[f"{name}.lora_B.weight"] = b.to(torch.bfloat16).float()
+        layers[f"{name}.lora_A.weight"] = a.to(torch.bfloat16)
+        layers[f"{name}.lora_B.weight"] = b.to(torch.bfloat16)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     getattr(diffusers, pipeline).save_lora_weights(
