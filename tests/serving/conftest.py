@@ -139,12 +139,17 @@ def shared_edit_server(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_wan_server(tiny_models, tmp_path_factory):
-    """Wan2.2 (two experts), the bundled CPU config with its job store in a temporary folder."""
+    """Wan2.2 (two experts), the bundled CPU config with its job store in a temporary folder;
+    one tiny LoRA adapter in its lora.dir (test_lora_serve.py)."""
+    from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
+
     root = tmp_path_factory.mktemp("shared-wan-server")
     config = root / "wan_tiny_store.yaml"
+    build_tiny_lora(tiny_models("wan"), root / "loras" / "motion", rank=4, seed=1)
     config.write_text(
         f"base_config: {REPO / 'stage_configs' / 'wan_tiny.yaml'}\n"
         f"videos:\n  store_dir: {root / 'store'}\n"
+        f"stages:\n  - stage_id: 0\n    lora:\n      dir: {root / 'loras'}\n"
     )
     server = start_shared(tiny_models("wan"), config, root)
     try:

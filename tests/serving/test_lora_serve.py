@@ -79,6 +79,27 @@ def test_two_adapters_in_concurrent_requests(shared_edit_server):
     assert np.abs(together[2] - edit(server, loras[2])).mean() <= 1.0
 
 
+def test_video_job_with_an_adapter(shared_wan_server):
+    """/v1/videos through the official client (a multipart form): the job with the adapter
+    completes with other frames than the same job without it; an unknown adapter is a 404."""
+    c = OpenAI(
+        base_url=f"{shared_wan_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT
+    )
+    extra = {"num_frames": 5, "num_inference_steps": 2, "seed": 3}
+    plain = c.videos.create_and_poll(prompt="a cat", size="32x32", extra_body=extra)
+    styled = c.videos.create_and_poll(
+        prompt="a cat",
+        size="32x32",
+        extra_body={**extra, "lora": [{"name": "motion", "scale": 1.5}]},
+    )
+    assert plain.status == styled.status == "completed"
+    content = {v.id: c.videos.download_content(v.id).read() for v in (plain, styled)}
+    assert content[plain.id] != content[styled.id]
+    with pytest.raises(NotFoundError) as info:
+        c.videos.create(prompt="a cat", extra_body={**extra, "lora": [{"name": "missing"}]})
+    assert info.value.body["param"] == "lora[0].name"
+
+
 def test_models_list_adapters_and_runtime_load_unload(shared_edit_server):
     server = shared_edit_server
     cards = models(server)
