@@ -36,6 +36,15 @@ def test_stage_overrides_set_the_lora_section(tmp_path):
     assert engine.lora == {"dir": str(adapters), "max_loaded": 4, "max_rank": 64}
 
 
+def test_validate_shows_lora_with_provenance(tmp_path, capsys):
+    (tmp_path / "adapters").mkdir()
+    text = BASE + f"    lora: {{dir: {tmp_path / 'adapters'}, max_rank: 32}}\n"
+    assert main(["config", "validate", str(write(tmp_path, text))]) == 0
+    out = capsys.readouterr().out
+    assert f"lora: dir={tmp_path / 'adapters'} (yaml), max_loaded=4 (default)" in out
+    assert "max_rank=32 (yaml)" in out
+
+
 @pytest.mark.parametrize(
     "section, message",
     [

@@ -88,6 +88,7 @@ def _validate(args: argparse.Namespace) -> int:
         )
         if stage.kind == "diffusion":
             print(f"    {_step_cache_line(stage)}")
+            print(f"    {_lora_line(stage)}")
     for edge in cfg.edges:
         print(
             f"  edge {edge.from_stage} -> {edge.to_stage} via {edge.connector} ({cfg.connectors[edge.connector].type})"
@@ -101,6 +102,19 @@ def _validate(args: argparse.Namespace) -> int:
         )
         print(f"  {section}: {shown}")
     return 0
+
+
+def _lora_line(stage) -> str:
+    """The stage's LoRA settings, each with the layer that set it."""
+    prov = stage.provenance
+    lora = stage.diffusion.lora
+    if lora is None:
+        return f"lora: off ({prov.get('lora', 'default')})"
+    parts = [
+        f"{key}={getattr(lora, key)} ({prov.get(f'lora.{key}', 'default')})"
+        for key in ("dir", "max_loaded", "max_rank")
+    ]
+    return "lora: " + ", ".join(parts)
 
 
 def _step_cache_line(stage) -> str:
