@@ -1,4 +1,5 @@
-"""LoRA on the other families that declare LoRA targets (Qwen-Image, Qwen-Image-Edit, Wan2.2):
+"""LoRA on the other families that declare LoRA targets (Qwen-Image, Qwen-Image-Edit, Wan2.2,
+FLUX.2 klein):
 one mixed batch (a row with an adapter and its scale, a plain row, CFG rows) against diffusers'
 pipeline after `load_lora_weights` + `set_adapters` on the same tiny checkpoint and seed.
 
@@ -51,11 +52,12 @@ def request(kind: str, rid: str, seed: int, lora=None) -> GenerationRequest:
         extra["num_frames"] = 5
     if kind == "qwen-image-edit":
         extra["input_images"] = [source()]
-    size = 32 if kind == "wan" else 64
+    size = 32 if kind in ("wan", "flux2-klein") else 64
     return GenerationRequest(
         rid,
         f"prompt {seed}",
-        negative_prompt="blurry",
+        # FLUX.2 klein's CFG runs against the empty prompt (it takes no negative prompt).
+        negative_prompt=None if kind == "flux2-klein" else "blurry",
         height=size,
         width=size,
         num_inference_steps=2,
@@ -77,7 +79,10 @@ def reference(kind: str, folder, lora_dir, r: GenerationRequest) -> np.ndarray:
         num_inference_steps=r.num_inference_steps,
         generator=gen,
     )
-    if kind == "wan":
+    if kind == "flux2-klein":
+        common.pop("negative_prompt")
+        pipe = diffusers.Flux2KleinPipeline.from_pretrained(str(folder))
+    elif kind == "wan":
         pipe = diffusers.WanPipeline.from_pretrained(str(folder))
     elif kind == "qwen-image":
         pipe = diffusers.QwenImagePipeline.from_pretrained(str(folder))
@@ -100,6 +105,8 @@ def reference(kind: str, folder, lora_dir, r: GenerationRequest) -> np.ndarray:
         return frames(out.frames[0])
     if kind == "qwen-image":
         return frames(pipe(r.prompt, true_cfg_scale=r.guidance_scale, **common).images)
+    if kind == "flux2-klein":
+        return frames(pipe(prompt=r.prompt, guidance_scale=r.guidance_scale, **common).images)
     original = module.calculate_dimensions
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, "calculate_dimensions", lambda _area, ratio: original(AREA, ratio))
@@ -107,7 +114,7 @@ def reference(kind: str, folder, lora_dir, r: GenerationRequest) -> np.ndarray:
     return frames(out.images)
 
 
-@pytest.mark.parametrize("kind", ["qwen-image", "qwen-image-edit", "wan"])
+@pytest.mark.parametrize("kind", ["qwen-image", "qwen-image-edit", "wan", "flux2-klein"])
 def test_mixed_batch_equals_diffusers(kind, tiny_models, tmp_path):
     folder = tiny_models(kind)
     build_tiny_lora(folder, tmp_path / "style", rank=4, seed=3)

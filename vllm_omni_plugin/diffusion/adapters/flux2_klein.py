@@ -46,6 +46,14 @@ DISTILLED = "this FLUX.2 klein checkpoint is step-distilled: diffusers ignores g
 class Flux2KleinAdapter(DiffusionAdapter):
     pipeline_class = "Flux2KleinPipeline"
     family = "FLUX.2-klein"
+    # LoRA: every linear of the blocks and the embedders / output projection around them.
+    lora_targets = (
+        "transformer_blocks",
+        "single_transformer_blocks",
+        "x_embedder",
+        "context_embedder",
+        "proj_out",
+    )
     knobs = FAMILY_KNOBS["FLUX.2-klein"]
     # Reference images per edit: diffusers sets no limit; each adds its tokens to every step.
     max_input_images: ClassVar[int] = 4
