@@ -93,5 +93,5 @@ def reference_generate(
     return ReferenceOutput(
         text_ids=sequences[0, input_ids.shape[1] :].tolist(),
         codes=captured[0][0].to(torch.long),
-        waveform=wav.reshape(-1).float().numpy(),
+        waveform=wav.reshape(-1).float().cpu().numpy(),
     )
