@@ -28,6 +28,8 @@ _BUILDERS = {
     "wan": "vllm_omni_plugin.testing.tiny_wan",  # Wan2.2 text-to-video (WanPipeline)
     "z-image": "vllm_omni_plugin.testing.tiny_z_image",  # Z-Image-Turbo (ZImagePipeline)
     "flux2-klein": "vllm_omni_plugin.testing.tiny_flux2_klein",  # FLUX.2 klein (t2i + edits)
+    "wan-ti2v": "vllm_omni_plugin.testing.tiny_wan_ti2v",  # Wan2.2 TI2V-5B (text/image to video)
+    "wan-i2v": "vllm_omni_plugin.testing.tiny_wan_i2v",  # Wan2.2 I2V-A14B (two experts)
     # Qwen3-Omni (thinker + talker + Code2Wav; config.json at the top, no model_index.json)
     "qwen3-omni": "vllm_omni_plugin.testing.tiny_qwen3_omni",
 }

@@ -34,6 +34,7 @@ _ADAPTERS: dict[str, str | type[DiffusionAdapter]] = {
     "WanPipeline": "vllm_omni_plugin.diffusion.adapters.wan:WanAdapter",
     "ZImagePipeline": "vllm_omni_plugin.diffusion.adapters.z_image:ZImageAdapter",
     "Flux2KleinPipeline": "vllm_omni_plugin.diffusion.adapters.flux2_klein:Flux2KleinAdapter",
+    "WanImageToVideoPipeline": "vllm_omni_plugin.diffusion.adapters.wan_i2v:WanImageToVideoAdapter",
     FALLBACK: "vllm_omni_plugin.diffusion.adapters.generic:GenericAdapter",
 }
 # Names older configs use for the same families (legacy `model_arch`).

@@ -16,6 +16,11 @@ copy of the checkpoint's scheduler; one transformer forward serves every request
 (cond rows, then uncond rows), then each request's scheduler steps on its own slice. The batch
 key holds the expert a request's next step needs, so requests on different experts never share
 a forward. A video is one request with n = 1; its decode yields its frames.
+
+Image-to-video (wan_image.py): Wan2.2 TI2V-5B (`expand_timesteps`) takes an optional source
+image as its first frame, WanImageToVideoPipeline (wan_i2v.py) a required one through
+concatenated channels. Rows with and without a source image share a forward: the image only
+changes a row's own input and per-token timesteps.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from collections.abc import Hashable
 from functools import lru_cache
 
 import torch
+from diffusers import WanPipeline
 from PIL import Image
 
 from ...common.knobs import FAMILY_KNOBS, CfgFacts, Knob
 from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
+from . import wan_image
 from .base import DiffusionAdapter, FamilySpec
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
@@ -57,6 +64,9 @@ class WanAdapter(DiffusionAdapter):
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.transformer_2 = getattr(pipe, "transformer_2", None)
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
+        # How a source image conditions the video (None: text-to-video only).
+        self.image_mode = wan_image.FIRST_FRAME if self.expand_timesteps else None
+        self.max_input_images = 0 if self.image_mode is None else 1
 
     # ---- facts -------------------------------------------------------------------------
     def cached_models(self) -> list[torch.nn.Module]:
@@ -108,6 +118,8 @@ class WanAdapter(DiffusionAdapter):
         return {
             "frame_step": self.temporal,
             "default_num_frames": int(self.defaults.get("num_frames", DEFAULT_NUM_FRAMES)),
+            "max_input_images": self.max_input_images,
+            "requires_input_image": self.requires_input_image,
         }
 
     def num_frames(self, req: GenerationRequest) -> int:
@@ -173,10 +185,13 @@ class WanAdapter(DiffusionAdapter):
             negs = self._encode([s.req.negative_prompt or "" for s in cfg_states])
             for s, neg in zip(cfg_states, negs, strict=True):
                 s.cond["neg"] = neg
-        channels = self.pipe.transformer.config.in_channels
+        # Noisy latents have the VAE's channels (image-to-video adds condition channels).
+        channels = self.pipe.vae.config.z_dim
         for s, emb in zip(states, embeds, strict=True):
             s.cond["embeds"] = emb
-            s.latents = self.pipe.prepare_latents(
+            # WanPipeline's draw (WanImageToVideoPipeline's takes the image; its noise is the same).
+            s.latents = WanPipeline.prepare_latents(
+                self.pipe,
                 s.n,
                 channels,
                 s.req.height,
@@ -186,12 +201,42 @@ class WanAdapter(DiffusionAdapter):
                 self.device,
                 s.generator,
             )
+            self._prepare_image(s)
             sched = self._new_scheduler(s.req.knobs.get("flow_shift"))
             sched.set_timesteps(s.total_steps, device=self.device)
             sched.set_begin_index(0)
             s.cond["scheduler"] = sched
             s.timesteps = sched.timesteps
             s.sigmas = sched.sigmas
+
+    def _prepare_image(self, s: RequestState) -> None:
+        """The source image's condition (after the noise is drawn, as in diffusers)."""
+        if self.expand_timesteps:
+            s.cond["frame_mask"] = (
+                wan_image.first_frame_mask(s.latents)
+                if s.req.input_images
+                else torch.ones(s.latents.shape, dtype=torch.float32, device=self.device)
+            )
+        if not s.req.input_images:
+            return
+        s.cond["image"] = wan_image.encode_condition(
+            self.pipe,
+            s.req.input_images[0],
+            s.req.height,
+            s.req.width,
+            self.num_frames(s.req),
+            self.image_mode,
+            self.device,
+        )
+
+    def _model_input(self, s: RequestState) -> torch.Tensor:
+        """A request's transformer input: its latents, with its source image's condition."""
+        image = s.cond.get("image")
+        if image is None:
+            return s.latents
+        if self.image_mode == wan_image.CONCAT:
+            return torch.cat([s.latents, image.expand(s.n, -1, -1, -1, -1)], dim=1)
+        return wan_image.with_first_frame(s.latents, image, s.cond["frame_mask"])
 
     # ---- denoise -----------------------------------------------------------------------
     def denoise(self, states: list[RequestState]) -> None:
@@ -201,14 +246,18 @@ class WanAdapter(DiffusionAdapter):
         expert = self._expert(states[0].timesteps[states[0].step], states[0].req)
         model = self.transformer if expert == 0 else self.transformer_2
         dtype = model.dtype
-        latents = torch.cat([s.latents for s in rows]).to(dtype)
+        inputs = {s: self._model_input(s) for s in states}
+        latents = torch.cat([inputs[s] for s in rows]).to(dtype)
         embeds = torch.cat([t.expand(s.n, -1, -1) for s, t in zip(rows, texts, strict=True)])
         ts = [s.timesteps[s.step] for s in rows]
         if self.expand_timesteps:
-            # Wan2.2 TI2V: one timestep per latent token (all equal for text-to-video).
-            f, h, w = latents.shape[2:]
-            seq = f * (h // self.patch[1]) * (w // self.patch[2])
-            timestep = torch.cat([t.expand(s.n, seq) for s, t in zip(rows, ts, strict=True)])
+            # Wan2.2 TI2V: one timestep per latent token (0 on a source image's frame).
+            timestep = torch.cat(
+                [
+                    wan_image.token_timesteps(s.cond["frame_mask"], t, self.patch).expand(s.n, -1)
+                    for s, t in zip(rows, ts, strict=True)
+                ]
+            )
         else:
             timestep = torch.cat([t.expand(s.n) for s, t in zip(rows, ts, strict=True)])
         kwargs = dict(
@@ -243,12 +292,19 @@ class WanAdapter(DiffusionAdapter):
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
         """One VAE call for the group (same shape by the batch key); each state's frames."""
         vae = self.pipe.vae
-        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+        final = [
+            wan_image.with_first_frame(s.latents, s.cond["image"], s.cond["frame_mask"])
+            if self.image_mode == wan_image.FIRST_FRAME and "image" in s.cond
+            else s.latents
+            for s in states
+        ]
+        latents = torch.cat(final).to(vae.dtype)
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents)
         std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents)
         video = vae.decode(latents / std + mean, return_dict=False)[0]
         videos = self.pipe.video_processor.postprocess_video(video, output_type="pil")
         for s in states:
-            s.cond.pop("scheduler", None)
+            for key in ("scheduler", "image", "frame_mask"):
+                s.cond.pop(key, None)
         return [list(frames) for frames in videos]
