@@ -183,6 +183,37 @@ def edit_plus_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
+def _wan_image_server(tiny_models, tmp_path_factory, kind: str, config_name: str):
+    root = tmp_path_factory.mktemp(f"shared-{kind}-server")
+    config = root / f"{kind}_store.yaml"
+    config.write_text(
+        f"base_config: {REPO / 'stage_configs' / config_name}\n"
+        f"videos:\n  store_dir: {root / 'store'}\n"
+    )
+    return start_shared(tiny_models(kind), config, root)
+
+
+# ---- Wan2.2 image-to-video (issue 34): test_videos_i2v.py ----
+@pytest.fixture(scope="session")
+def shared_wan_i2v_server(tiny_models, tmp_path_factory):
+    """Wan2.2 I2V-A14B (two experts), the bundled CPU config, its store in a temporary folder."""
+    server = _wan_image_server(tiny_models, tmp_path_factory, "wan-i2v", "wan_i2v_tiny.yaml")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_wan_ti2v_server(tiny_models, tmp_path_factory):
+    """Wan2.2 TI2V-5B (text or image to video), the bundled CPU config."""
+    server = _wan_image_server(tiny_models, tmp_path_factory, "wan-ti2v", "wan_ti2v_tiny.yaml")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 # ---- A pipeline with a chat stage next to stock `vllm serve` of the same model (issue 29) ----
 HERE = REPO / "tests" / "serving"
 # A byte-level chat template for the tiny Qwen2 (it has none of its own).

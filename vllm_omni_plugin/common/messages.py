@@ -56,10 +56,13 @@ class StartStage(msgspec.Struct, tag=True):
 
 
 class VideoFacts(msgspec.Struct, frozen=True):
-    """What /v1/videos checks a request against: frames are 1 + k * frame_step."""
+    """What /v1/videos checks a request against: frames are 1 + k * frame_step; source images
+    (`input_reference`) the model takes (0: text-to-video only) and whether it needs one."""
 
     frame_step: int
     default_num_frames: int
+    max_input_images: int = 0
+    requires_input_image: bool = False
 
 
 class ARSettings(msgspec.Struct, tag_field="kind", tag="ar"):

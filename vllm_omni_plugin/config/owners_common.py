@@ -184,7 +184,8 @@ class ServingLimits(Owner):
     """Image requests admitted but not yet running (beyond the final stage's max_batch_size per
     replica, which run); past it a request gets 429 with Retry-After. Uploads count too."""
     edit_url_hosts: tuple[str, ...] = ()
-    """Hosts whose http(s) image URLs /v1/images/edits may fetch as a source (none by default)."""
+    """Hosts whose http(s) image URLs /v1/images/edits (and /v1/videos' input_reference) may
+    fetch as a source (none by default)."""
 
     @field_validator("edit_url_hosts", mode="before")
     @classmethod

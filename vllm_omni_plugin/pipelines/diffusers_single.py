@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
 
 
@@ -59,13 +61,27 @@ Z_IMAGE = single_diffusion_stage(
     description="Z-Image-Turbo: one diffusion stage",
 )
 # Wan2.1 / Wan2.2 text-to-video: VAE scale 8 x transformer patch 2; served on /v1/videos.
+# Wan2.2 TI2V-5B is a WanPipeline too: it also takes an optional source image
+# (`input_reference`), which its stage announces (VideoFacts).
 WAN = single_diffusion_stage(
     "wan",
     "WanPipeline",
     class_names=("WanPipeline",),
     model_types=("wan",),
-    description="Wan2.2 text-to-video: one diffusion stage",
+    description="Wan2.2 text-to-video (TI2V-5B: text or image to video): one diffusion stage",
     emits="video",
+)
+# Wan2.2 I2V-A14B: every request carries its source image (`input_reference` on /v1/videos).
+WAN_I2V = dataclasses.replace(
+    single_diffusion_stage(
+        "wan_i2v",
+        "WanImageToVideoPipeline",
+        class_names=("WanImageToVideoPipeline",),
+        description="Wan2.2 image-to-video: one diffusion stage, one source image per video",
+        emits="video",
+    ),
+    max_input_images=1,
+    requires_input_image=True,
 )
 # The fallback: any diffusers model_index.json; its `_class_name` picks the pipeline class.
 GENERIC_DIFFUSERS = single_diffusion_stage(

@@ -16,6 +16,7 @@ from vllm_omni_plugin.pipelines.diffusers_single import (
     GENERIC_DIFFUSERS,
     QWEN_IMAGE,
     WAN,
+    WAN_I2V,
     Z_IMAGE,
 )
 from vllm_omni_plugin.pipelines.flux2_klein import FLUX2_KLEIN
@@ -138,3 +139,4 @@ register_pipeline(QWEN3_OMNI)
 register_pipeline(FLUX2_KLEIN)
 register_pipeline(FLUX_KONTEXT)
 register_pipeline(QWEN_IMAGE_EDIT_PLUS)
+register_pipeline(WAN_I2V)

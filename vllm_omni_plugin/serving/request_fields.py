@@ -76,7 +76,9 @@ VIDEO_FIELDS: dict[str, dict[str, Any]] = {
     "user": {**_STR, "description": "Your end user's id; logged with the job"},
     "input_reference": {
         **_FILE,
-        "description": "Image-to-video is not served: a non-empty value is refused",
+        "description": "Image-to-video models (Wan2.2 TI2V-5B, I2V-A14B): the source image "
+        "(PNG, JPEG or WEBP; in JSON a data: URL), resized to the video's size; text-to-video "
+        "models refuse it",
     },
 }
 
@@ -139,10 +141,10 @@ REFUSED: dict[str, str] = {
     "mask_image": "send the mask as the 'mask' file (OpenAI's field)",
     "reference_image": "send reference images as the 'image' / 'image[]' files of "
     "POST /v1/images/edits (FLUX.2 klein)",
-    "image_reference": "image-to-video is not served",
+    "image_reference": "send the source image as 'input_reference' (OpenAI's field)",
     "video_reference": "video-to-video is not served",
     "audio_reference": "speech-to-video is not served",
-    "input_references": "image-to-video is not served",
+    "input_references": "image-to-video takes one source image, as 'input_reference'",
     "video_params": "give width, height, num_frames and fps as top-level fields",
     "generate_sound": "no served video family makes sound",
     "sound_duration": "no served video family makes sound",

@@ -29,7 +29,7 @@ from .lora_adapters import LoraAdapters
 from .owners import visible
 from .request_fields import FamilyFields
 from .videos_queue import JobQueue
-from .videos_request import VideoBounds, check_video_request
+from .videos_request import VideoBounds, check_video_request, no_reference
 from .videos_store import VideoStore
 
 logger = logging.getLogger("vllm_omni_plugin.serving.videos")
@@ -77,6 +77,8 @@ class VideoService:
         self._seen_info: Any = None  # the final stage's StageInfo, once announced
         # Jobs a /v1/videos/sync request waits on -> set when the job ends (however).
         self._ended: dict[str, asyncio.Event] = {}
+        # Queued or running jobs' source images (lossless PNG), until the job is sent.
+        self._references: dict[str, bytes] = {}
 
     # ---- requests ----------------------------------------------------------------------
     def _facts(self) -> tuple[Any, dict[str, int]]:
@@ -87,6 +89,8 @@ class VideoService:
                 {
                     "frame_step": info.video.frame_step,
                     "default_num_frames": info.video.default_num_frames,
+                    "max_input_images": info.video.max_input_images,
+                    "requires_input_image": info.video.requires_input_image,
                 },
             )
             self._seen_info = info
@@ -127,6 +131,12 @@ class VideoService:
             request["extensions"] = {**request["extensions"], "lora": self.lora.resolve(refs)}
         return request
 
+    def accepts_reference(self) -> None:
+        """400 unless the served model takes an `input_reference` (before the file is read)."""
+        _, facts = self._facts()
+        if not facts.get("max_input_images"):
+            raise no_reference()
+
     def create(self, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         # (The route also asks before reading the body; other jobs may have come meanwhile.)
         self.queue.admit()
@@ -134,6 +144,12 @@ class VideoService:
 
     def _enqueue(self, request: dict[str, Any], owner: str | None) -> dict[str, Any]:
         job_id = f"video_{uuid.uuid4().hex}"
+        # The source image stays in memory until the job runs (unfinished jobs do not outlive
+        # the server; the queue bounds how many wait); the stored request says it had one.
+        reference = request.pop("input_reference", None)
+        request["input_reference"] = reference is not None
+        if reference is not None:
+            self._references[job_id] = reference
         job = self.store.create(job_id, request, owner)
         if request.get("user") is not None:
             logger.info("video job %s is for user %r", job_id, request["user"])
@@ -233,6 +249,7 @@ class VideoService:
         if task is not None:
             task.cancel()  # aborts it in the stage that holds it
         self.queue.discard(job["id"])
+        self._references.pop(job["id"], None)
         self.store.delete(job["id"])
         self._signal_end(job["id"])
         self.queue.notify()
@@ -256,6 +273,7 @@ class VideoService:
             job_id = await self.queue.take(self.orchestrator.healthy)
             job = self.store.get(job_id)
             if job is None or job["status"] != "queued":
+                self._references.pop(job_id, None)
                 continue  # deleted while it waited
             task = asyncio.ensure_future(self._run(job_id, job["request"]))
             self._running[job_id] = task
@@ -285,6 +303,7 @@ class VideoService:
         self.store.fail(job_id, "job_timeout", message)
 
     async def _run(self, job_id: str, req: dict[str, Any]) -> None:
+        reference = self._references.pop(job_id, None)
         params = GenerationParams(
             prompt=req["prompt"],
             negative_prompt=req["negative_prompt"],
@@ -301,6 +320,7 @@ class VideoService:
             knobs=dict(req.get("knobs") or {}),
             cache=req.get("cache"),
             lora=list((req.get("extensions") or {}).get("lora") or []),
+            input_images=[] if reference is None else [reference],
         )
         self.store.set_progress(job_id, 0)
         self.queue.notify()
@@ -311,6 +331,8 @@ class VideoService:
                 self.queue.notify()
 
         try:
+            if req.get("input_reference") and reference is None:
+                raise RuntimeError("the job's input_reference is gone")
             result = await self.orchestrator.generate(job_id, params, on_progress=on_progress)
             if not result.images:
                 raise StageRequestError(-1, "the stage returned no video", None)

@@ -42,8 +42,7 @@ class VideoBounds:
 def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
     """The job's request, every field checked and filled; APIError (4xx) otherwise."""
     fields, knobs, extensions = split_fields(VIDEOS, _typed_knobs(data, b.family), b.family)
-    if fields.get("input_reference") not in (None, ""):
-        raise invalid("input_reference (image-to-video) is not supported yet", "input_reference")
+    reference = _reference(fields.get("input_reference"), b.facts)
     prompt = fields.get("prompt")
     if not isinstance(prompt, str):
         raise invalid("missing required parameter 'prompt'", "prompt", "missing_required_parameter")
@@ -103,7 +102,40 @@ def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
         "knobs": knobs,
         "extensions": extensions,  # request_fields.EXTENSIONS, checked
         "user": user,
+        "input_reference": reference,  # the source image as a lossless PNG, or None
     }
+
+
+def no_reference() -> APIError:
+    return invalid(
+        "this model makes videos from text only; input_reference (image-to-video) needs an "
+        "image-to-video model (e.g. Wan2.2 TI2V-5B or I2V-A14B)",
+        "input_reference",
+        "unsupported_parameter",
+    )
+
+
+def _reference(value: Any, facts: dict[str, Any]) -> bytes | None:
+    """The checked source image (the route decoded the upload into a PNG), or None; 400 when
+    the model takes none, or needs one and none came."""
+    if value in (None, "", b""):
+        if facts.get("requires_input_image"):
+            raise invalid(
+                "missing required parameter 'input_reference': this model makes videos from "
+                "an image (PNG, JPEG or WEBP)",
+                "input_reference",
+                "missing_required_parameter",
+            )
+        return None
+    if not facts.get("max_input_images"):
+        raise no_reference()
+    if not isinstance(value, bytes):
+        raise invalid(
+            "input_reference must be an image file (or, in JSON, a data: URL)",
+            "input_reference",
+            "invalid_type",
+        )
+    return value
 
 
 def _typed_knobs(data: dict[str, Any], family: FamilyFields) -> dict[str, Any]:
@@ -176,14 +208,16 @@ def form_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_create_body(body: bytes, content_type: str, form: dict[str, Any] | None) -> dict:
-    """JSON, or the multipart form the official client sends (its values arrive as strings)."""
+    """JSON, or the multipart form the official client sends (its values arrive as strings;
+    `input_reference` is the one file it may carry)."""
     if form is not None:
         for key, value in form.items():
-            if hasattr(value, "read"):  # an uploaded file: only input_reference would be one
+            if hasattr(value, "read") and key != "input_reference":
                 raise invalid(
-                    f"file uploads ({key}) are not supported yet: image-to-video is not served",
+                    f"unknown file parameter '{key}': the source image of an image-to-video "
+                    "request is 'input_reference'",
                     key,
-                    "unsupported_parameter",
+                    "unknown_parameter",
                 )
         return dict(form)
     return json_object(body)

@@ -17,6 +17,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from ..common.media import MEDIA_TYPES
 from .admission import ReleasingStream
 from .bodies import read_body, read_form, refuse_body
+from .edit_urls import fetch_url
+from .edits import MAX_IMAGE_BYTES, open_checked, to_rgb_png
 from .errors import APIError, invalid
 from .owners import owner_of
 from .request_fields import VIDEOS, body_schema
@@ -25,6 +27,8 @@ from .videos import ClientGone, VideoService
 from .videos_request import form_dict, parse_create_body
 
 router = APIRouter()
+# A form may carry one source image (input_reference) besides its text fields.
+MAX_FORM_BYTES = MAX_IMAGE_BYTES + MAX_BODY_BYTES
 
 
 def _service(request: Request) -> VideoService:
@@ -45,18 +49,40 @@ def _error(exc: APIError) -> JSONResponse:
 
 async def _request_data(request: Request, service: VideoService) -> dict:
     """The create body as a dict (JSON or a form), counted as it arrives (413 past the limit).
-    A full job queue answers 429 before the body is read."""
+    A full job queue answers 429 before the body is read. An `input_reference` (a file, or in
+    JSON a data: URL) is checked as the edits route checks its uploads (bytes, format, pixels,
+    a complete decode) and becomes a lossless RGB PNG; a model that takes none answers 400
+    before the file is read."""
     service.queue.admit()
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data") or content_type.startswith(
         "application/x-www-form-urlencoded"
     ):
-        form = await read_form(request, MAX_BODY_BYTES, max_files=4, max_fields=64)
+        form = await read_form(request, MAX_FORM_BYTES, max_files=4, max_fields=64)
         try:
-            return parse_create_body(b"", content_type, form_dict(form.multi_items()))
+            data = parse_create_body(b"", content_type, form_dict(form.multi_items()))
+            reference = data.get("input_reference")
+            if hasattr(reference, "read"):
+                service.accepts_reference()
+                data["input_reference"] = await reference.read(MAX_IMAGE_BYTES + 1)
         finally:
             await form.close()
-    return parse_create_body(await read_body(request, MAX_BODY_BYTES), content_type, None)
+    else:
+        data = parse_create_body(await read_body(request, MAX_BODY_BYTES), content_type, None)
+        reference = data.get("input_reference")
+        if isinstance(reference, str) and reference:
+            service.accepts_reference()
+            hosts = tuple(service.serving.edit_url_hosts)
+            data["input_reference"] = await fetch_url(
+                reference, "input_reference", hosts, MAX_IMAGE_BYTES
+            )
+    if isinstance(data.get("input_reference"), bytes) and data["input_reference"]:
+        data["input_reference"] = await asyncio.to_thread(_reference_png, data["input_reference"])
+    return data
+
+
+def _reference_png(data: bytes) -> bytes:
+    return to_rgb_png(open_checked(data, "input_reference"))
 
 
 # The body is read by hand (JSON or a form), so FastAPI cannot infer it: publish the field
