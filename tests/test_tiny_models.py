@@ -27,9 +27,18 @@ PIPELINE_CLASS = {
 # flux-kontext and qwen-image-edit-plus edit source images (Kontext also sizes its output to
 # a 1 MP area): tests/diffusion/test_flux_kontext.py and test_qwen_image_edit_plus.py run them in
 # diffusers' FluxKontextPipeline and QwenImageEditPlusPipeline.
-# wan makes videos (WanPipeline returns frames, not images): tests/diffusion/test_wan.py runs it.
+# wan makes videos (WanPipeline returns frames, not images): tests/diffusion/test_wan.py runs it,
+# and tests/diffusion/test_wan_i2v.py runs wan-ti2v and wan-i2v.
 # qwen3-omni is a transformers model (text and speech): tests/qwen3_omni/ runs it.
-OWN_TESTS = ("qwen-image-edit", "flux-kontext", "qwen-image-edit-plus", "wan", "qwen3-omni")
+OWN_TESTS = (
+    "qwen-image-edit",
+    "flux-kontext",
+    "qwen-image-edit-plus",
+    "wan",
+    "wan-ti2v",
+    "wan-i2v",
+    "qwen3-omni",
+)
 TEXT_TO_IMAGE_KINDS = tuple(k for k in KINDS if k not in OWN_TESTS)
 
 
