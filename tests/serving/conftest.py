@@ -183,21 +183,35 @@ def edit_plus_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-def _wan_image_server(tiny_models, tmp_path_factory, kind: str, config_name: str):
+def _wan_image_server(tiny_models, tmp_path_factory, kind: str, config_name: str, *extra):
     root = tmp_path_factory.mktemp(f"shared-{kind}-server")
     config = root / f"{kind}_store.yaml"
     config.write_text(
         f"base_config: {REPO / 'stage_configs' / config_name}\n"
         f"videos:\n  store_dir: {root / 'store'}\n"
     )
-    return start_shared(tiny_models(kind), config, root)
+    return start_shared(tiny_models(kind), config, root, *extra)
+
+
+# A memory budget (the tiny weights are a few MB) that a 32x32 clip fits a few times over and
+# a long 256x256 one does not: test_videos_i2v.py's memory-planning test.
+WAN_I2V_MEMORY_GB = 0.1
 
 
 # ---- Wan2.2 image-to-video (issue 34): test_videos_i2v.py ----
 @pytest.fixture(scope="session")
 def shared_wan_i2v_server(tiny_models, tmp_path_factory):
-    """Wan2.2 I2V-A14B (two experts), the bundled CPU config, its store in a temporary folder."""
-    server = _wan_image_server(tiny_models, tmp_path_factory, "wan-i2v", "wan_i2v_tiny.yaml")
+    """Wan2.2 I2V-A14B (two experts), the bundled CPU config, its store in a temporary folder,
+    and a memory budget (WAN_I2V_MEMORY_GB)."""
+    overrides = f'{{"0": {{"memory_budget_gb": {WAN_I2V_MEMORY_GB}}}}}'
+    server = _wan_image_server(
+        tiny_models,
+        tmp_path_factory,
+        "wan-i2v",
+        "wan_i2v_tiny.yaml",
+        "--stage-overrides",
+        overrides,
+    )
     try:
         yield server
     finally:

@@ -185,3 +185,20 @@ def test_ti2v_image_to_video_equals_diffusers(shared_wan_ti2v_server):
     assert got.shape == (FRAMES, 32, 32, 3)
     diff = np.abs(got - reference(server.model, png, 32, 3, done.fps)).mean()
     assert diff <= MAX_ROUNDTRIP_DIFF, diff
+
+
+def test_a_video_that_cannot_fit_the_memory_budget_gets_a_400_naming_it(shared_wan_i2v_server):
+    """The server's stage has memory_budget_gb (conftest.py): 65 frames at 256x256 need GiBs of
+    VAE activations alone, so the job is refused before it exists, naming the frames and the
+    setting; 5 frames at 64x64 are accepted (and deleted)."""
+    server = shared_wan_i2v_server
+    png = source_png(0)
+    before = len(client(server).videos.list(limit=100).data)
+    with pytest.raises(BadRequestError) as exc:
+        create(server, png, 0, size="256x256", num_frames=65)
+    err = exc.value.body
+    assert err["param"] == "num_frames" and err["code"] == "request_too_large", err
+    assert "memory_budget_gb=0.1" in err["message"] and "65 frames" in err["message"]
+    assert len(client(server).videos.list(limit=100).data) == before
+    small = create(server, png, 0, size="64x64")
+    assert client(server).videos.delete(small.id).deleted

@@ -151,6 +151,19 @@ def unused_field(facts: CfgFacts, given: dict[str, Any]) -> tuple[str, str] | No
     return None
 
 
+def cfg_runs(facts: CfgFacts | None, given: dict[str, Any]) -> bool:
+    """Whether a request setting `given` (None for unset) runs CFG by the family's rule; no rule
+    known: True (the larger memory estimate)."""
+    if facts is None:
+        return True
+    scale = given.get(facts.scale_field)
+    if scale is None and facts.guidance_alias:
+        scale = given.get("guidance_scale")
+    scale = facts.default_scale if scale is None else scale
+    negative = given.get("negative_prompt") is not None or facts.default_negative
+    return scale > 1 and (negative or not facts.needs_negative)
+
+
 # ---- the built-in families' knobs --------------------------------------------------------------
 TRUE_CFG_SCALE = Knob(
     "true_cfg_scale",

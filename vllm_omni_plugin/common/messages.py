@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from .limits import RequestLimits
+from .memory import MemoryModel
 from .payload import StageOutput
 from .text_messages import GenerateText, TextOutput
 
@@ -111,6 +112,8 @@ class StageInfo(msgspec.Struct, omit_defaults=True):
     pipeline_class: str | None = None  # a diffusion stage's diffusers pipeline class
     limits: RequestLimits | None = None  # a diffusion stage's bounds: serving validates with them
     video: VideoFacts | None = None  # a video family's frame rules
+    # A diffusion stage's memory plan (None: no budget set): what a request needs, what is left.
+    memory: MemoryModel | None = None
     # A diffusion stage's family ("Qwen-Image"), the knobs it applies beyond the common request
     # fields (diffusion.knobs.Knob.to_dict()), the common fields it does not apply -> why, and
     # its CFG rule (diffusion.knobs.CfgFacts.to_dict()); serving/request_fields.py reads them.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import secrets
 import threading
 import time
@@ -29,6 +28,7 @@ from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
 from .lora.setup import build_store, check_request
+from .memory_plan import check_fits, plan_memory, request_shape, total_budget
 from .outputs import GenerationOutput
 from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner
@@ -45,7 +45,7 @@ class DiffusionEngine:
         self.dtype = torch_dtype(config.dtype)
         if config.max_batch_size < 1:
             raise DiffusionEngineError("max_batch_size must be >= 1")
-        self._budget_bytes = self._total_budget()
+        self._budget_bytes = total_budget(config, self.device)
         self.cache_bounds = cache_bounds(config)
         self.adapter = adapter or self._load_adapter()
         configure_vae(self.adapter.pipe, config.vae_use_slicing, config.vae_use_tiling)
@@ -75,7 +75,9 @@ class DiffusionEngine:
         self.step_cache = self._step_cache()
         self.adapter.step_cache = self.step_cache
         self.defaults: dict[str, Any] = dict(config.defaults or {})
-        self._activation_budget = self._budget()
+        # What requests may use once the weights are loaded, and what each one needs.
+        self.memory = plan_memory(config, self.adapter, self._budget_bytes, self.device, self.dtype)
+        self._activation_budget = None if self.memory is None else self.memory.budget_bytes
         self.limits = self._limits()
         self.scheduler = Scheduler(
             config.max_batch_size,
@@ -140,51 +142,6 @@ class DiffusionEngine:
         except TypeError as exc:
             raise DiffusionEngineError(f"step_cache: {exc}") from exc
 
-    def _total_budget(self) -> int | None:
-        """Bytes the stage may use: memory_budget_gb, or gpu_memory_utilization of the device.
-
-        On CUDA the fraction is also set as the caching allocator's cap, so the process cannot
-        exceed it even where the activation estimate is off; on CPU it is a fraction of host RAM
-        and acts through the budget check only.
-        """
-        cfg = self.config
-        frac = cfg.gpu_memory_utilization
-        if frac is not None and cfg.memory_budget_gb is not None:
-            raise DiffusionEngineError("set memory_budget_gb or gpu_memory_utilization, not both")
-        if cfg.memory_budget_gb is not None:
-            return int(cfg.memory_budget_gb * 2**30)
-        if frac is None:
-            return None
-        if not 0 < frac <= 1:
-            raise DiffusionEngineError(f"gpu_memory_utilization must be in (0, 1], got {frac}")
-        if self.device.type == "cuda":
-            # torch wants an index here: a bare "cuda" device raises (seen on the H200).
-            index = self.device.index if self.device.index is not None else 0
-            torch.cuda.set_per_process_memory_fraction(frac, index)
-            total = torch.cuda.get_device_properties(index).total_memory
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(frac * total)
-
-    def _budget(self) -> int | None:
-        """Activation bytes left once the weights are loaded (None: no budget)."""
-        if self._budget_bytes is None:
-            return None
-        left = self._budget_bytes - self.adapter.weight_bytes()
-        if left <= 0:
-            cfg = self.config
-            what = (
-                f"memory_budget_gb={cfg.memory_budget_gb}"
-                if cfg.memory_budget_gb is not None
-                else f"gpu_memory_utilization={cfg.gpu_memory_utilization} "
-                f"({self._budget_bytes / 2**30:.3f} GiB of {self.device.type} memory)"
-            )
-            raise DiffusionEngineError(
-                f"{what} is smaller than the model weights "
-                f"({self.adapter.weight_bytes() / 2**30:.3f} GiB)"
-            )
-        return left
-
     def _limits(self) -> RequestLimits:
         """The bounds `validate` enforces, which the stage announces to the API server."""
         spec, cfg, d = self.adapter.spec, self.config, self.defaults
@@ -201,7 +158,8 @@ class DiffusionEngine:
         )
 
     def _cost(self, state: RequestState) -> int:
-        return state.rows * self.adapter.row_bytes(state.req.height, state.req.width)
+        assert self.memory is not None  # the scheduler asks only when there is a budget
+        return self.memory.request_bytes(**request_shape(self.adapter, state.req, state.do_cfg))
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> GenerationRequest:
@@ -269,16 +227,7 @@ class DiffusionEngine:
         )
         self.adapter.check_request(out)
         self.adapter.check_applied(req)
-        if self._activation_budget is not None:
-            rows = n * (2 if self.adapter.uses_cfg(out) else 1)
-            need = rows * self.adapter.row_bytes(out.height, out.width)
-            if need > self._activation_budget:
-                raise CapacityError(
-                    "n" if n > 1 else "height",
-                    f"needs about {need / 2**30:.2f} GiB of activations "
-                    f"({n} image(s) at {out.height}x{out.width}), more than the "
-                    f"{self._activation_budget / 2**30:.2f} GiB left by memory_budget_gb",
-                )
+        check_fits(self.memory, self.adapter, out, self.adapter.uses_cfg(out))
         return out
 
     def _cache_policy(self, req: GenerationRequest) -> CachePolicy:

@@ -91,6 +91,7 @@ class VideoService:
                     "default_num_frames": info.video.default_num_frames,
                     "max_input_images": info.video.max_input_images,
                     "requires_input_image": info.video.requires_input_image,
+                    "memory": info.memory,  # common.memory.MemoryModel or None
                 },
             )
             self._seen_info = info

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..common.knobs import cfg_runs
 from .errors import APIError, invalid
 from .lora_adapters import fold_form_field
 from .request_fields import VIDEOS, FamilyFields, split_fields
@@ -86,6 +87,8 @@ def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
     seed = ints["seed"]
     if seed is not None and not 0 <= seed <= b.limits.max_seed:
         raise invalid(f"seed must be an integer in [0, {b.limits.max_seed}]", "seed")
+    given = {"guidance_scale": guidance, "negative_prompt": negative, **knobs}
+    _check_memory(b, width, height, frames, reference, given)
     seconds = ints["seconds"]
     return {
         "prompt": prompt,
@@ -104,6 +107,26 @@ def check_video_request(data: dict[str, Any], b: VideoBounds) -> dict[str, Any]:
         "user": user,
         "input_reference": reference,  # the source image as a lossless PNG, or None
     }
+
+
+def _check_memory(
+    b: VideoBounds, width: int, height: int, frames: int, reference: Any, given: dict
+) -> None:
+    """The stage's memory plan (announced with its limits): a job that could never fit is
+    refused now, naming the setting, not failed later by the stage."""
+    memory = b.facts.get("memory")
+    if memory is None:
+        return
+    refused = memory.refusal(
+        height,
+        width,
+        frames=frames,
+        cfg=cfg_runs(b.family.cfg, given),
+        sources=0 if reference is None else 1,
+    )
+    if refused is not None:
+        field, message = refused
+        raise invalid(message, field, "request_too_large")
 
 
 def no_reference() -> APIError:

@@ -63,6 +63,7 @@ class DiffusionStageRunner(SteppedStageLoop):
             kind="diffusion",
             pipeline_class=type(self.engine.adapter).pipeline_class,
             limits=self.engine.limits,
+            memory=self.engine.memory,
             effective=self.describe(),
             # The request fields this model applies beyond the common ones, the common ones it
             # does not, and its CFG rule (the API server refuses by them before they travel).

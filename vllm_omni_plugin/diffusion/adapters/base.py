@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from ...common.knobs import CfgFacts, Knob, unused_field
+from ...common.memory import MemoryModel
 from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
 
@@ -129,17 +130,30 @@ class DiffusionAdapter(ABC):
         return total
 
     def row_bytes(self, height: int, width: int) -> int:
-        """Rough peak activation bytes of one transformer row plus its share of the VAE decode.
-
-        Used only for the memory budget: it is an estimate (linear in tokens x width for the
-        MLP/attention projections, quadratic for attention scores, which math SDPA materialises).
-        """
-        tokens, width_, heads = self.token_geometry(height, width)
+        """Estimated activation bytes of one image of this size without CFG: the memory plan's
+        arithmetic (common/memory.py) on this family's facts."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        linear = tokens * width_ * elem * 24
-        scores = heads * tokens * tokens * elem * 2
-        vae = height * width * 128 * 4 * 3
-        return linear + scores + vae
+        model = MemoryModel(budget_bytes=0, limit="", element_bytes=elem, **self.memory_facts())
+        return model.request_bytes(height, width)
+
+    def output_frames(self, req: GenerationRequest) -> int:
+        """Frames each output of a validated request has (video families: the video's)."""
+        return 1
+
+    def memory_facts(self) -> dict[str, Any]:
+        """The family's facts for the memory plan (common/memory.py MemoryModel), read off
+        `token_geometry` on the size grid: tokens per grid square, and the rest of a row's
+        tokens (text and fixed conditions). Video and edit families add theirs."""
+        g = self.spec.granularity
+        one, hidden, heads = self.token_geometry(g, g)
+        block_tokens = self.token_geometry(2 * g, g)[0] - one
+        return {
+            "block": g,
+            "block_tokens": block_tokens,
+            "text_tokens": one - block_tokens,
+            "hidden": hidden,
+            "heads": heads,
+        }
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         """(sequence tokens incl. text, transformer width, attention heads) for one row."""

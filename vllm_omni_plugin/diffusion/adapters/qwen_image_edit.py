@@ -85,6 +85,18 @@ class QwenImageEditAdapter(QwenImageAdapter):
         # The condition image's latents and its vision tokens in the prompt.
         return tokens + 2 * self.condition_pixels // 256, inner, heads
 
+    def memory_facts(self) -> dict:
+        """The condition tokens (token_geometry adds them to every row) belong to the source
+        image, which the VAE also encodes at `condition_pixels`."""
+        facts = super().memory_facts()
+        per_image = 2 * self.condition_pixels // 256
+        return {
+            **facts,
+            "text_tokens": facts["text_tokens"] - per_image,
+            "source_tokens": per_image,
+            "source_pixels": self.condition_pixels,
+        }
+
     def batch_key(self, state: RequestState):
         # From the request itself, not from `prepare`'s results: fresh requests are grouped
         # in the same step that prepares them.

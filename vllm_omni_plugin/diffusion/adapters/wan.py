@@ -142,8 +142,20 @@ class WanAdapter(DiffusionAdapter):
                 "num_frames", f"must be 1 + a multiple of {self.temporal}, got {frames}"
             )
 
+    def output_frames(self, req: GenerationRequest) -> int:
+        return self.num_frames(req)
+
+    def memory_facts(self) -> dict:
+        """Frames count in the plan (a latent frame per `temporal` frames after the first);
+        I2V-A14B encodes its source image as a whole video of the output's frames."""
+        return {
+            **super().memory_facts(),
+            "frame_step": self.temporal,
+            "source_video": self.image_mode == wan_image.CONCAT,
+        }
+
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
-        # Per latent frame; the budget estimate does not see the frame count.
+        # Per latent frame (memory_facts adds the frames).
         cfg = self.pipe.transformer.config
         heads = int(cfg.num_attention_heads)
         g = self.spatial * self.patch[1]
