@@ -157,8 +157,6 @@ def cfg_runs(facts: CfgFacts | None, given: dict[str, Any]) -> bool:
     if facts is None:
         return True
     scale = given.get(facts.scale_field)
-    if scale is None and facts.guidance_alias:
-        scale = given.get("guidance_scale")
     scale = facts.default_scale if scale is None else scale
     negative = given.get("negative_prompt") is not None or facts.default_negative
     return scale > 1 and (negative or not facts.needs_negative)
