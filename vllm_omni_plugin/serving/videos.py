@@ -149,9 +149,9 @@ class VideoService:
         # the server; the queue bounds how many wait); the stored request says it had one.
         reference = request.pop("input_reference", None)
         request["input_reference"] = reference is not None
+        job = self.store.create(job_id, request, owner)
         if reference is not None:
             self._references[job_id] = reference
-        job = self.store.create(job_id, request, owner)
         if request.get("user") is not None:
             logger.info("video job %s is for user %r", job_id, request["user"])
         self._ensure_workers()
