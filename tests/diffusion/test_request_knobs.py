@@ -254,6 +254,7 @@ def test_each_adapter_declares_its_family_knobs_from_the_table():
         "FluxPipeline",
         "FluxKontextPipeline",
         "WanPipeline",
+        "WanImageToVideoPipeline",
         "GlmImagePipeline",
         "ZImagePipeline",
         "Flux2KleinPipeline",
