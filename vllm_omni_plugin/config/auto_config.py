@@ -25,8 +25,14 @@ AUTO_CONFIGS: dict[str, tuple[str, str]] = {
     "FluxKontextPipeline": ("flux_kontext", "flux_kontext_tiny"),
     "QwenImageEditPlusPipeline": ("qwen_image_edit_plus", "qwen_image_edit_plus_tiny"),
     "WanPipeline": ("wan2_2", "wan_tiny"),
+    "WanImageToVideoPipeline": ("wan2_2_i2v", "wan_i2v_tiny"),
     "ZImagePipeline": ("z_image", "z_image_tiny"),
     "Flux2KleinPipeline": ("flux2_klein", "flux2_klein_tiny"),
+}
+# Checkpoints of one class that another file serves, told apart by a model_index.json flag
+# that is true: (class, flag) -> files. Wan2.2 TI2V-5B is a WanPipeline with expand_timesteps.
+AUTO_VARIANTS: dict[tuple[str, str], tuple[str, str]] = {
+    ("WanPipeline", "expand_timesteps"): ("wan2_2_ti2v", "wan_ti2v_tiny"),
 }
 GPU_PLATFORMS = ("cuda", "rocm")
 
@@ -38,6 +44,11 @@ def _problem(field: str, message: str) -> ConfigError:
 def model_class(model: str) -> str:
     """`_class_name` of the model's model_index.json: a local folder's, else the hub's (through
     huggingface_hub's cache; HF_HUB_OFFLINE is honoured). ConfigError when there is none."""
+    return model_index(model)["_class_name"]
+
+
+def model_index(model: str) -> dict:
+    """The model's model_index.json (as `model_class` finds it), with a `_class_name`."""
     local = Path(model).expanduser()
     if local.is_dir():
         index = local / "model_index.json"
@@ -53,19 +64,21 @@ def model_class(model: str) -> str:
                 "model", f"cannot read model_index.json of {model}: {type(exc).__name__}: {exc}"
             ) from None
     try:
-        name = json.loads(index.read_text()).get("_class_name")
+        data = json.loads(index.read_text())
     except (OSError, ValueError) as exc:
         raise _problem("model", f"cannot read {index}: {exc}") from None
+    name = data.get("_class_name") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name:
         raise _problem("model", f"{index} names no _class_name")
-    return name
+    return data
 
 
 def auto_config_name(model: str | None, platform: str) -> str:
     """The bundled deploy file (its name in stage_configs/) for `model` on `platform`."""
     if not model:
         raise _problem("model", "auto picks the deploy file from the model: pass MODEL")
-    name = model_class(model)
+    index = model_index(model)
+    name = index["_class_name"]
     if name not in AUTO_CONFIGS:
         supported = ", ".join(sorted(AUTO_CONFIGS))
         raise _problem(
@@ -74,4 +87,7 @@ def auto_config_name(model: str | None, platform: str) -> str:
             f"{model}); --stage-config auto supports: {supported}",
         )
     gpu, cpu = AUTO_CONFIGS[name]
+    for (cls, flag), files in AUTO_VARIANTS.items():
+        if cls == name and index.get(flag) is True:
+            gpu, cpu = files
     return gpu if platform in GPU_PLATFORMS else cpu
