@@ -27,7 +27,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 from ...common.knobs import FAMILY_KNOBS
 from ..errors import RequestValidationError
 from ..request import GenerationRequest, RequestState
-from .qwen_image import QwenImageAdapter
+from .qwen_image import MAX_SEQUENCE_LENGTH, QwenImageAdapter
 
 
 class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
@@ -86,15 +86,16 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return tokens + 2 * self.condition_pixels // 256, inner, heads
 
     def memory_facts(self) -> dict:
-        """The condition tokens (token_geometry adds them to every row) belong to the source
-        image, which the VAE also encodes at `condition_pixels`."""
+        """The tokens token_geometry adds to every row for the most source images belong to
+        the source images: each one's share counts per image (Edit-Plus takes several), and
+        the VAE encodes each at the VAE's condition size."""
         facts = super().memory_facts()
-        per_image = 2 * self.condition_pixels // 256
+        fixed = facts["text_tokens"] - MAX_SEQUENCE_LENGTH
         return {
             **facts,
-            "text_tokens": facts["text_tokens"] - per_image,
-            "source_tokens": per_image,
-            "source_pixels": self.condition_pixels,
+            "text_tokens": MAX_SEQUENCE_LENGTH,
+            "source_tokens": fixed // max(1, self.max_input_images),
+            "source_pixels": getattr(self, "vae_pixels", self.condition_pixels),
         }
 
     def batch_key(self, state: RequestState):
