@@ -34,3 +34,16 @@ def tiny_models(tmp_path_factory):
         return built[kind]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module: tiny models are per-op overhead, and two OpenMP threads
+    on the shared 2-core box spend more time waiting on each other than computing (20x measured
+    on the GLM-Image AR, tests/test_tiny_models.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -66,13 +66,8 @@ def _generate(pipe, seed: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny models are all per-op overhead: on the shared 2-core box, 2 OpenMP threads contending
-    # with other processes made the GLM-Image AR 20x slower (21 s vs 1.1 s) than 1 thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,8 @@ EDIT_TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny models are per-op overhead: two OpenMP threads on the shared 2-core box spend more
-    # time waiting on each other than computing (as in tests/test_tiny_models.py).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -69,13 +69,8 @@ def make_pipe(model_dir, monkeypatch):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny models are per-op overhead: one thread is as fast alone and much faster beside other
-    # processes on a 2-core box (tests/test_tiny_models.py measured 20x on the GLM-Image AR).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # The diffusers references run here beside the server's stage process on a 2-core box:
-    # one thread each instead of two contending (tiny models are per-op overhead).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def client(server) -> OpenAI:
