@@ -152,6 +152,11 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "extra",
         )
     },
+    # The memory budget is planned in its own module (requests are admitted against it).
+    **{
+        ("DiffusionOwner", f): {"diffusion": Code("diffusion/memory_plan.py")}
+        for f in ("memory_budget_gb", "gpu_memory_utilization")
+    },
     # DiffusionOwner: DiffusionEngineConfig.from_owner takes it whole; the engine reads each
     **{
         ("DiffusionOwner", f): {"diffusion": Code(_ENGINE)}
@@ -161,8 +166,6 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "device",
             "max_batch_size",
             "max_num_inference_steps",
-            "memory_budget_gb",
-            "gpu_memory_utilization",
             "min_height",
             "max_height",
             "min_width",

@@ -54,7 +54,7 @@ def why_unread(path: str, kind: str) -> str:
 
 # Layers a user writes (the deploy file and its platform sections, the command line,
 # --stage-overrides): a stage with its own runner refuses keys set there that it does not read.
-_USER_LAYERS = ("yaml", "platform", "cli", "stage-overrides")
+_USER_LAYERS = ("yaml", "platform", "pipeline", "cli", "stage-overrides")
 # Keys every stage process honours whatever its loop (where it runs, its environment and
 # watchdog, its connectors, the topology's own keys).
 _EVERY_RUNNER_KEYS = ("devices", "num_replicas", "env", "stall_timeout_s")
