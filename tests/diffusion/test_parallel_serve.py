@@ -49,13 +49,19 @@ def server(tiny_models, tmp_path_factory):
         srv.stop()
 
 
+def _cmdline(p: psutil.Process) -> str:
+    """A process's command line; "" for one that exited (a zombie until reaped) meanwhile."""
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return ""
+
+
 def dit_ranks(srv) -> tuple[psutil.Process, list[psutil.Process]]:
     stage = next(
-        p
-        for p in psutil.Process(srv.proc.pid).children()
-        if "omni-stage-1" in " ".join(p.cmdline())
+        p for p in psutil.Process(srv.proc.pid).children() if "omni-stage-1" in _cmdline(p)
     )
-    followers = [p for p in stage.children() if FOLLOWER in " ".join(p.cmdline())]
+    followers = [p for p in stage.children() if FOLLOWER in _cmdline(p)]
     return stage, followers
 
 

@@ -159,7 +159,7 @@ def shared_wan_server(tiny_models, tmp_path_factory):
 
 
 # ---- The edit families of issue 34 (test_edit_families_serve.py): one server each ----------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kontext_server(tiny_models, tmp_path_factory):
     """FLUX.1-Kontext, the bundled CPU config."""
     root = tmp_path_factory.mktemp("kontext-server")
@@ -171,7 +171,7 @@ def kontext_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def edit_plus_server(tiny_models, tmp_path_factory):
     """Qwen-Image-Edit-2509, the bundled CPU config."""
     root = tmp_path_factory.mktemp("edit-plus-server")
@@ -199,7 +199,7 @@ WAN_I2V_MEMORY_GB = 0.1
 
 
 # ---- Wan2.2 image-to-video (issue 34): test_videos_i2v.py ----
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_wan_i2v_server(tiny_models, tmp_path_factory):
     """Wan2.2 I2V-A14B (two experts), the bundled CPU config, its store in a temporary folder,
     and a memory budget (WAN_I2V_MEMORY_GB)."""
@@ -218,7 +218,7 @@ def shared_wan_i2v_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_wan_ti2v_server(tiny_models, tmp_path_factory):
     """Wan2.2 TI2V-5B (text or image to video), the bundled CPU config."""
     server = _wan_image_server(tiny_models, tmp_path_factory, "wan-ti2v", "wan_ti2v_tiny.yaml")
@@ -267,7 +267,7 @@ def _pipeline_dist(root):
     return site
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chat_servers(tmp_path_factory):
     """(pipeline server, stock server): the test chat pipeline (omni_test_chat.py) and stock
     `vllm serve` of the same tiny model, started together."""
@@ -300,7 +300,7 @@ def chat_servers(tmp_path_factory):
 
 
 # ---- Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav on the tiny checkpoint (issue 29) ----
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def omni_speech_server(tiny_models, tmp_path_factory):
     """The bundled CPU config (talker greedy, at most 64 frames per request)."""
     root = tmp_path_factory.mktemp("omni-speech-server")
@@ -314,7 +314,7 @@ def omni_speech_server(tiny_models, tmp_path_factory):
 
 
 # ---- Shared by test_t2i_families_serve.py (issue 34): Z-Image-Turbo and FLUX.2 klein ----
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def z_image_server(tiny_models, tmp_path_factory):
     """Z-Image-Turbo through `--stage-config auto` (model_index.json -> z_image_tiny.yaml)."""
     root = tmp_path_factory.mktemp("z-image-server")
@@ -325,7 +325,7 @@ def z_image_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def flux2_klein_server(tiny_models, tmp_path_factory):
     """FLUX.2 klein, the bundled CPU config (text to image and edits)."""
     root = tmp_path_factory.mktemp("flux2-klein-server")

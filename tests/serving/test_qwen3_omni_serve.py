@@ -85,10 +85,10 @@ def test_speech_equals_transformers_wav_within_0_01(omni_speech_server, referenc
 
 
 def test_streamed_audio_starts_before_the_text_ends_and_equals_the_wav(omni_speech_server):
-    """pcm16 deltas: several, the first before the last transcript delta (the thinker writes 1500
+    """pcm16 deltas: several, the first before the last transcript delta (the thinker writes 2000
     tokens, seconds on a CPU, while the talker and Code2Wav already work), joined equal to the
     non-streamed WAV."""
-    kw = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    kw = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}}
     events: list[tuple[str, bytes | str]] = []
     stream = chat(
         omni_speech_server,

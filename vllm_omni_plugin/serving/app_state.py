@@ -110,10 +110,13 @@ class PipelineModels:
 
 def vllm_error(status: int, message: str, param: str | None = None) -> Any:
     """vLLM's ErrorResponse (what its LoRA routes answer with, in OpenAI's error shape)."""
+    import importlib
+
     try:  # vLLM >= 0.29
-        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-    except ImportError:  # pragma: no cover - older vLLM
-        from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+        protocol = importlib.import_module("vllm.entrypoints.serve.engine.protocol")
+    except ImportError:  # pragma: no cover - vLLM 0.26-0.28 keep it here
+        protocol = importlib.import_module("vllm.entrypoints.openai.engine.protocol")
+    ErrorInfo, ErrorResponse = protocol.ErrorInfo, protocol.ErrorResponse  # noqa: N806
     kind = "NotFoundError" if status == 404 else "BadRequestError"
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
