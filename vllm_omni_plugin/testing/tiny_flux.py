@@ -72,7 +72,7 @@ def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Pat
     """The checkpoint of `pipeline_class` (FluxPipeline, or FluxKontextPipeline: the same
     components, tiny_flux_kontext.py)."""
     import diffusers
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer = build_clip_tokenizer()
@@ -126,22 +126,7 @@ def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Pat
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim (real: 16, 56, 56)
     )
 
-    torch.manual_seed(seed + 3)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = build_vae(seed + 3)
 
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
@@ -173,3 +158,25 @@ def _name_t5_tokenizer_fast(index_file: Path) -> None:
     index = json.loads(index_file.read_text())
     index["tokenizer_2"] = ["transformers", "T5TokenizerFast"]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def build_vae(seed: int):
+    """A tiny AutoencoderKL with FLUX.1's 16 latent channels and factors (Z-Image uses it too)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_omni_plugin.testing.tiny_flux import build_vae
 from vllm_omni_plugin.testing.tiny_qwen_image import SPECIAL_OFFSET, tokenizer_from_words
 
 TEXT_HIDDEN = 32
@@ -59,28 +60,6 @@ def build_text_encoder(seed: int, vocab_size: int, num_layers: int = 2):
             max_position_embeddings=1024,
         )
     ).eval()
-
-
-def build_vae(seed: int):
-    """AutoencoderKL with FLUX.1's 16 channels and factors (Z-Image uses FLUX.1's VAE)."""
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(seed)
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
 
 
 def build(out_dir: Path, seed: int) -> Path:
