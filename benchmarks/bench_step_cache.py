@@ -127,20 +127,24 @@ def machine() -> str:
     return f"cpu (torch {torch.__version__})"
 
 
+def glm_conditioning(pipe, size: int, seed: int) -> dict:
+    """GLM-Image's DiT paints from the AR stage's image tokens: random codes on the AR's 1/32
+    grid, upsampled as the pipeline does (seeded: the same for the engine and diffusers), CFG 1.5
+    (the pipeline's default). Other families: nothing."""
+    import torch
+
+    if type(pipe).__name__ != "GlmImagePipeline":
+        return {}
+    d32 = size // 32
+    gen = torch.Generator("cpu").manual_seed(seed)
+    vocab = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    codes = torch.randint(0, vocab, (1, d32 * d32), generator=gen)
+    return {"prior_token_ids": pipe._upsample_token_ids(codes, d32, d32), "guidance_scale": 1.5}
+
+
 def run_engine(args, record: Recorder) -> dict[str, np.ndarray]:
     """Every --rows setting on the engine; returns seed 0's image per setting (alone)."""
     from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
-
-    def request(rid: str, seed: int, cache: dict, steps: int | None = None):
-        return GenerationRequest(
-            rid,
-            prompt(seed),
-            height=args.size,
-            width=args.size,
-            num_inference_steps=steps or args.steps,
-            seed=seed,
-            cache=cache,
-        )
 
     t_load = time.perf_counter()
     engine = DiffusionEngine(
@@ -156,6 +160,20 @@ def run_engine(args, record: Recorder) -> dict[str, np.ndarray]:
         )
     )
     load_s = time.perf_counter() - t_load
+    pipe = engine.adapter.pipe
+
+    def request(rid: str, seed: int, cache: dict, steps: int | None = None):
+        return GenerationRequest(
+            rid,
+            prompt(seed),
+            height=args.size,
+            width=args.size,
+            num_inference_steps=steps or args.steps,
+            seed=seed,
+            cache=cache,
+            **glm_conditioning(pipe, args.size, seed),
+        )
+
     t0 = time.perf_counter()
     engine.generate([request("warm-up", 99, {"policy": "none"}, steps=4)])
     record({"system": "engine", "event": "loaded", "load_s": round(load_s, 1),
@@ -222,7 +240,7 @@ def run_engine(args, record: Recorder) -> dict[str, np.ndarray]:
                 "errors": [o.error for o in outs if o.error],
             }
         )  # fmt: skip
-    del engine
+    engine = pipe = None  # the weights go before diffusers loads its own copy
     gc.collect()
     _empty_cache()
     return seed0
@@ -240,7 +258,8 @@ def _last_attention(transformer):
     for name in ("single_transformer_blocks", "transformer_blocks", "blocks"):
         blocks = getattr(transformer, name, None)
         if blocks is not None and len(blocks):
-            return blocks[-1].attn
+            block = blocks[-1]
+            return getattr(block, "attn", None) or block.attn1  # GLM-Image's blocks: attn1
     raise TypeError(f"{type(transformer).__name__}: no block list found")
 
 
@@ -298,6 +317,9 @@ def run_diffusers(args, record: Recorder, engine_seed0: dict[str, np.ndarray]) -
     def call(steps: int):
         g = torch.Generator("cpu").manual_seed(0)
         kw = dict(height=args.size, width=args.size, num_inference_steps=steps, generator=g)
+        kw.update(glm_conditioning(pipe, args.size, 0))
+        if "prior_token_ids" in kw:
+            kw["prior_token_ids"] = kw["prior_token_ids"].to(pipe.device)
         return pipe(prompt(0), **kw).images[0]
 
     call(4)

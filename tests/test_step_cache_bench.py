@@ -73,3 +73,28 @@ def test_report_write_replaces_only_the_block(tmp_path):
     assert doc.read_text() == once
     assert once.startswith("head\n") and once.endswith("tail\n") and "old" not in once
     assert "none (every step)" in once
+
+
+def test_glm_image_rows_run_on_random_ar_tokens(
+    tiny_models, tmp_path, monkeypatch, one_torch_thread
+):
+    """The GLM-Image path the H200 run takes (scripts/gpu_step_cache.sh glm), on the tiny build:
+    the engine and diffusers paint the same random AR tokens (uncached images within 60 dB: float
+    rounding of one fp32 CPU run), taylorseer interval 3 skips 2 of every 3 steps past the first
+    of its window (1/3 of 6 here), and diffusers' hooks that do not register GLM-Image's blocks are
+    recorded as errors, not dropped."""
+    model = tiny_models("glm-image")
+    argv = ["bench_step_cache.py", "--model", str(model), "--family", "glm-image", "--size", "64",
+            "--steps", "6", "--concurrency", "2", "--repeats", "1", "--device", "cpu", "--dtype",
+            "float32", "--rows", "none", "taylorseer:3", "--diffusers", "--hooks", "none",
+            "first_block:0.08", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_step_cache.main()
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    engine = {r["cache"]["policy"]: r for r in rows if r["system"] == "engine" and "cache" in r}
+    assert engine["none"]["errors"] == [] and engine["taylorseer"]["errors"] == []
+    assert engine["taylorseer"]["alone_skipped"] == pytest.approx(1 / 3, abs=1e-3)
+    assert engine["none"]["batch_vs_alone_psnr"] >= 60
+    hooks = {r["hook"]: r for r in rows if r["system"] == "diffusers" and "hook" in r}
+    assert hooks["none"]["psnr_vs_engine"] >= 60
+    assert "not registered" in hooks["first_block:0.08"]["error"]
