@@ -96,6 +96,20 @@ def test_qwen_true_cfg_scale_refusals_name_the_field(qwen):
     assert refused(engine, image_req("e", knobs={"flow_shift": 3.0})) == "flow_shift"
 
 
+def test_qwen_stage_refuses_a_default_guidance_scale_it_would_not_read(qwen):
+    """A stage default guidance_scale beside true_cfg_scale on a transformer without embedded
+    guidance is refused when the stage loads (also for a hub id, whose config the deploy check
+    cannot read), naming the field; alone it stands for true_cfg_scale."""
+    from vllm_omni_plugin.diffusion.adapters.qwen_image import QwenImageAdapter
+    from vllm_omni_plugin.diffusion.errors import DiffusionEngineError
+
+    _, pipe = qwen
+    cpu = torch.device("cpu")
+    with pytest.raises(DiffusionEngineError, match=r"default_sampling_params\.guidance_scale"):
+        QwenImageAdapter(pipe, cpu, torch.float32, {"guidance_scale": 3.0, "true_cfg_scale": 4.0})
+    assert QwenImageAdapter(pipe, cpu, torch.float32, {"guidance_scale": 3.0}).true_cfg_scale == 3.0
+
+
 # ---- FLUX: true_cfg_scale ----------------------------------------------------------------------
 def test_flux_true_cfg_scale_equals_diffusers(tiny_models, pixel_diff):
     from diffusers import FluxPipeline

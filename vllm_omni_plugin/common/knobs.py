@@ -151,6 +151,29 @@ def unused_field(facts: CfgFacts, given: dict[str, Any]) -> tuple[str, str] | No
     return None
 
 
+# diffusers pipelines whose CFG scale is true_cfg_scale and whose guidance_scale is read only by
+# a guidance-distilled transformer (`guidance_embeds`): a Qwen-Image stage's default
+# guidance_scale stands in for its true_cfg_scale on other checkpoints (see below).
+QWEN_IMAGE_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+
+def ignored_guidance_default(defaults: dict[str, Any], guidance_distilled: bool) -> str | None:
+    """Why a Qwen-Image stage's default guidance_scale (`defaults`: its default_sampling_params)
+    would go unread, or None. Without embedded guidance the stage reads it as its true CFG
+    scale, but only while true_cfg_scale is unset: with both, diffusers (and the stage) take
+    true_cfg_scale and ignore guidance_scale."""
+    if guidance_distilled or None in (
+        defaults.get("guidance_scale"),
+        defaults.get("true_cfg_scale"),
+    ):
+        return None
+    return (
+        "is ignored: this transformer is not guidance-distilled (guidance_embeds false), so "
+        "true_cfg_scale is the CFG scale and diffusers ignores guidance_scale; remove it (or "
+        "set only guidance_scale, which then serves as true_cfg_scale)"
+    )
+
+
 def cfg_runs(facts: CfgFacts | None, given: dict[str, Any]) -> bool:
     """Whether a request setting `given` (None for unset) runs CFG by the family's rule; no rule
     known: True (the larger memory estimate)."""
