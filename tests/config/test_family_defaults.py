@@ -66,3 +66,15 @@ def test_what_the_checkpoint_reads_still_loads(tmp_path):
     # A guidance-distilled transformer reads guidance_scale as its embedded guidance.
     cfg = load(tmp_path, deploy("qwen_image", BOTH), model=distilled)
     assert cfg.stage(0).sampling.defaults_dict() == BOTH
+
+
+def test_wan_knobs_are_not_stage_defaults(tmp_path):
+    """Wan2.2's guidance_scale_2 and boundary_ratio are per-request knobs (checked against the
+    served checkpoint's experts); a deploy file setting them as defaults is refused at load,
+    naming each, rather than carried where a one-expert model would leave them unread."""
+    defaults = {"guidance_scale_2": 3.0, "boundary_ratio": 0.0}
+    lines = problems(write(tmp_path, deploy("wan", defaults)))
+    for name in defaults:
+        assert any(f"stage 0: default_sampling_params.{name}: unknown key" in x for x in lines), (
+            lines
+        )
