@@ -93,3 +93,21 @@ def test_every_shipped_stage_config_validates():
     assert len(shipped) >= 6, shipped
     for path in shipped:
         assert main(["config", "validate", str(path)]) == 0, path.name
+
+
+def test_validate_says_what_a_custom_runner_stage_runs(capsys):
+    """The Qwen3-Omni talker and Code2Wav run their own torch engines: `validate` names that
+    engine and the settings it reads, not a vLLM scheduler (they have none), and no diffusion
+    engine lines (step_cache, lora) under Code2Wav; the thinker keeps its scheduler line."""
+    assert main(["config", "validate", "stage_configs/qwen3_omni_tiny.yaml"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split(" (")[0].strip(): line for line in out.splitlines()}
+    thinker, talker, code2wav = (
+        lines[f"stage {i} {n}"] for i, n in enumerate(("thinker", "talker", "code2wav"))
+    )
+    assert "OmniARAsyncScheduler async_scheduling=True" in thinker
+    assert "Scheduler" not in talker and "async_scheduling" not in talker
+    assert "runs TalkerStage (its own engine, no vLLM scheduler)" in talker
+    assert "max_num_seqs=4 default_sampling_params.max_tokens=64" in talker
+    assert "runs Code2WavStage" in code2wav and "device=cpu max_batch_size=4" in code2wav
+    assert "step_cache:" not in out and "lora:" not in out

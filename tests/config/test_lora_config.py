@@ -13,7 +13,7 @@ from vllm_omni_plugin.cli import main
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.diffusion.config import DiffusionEngineConfig
 from vllm_omni_plugin.serving.errors import APIError
-from vllm_omni_plugin.serving.lora_adapters import fold_form_field
+from vllm_omni_plugin.serving.lora_adapters import finish_form_fields, fold_form_field
 
 BASE = "pipeline: flux\nstages:\n  - stage_id: 0\n    device: cpu\n"
 
@@ -71,6 +71,7 @@ def fold(fields: list[tuple[str, str]]) -> dict:
     data: dict = {}
     for name, value in fields:
         assert fold_form_field(data, name, value)
+    finish_form_fields(data)
     return data
 
 
@@ -92,3 +93,21 @@ def test_form_fields_fold_into_one_list():
     assert info.value.param == "lora[0].scale"
     with pytest.raises(APIError):
         fold([("lora[3][name]", "a")])  # not numbered from 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # what the openai client writes for [{"name": "a"}, {"name": "b", "scale": 0.5}]:
+        # positional pairing would give a the 0.5 meant for b
+        [("lora[][name]", "a"), ("lora[][name]", "b"), ("lora[][scale]", "0.5")],
+        [("lora[][name]", "a"), ("lora[][scale]", "0.5"), ("lora[][scale]", "2")],
+        [("lora[][name]", "a"), ("lora[1][name]", "b")],  # two ways in one form
+        [("lora", '[{"name": "a"}]'), ("lora[][name]", "b")],  # JSON and fields
+        [("lora[][name]", "b"), ("lora", '[{"name": "a"}]')],
+    ],
+)
+def test_form_fields_that_cannot_be_paired_for_certain_are_refused(fields):
+    with pytest.raises(APIError) as info:
+        fold(fields)
+    assert info.value.param == "lora" and info.value.status == 400

@@ -10,6 +10,8 @@ per pixel and a mean under 0.05/255 (seen: 0.0). "Changed": a mean difference ab
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -94,6 +96,20 @@ def test_qwen_true_cfg_scale_refusals_name_the_field(qwen):
     assert refused(engine, image_req("c", knobs={"true_cfg_scale": 1.0})) == "negative_prompt"
     assert refused(engine, image_req("d", knobs={"true_cfg_scale": -1})) == "true_cfg_scale"
     assert refused(engine, image_req("e", knobs={"flow_shift": 3.0})) == "flow_shift"
+
+
+def test_qwen_stage_refuses_a_default_guidance_scale_it_would_not_read(qwen):
+    """A stage default guidance_scale beside true_cfg_scale on a transformer without embedded
+    guidance is refused when the stage loads (also for a hub id, whose config the deploy check
+    cannot read), naming the field; alone it stands for true_cfg_scale."""
+    from vllm_omni_plugin.diffusion.adapters.qwen_image import QwenImageAdapter
+    from vllm_omni_plugin.diffusion.errors import DiffusionEngineError
+
+    _, pipe = qwen
+    cpu = torch.device("cpu")
+    with pytest.raises(DiffusionEngineError, match=r"default_sampling_params\.guidance_scale"):
+        QwenImageAdapter(pipe, cpu, torch.float32, {"guidance_scale": 3.0, "true_cfg_scale": 4.0})
+    assert QwenImageAdapter(pipe, cpu, torch.float32, {"guidance_scale": 3.0}).true_cfg_scale == 3.0
 
 
 # ---- FLUX: true_cfg_scale ----------------------------------------------------------------------
@@ -240,6 +256,33 @@ def test_wan_refusals_name_the_field(wan):
     assert refused(engine, video_req("t", {"true_cfg_scale": 2.0})) == "true_cfg_scale"
     announced = {k.name for k in engine.adapter.applied_knobs()}
     assert announced == {"guidance_scale_2", "boundary_ratio", "flow_shift"}
+
+
+def test_wan_guidance_scale_2_is_refused_where_no_step_reaches_the_low_noise_expert(wan):
+    """diffusers' WanPipeline: transformer_2, guided by guidance_scale_2, runs the steps with
+    timestep t < boundary_ratio * num_train_timesteps. The tiny model switches at 0.875: one
+    step (t = 999) never gets there, nor does any step with boundary_ratio 0."""
+    engine, _ = wan
+    one_step = dataclasses.replace(video_req("s", {"guidance_scale_2": 3.0}), num_inference_steps=1)
+    assert refused(engine, one_step) == "guidance_scale_2"
+    zero = video_req("b0", {"guidance_scale_2": 3.0, "boundary_ratio": 0.0})
+    assert refused(engine, zero) == "guidance_scale_2"
+    engine.validate(video_req("ok", {"guidance_scale_2": 3.0}))  # STEPS steps reach it
+
+
+def test_wan_boundary_without_a_second_expert_is_refused_at_load(wan):
+    """A checkpoint whose model_index.json sets boundary_ratio without a transformer_2: the
+    switch would call a missing expert, so the stage refuses to start, saying so."""
+    from diffusers import WanPipeline
+
+    from vllm_omni_plugin.diffusion.adapters.wan import WanAdapter
+    from vllm_omni_plugin.diffusion.errors import UnsupportedModelError
+
+    _, pipe = wan
+    parts = {k: v for k, v in pipe.components.items() if k != "transformer_2"}
+    lone = WanPipeline(**parts, transformer_2=None, boundary_ratio=0.875)
+    with pytest.raises(UnsupportedModelError, match="no transformer_2"):
+        WanAdapter(lone, torch.device("cpu"), torch.float32, {})
 
 
 def test_each_adapter_declares_its_family_knobs_from_the_table():

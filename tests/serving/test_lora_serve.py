@@ -151,3 +151,24 @@ def test_bad_adapters_are_4xx_and_nothing_loads(shared_edit_server, tiny_models,
     assert set(models(server)) == before
     for name in ("big", "flux-style", "broken"):
         shutil.rmtree(root / name)
+
+
+def test_form_adapters_without_a_scale_each_are_refused(shared_edit_server, shared_wan_server):
+    """The openai client writes `extra_body={"lora": [...]}` in a multipart form as every
+    lora[][name], then every lora[][scale]: with a scale on only some adapters the pairing is
+    lost, so the edit (and the video job) is a 400 naming `lora` in OpenAI's shape, never run
+    with the scales on the wrong adapters."""
+    mixed = [{"name": "style"}, {"name": "detail", "scale": 0.5}]
+    with pytest.raises(BadRequestError) as info:
+        edit(shared_edit_server, mixed)
+    assert info.value.body["param"] == "lora" and "cannot be paired" in info.value.body["message"]
+    assert info.value.body["type"] == "invalid_request_error"
+    c = OpenAI(
+        base_url=f"{shared_wan_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT
+    )
+    with pytest.raises(BadRequestError) as info:
+        c.videos.create(
+            prompt="a cat",
+            extra_body={"lora": [{"name": "motion"}, {"name": "motion", "scale": 2}]},
+        )
+    assert info.value.body["param"] == "lora"

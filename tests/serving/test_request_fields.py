@@ -42,8 +42,10 @@ WAN_KNOBS = (
 )
 
 
-def wan(default_guidance: float = 5.0) -> rf.FamilyFields:
-    cfg = CfgFacts("guidance_scale", default_guidance, False, False, True, "guidance_scale_2")
+def wan(default_guidance: float = 5.0, boundary: float | None = 0.875) -> rf.FamilyFields:
+    cfg = CfgFacts(
+        "guidance_scale", default_guidance, False, False, True, "guidance_scale_2", boundary
+    )
     return rf.FamilyFields("Wan2.2", WAN_KNOBS, {}, cfg)
 
 
@@ -196,9 +198,10 @@ def test_a_route_wide_extension_joins_the_table(monkeypatch):
 
 
 # ---- videos ------------------------------------------------------------------------------
-def video_bounds(default_guidance: float = 5.0) -> VideoBounds:
+def video_bounds(default_guidance: float = 5.0, boundary: float | None = 0.875) -> VideoBounds:
     facts = {"frame_step": 4, "default_num_frames": 81}
-    return VideoBounds(STAGE, facts, wan(default_guidance), ServingLimits(), ["wan"], 16, 65)
+    family = wan(default_guidance, boundary)
+    return VideoBounds(STAGE, facts, family, ServingLimits(), ["wan"], 16, 65)
 
 
 def test_video_size_from_width_and_height_and_conflicts():
@@ -241,6 +244,22 @@ def test_video_knobs_are_typed_checked_and_echoed():
         "negative_prompt"
     )
     check_video_request({"prompt": "a", "guidance_scale": 3, "guidance_scale_2": 2}, no_cfg)
+
+
+def test_guidance_scale_2_without_a_low_noise_step_is_refused_before_any_stage():
+    """diffusers' WanPipeline guides with guidance_scale_2 only the steps whose timestep lies
+    below boundary_ratio * num_train_timesteps (the low-noise expert): with boundary_ratio 0,
+    the model's or the request's, there are none, so the field is a 400 naming it."""
+    one_expert = video_bounds(boundary=0.0)
+    err = refusal(check_video_request, {"prompt": "a", "guidance_scale_2": 2}, one_expert)
+    assert err.param == "guidance_scale_2" and "boundary_ratio 0" in err.message
+    two = video_bounds()
+    body = {"prompt": "a", "guidance_scale_2": 2, "boundary_ratio": 0}
+    assert refusal(check_video_request, body, two).param == "guidance_scale_2"
+    # A switch the request moves later makes the second expert run again; without
+    # guidance_scale_2, boundary_ratio 0 is a real choice (the high-noise expert throughout).
+    check_video_request({**body, "boundary_ratio": 0.5}, one_expert)
+    check_video_request({"prompt": "a", "boundary_ratio": 0}, two)
 
 
 # ---- edits by URL --------------------------------------------------------------------------

@@ -111,6 +111,9 @@ class CfgFacts:
     default_negative: bool  # the stage has a default negative prompt
     guidance_used: bool  # guidance_scale is applied at all (see `unused_field`)
     second_scale: str | None = None  # a second CFG scale knob (Wan2.2's guidance_scale_2)
+    # The model's switch to the expert second_scale guides, as a fraction of the training
+    # timesteps (Wan2.2's boundary_ratio; a request's boundary_ratio replaces it).
+    second_boundary: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,7 +151,40 @@ def unused_field(facts: CfgFacts, given: dict[str, Any]) -> tuple[str, str] | No
     second = facts.second_scale
     if second is not None and given.get(second) is not None and not cfg_on:
         return second, f"has no effect: this request runs no CFG ({rule}: {scale:g})"
+    if second is not None and given.get(second) is not None:
+        # diffusers' WanPipeline runs the second expert (guided by guidance_scale_2) at the
+        # steps whose timestep t < boundary_ratio * num_train_timesteps: none when it is 0.
+        ratio = given.get("boundary_ratio")
+        ratio = facts.second_boundary if ratio is None else ratio
+        if ratio is not None and ratio <= 0:
+            return second, (
+                "has no effect: with boundary_ratio 0 no step runs the low-noise expert, the "
+                f"only one {second} guides"
+            )
     return None
+
+
+# diffusers pipelines whose CFG scale is true_cfg_scale and whose guidance_scale is read only by
+# a guidance-distilled transformer (`guidance_embeds`): a Qwen-Image stage's default
+# guidance_scale stands in for its true_cfg_scale on other checkpoints (see below).
+QWEN_IMAGE_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+
+def ignored_guidance_default(defaults: dict[str, Any], guidance_distilled: bool) -> str | None:
+    """Why a Qwen-Image stage's default guidance_scale (`defaults`: its default_sampling_params)
+    would go unread, or None. Without embedded guidance the stage reads it as its true CFG
+    scale, but only while true_cfg_scale is unset: with both, diffusers (and the stage) take
+    true_cfg_scale and ignore guidance_scale."""
+    if guidance_distilled or None in (
+        defaults.get("guidance_scale"),
+        defaults.get("true_cfg_scale"),
+    ):
+        return None
+    return (
+        "is ignored: this transformer is not guidance-distilled (guidance_embeds false), so "
+        "true_cfg_scale is the CFG scale and diffusers ignores guidance_scale; remove it (or "
+        "set only guidance_scale, which then serves as true_cfg_scale)"
+    )
 
 
 def cfg_runs(facts: CfgFacts | None, given: dict[str, Any]) -> bool:

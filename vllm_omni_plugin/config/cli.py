@@ -78,15 +78,19 @@ def _validate(args: argparse.Namespace) -> int:
     for warning in cfg.warnings[:MAX_LINES]:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"ok: {args.file}: pipeline {cfg.pipeline}, model {cfg.model or '(not set: pass MODEL)'}")
+    specs = {spec.stage_id: spec for spec in cfg.topology.stages}
     for stage in cfg.stages:
+        spec = specs[stage.stage_id]
         extra = ""
-        if stage.scheduler is not None:
+        if spec.runner is not None:
+            extra = _runner_text(stage, spec)
+        elif stage.scheduler is not None:
             extra = f", {stage.scheduler.scheduler_cls.rsplit('.', 1)[-1]} async_scheduling={stage.scheduler.async_scheduling}"
         print(
             f"  stage {stage.stage_id} {stage.name} ({stage.kind}) devices={stage.devices or '-'}"
             f" inputs={stage.inputs}{extra}"
         )
-        if stage.kind == "diffusion":
+        if stage.kind == "diffusion" and spec.runner is None:
             print(f"    {_step_cache_line(stage)}")
             print(f"    {_lora_line(stage)}")
     for edge in cfg.edges:
@@ -102,6 +106,22 @@ def _validate(args: argparse.Namespace) -> int:
         )
         print(f"  {section}: {shown}")
     return 0
+
+
+def _runner_text(stage, spec) -> str:
+    """What a stage with its own runner runs (neither vLLM's engine and scheduler nor the
+    diffusion engine), and the values of the settings it reads."""
+    flat = stage.flat_dict()
+    read = []
+    for entry in spec.settings or ():
+        path = entry.partition("=")[0]
+        value: Any = flat
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            read.append(f"{path}={value}")
+    name = spec.runner.rsplit(":", 1)[-1]
+    return f", runs {name} (its own engine, no vLLM scheduler): {' '.join(read) or '-'}"
 
 
 def _lora_line(stage) -> str:

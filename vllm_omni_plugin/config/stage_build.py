@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from vllm_omni_plugin.config.deploy import StageConfig
 from vllm_omni_plugin.config.errors import ProblemSink, did_you_mean
+from vllm_omni_plugin.config.family_defaults import check_family_defaults
 from vllm_omni_plugin.config.owners_ar import (
     CHAT_STAGE_DEFAULTS,
     VLLM_SAMPLING_EXTRA,
@@ -129,6 +130,10 @@ def build_stage(
         if found:
             diffusion = diffusion.model_copy(update={"pipeline_class": found})
             prov["pipeline_class"] = "derived:model_index.json"
+    if diffusion is not None:
+        check_family_defaults(diffusion.pipeline_class, model_path, sampling, sid, sink)
+        if len(sink.problems) > before:
+            return None
     _fill_default_provenance(owners, sampling, prov)
     return StageConfig(
         stage_id=sid,

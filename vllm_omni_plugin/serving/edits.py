@@ -104,6 +104,7 @@ def form_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Any]
         if name in data:
             raise invalid(f"parameter '{name}' is given twice", name, "invalid_value")
         data[name] = _typed(name, value)
+    lora_adapters.finish_form_fields(data)
     return data, images, mask
 
 

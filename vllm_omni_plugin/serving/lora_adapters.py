@@ -10,9 +10,11 @@ above `max_rank`, another family's adapter, a malformed file, a path outside the
 400s), all before any stage is touched; the stage checks again before it loads anything.
 
 Multipart forms (edits, videos from the openai client) carry the field as `lora[][name]`,
-`lora[][scale]` text fields (the client's bracket format; the k-th name and the k-th scale
-belong to the k-th adapter, so give every adapter a scale there; `lora[0][name]` works too), or
-as one `lora` field holding JSON.
+`lora[][scale]` text fields (the client's bracket format: the k-th name and the k-th scale
+belong to the k-th adapter), as numbered `lora[0][name]`, `lora[0][scale]` fields, or as one
+`lora` field holding JSON. The client writes every name, then every scale, so bracket fields
+where some adapters have a scale and others not cannot be paired: such a form is refused (as
+is a form mixing the ways), never paired by guess.
 """
 
 from __future__ import annotations
@@ -51,9 +53,20 @@ def check_field(value: Any) -> list[dict[str, Any]]:
         raise invalid(f"{exc.field}: {exc.message}", exc.field, kind) from None
 
 
+class _FormAdapters(list):
+    """data["lora"] while a form's fields fold into it, and the ways they were written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ways: set[str] = set()  # "brackets" (lora[][k]), "numbered" (lora[0][k])
+
+
 def fold_form_field(data: dict[str, Any], name: str, value: Any) -> bool:
-    """Fold one multipart text field into data["lora"] if it is part of it; True if it was."""
+    """Fold one multipart text field into data["lora"] if it is part of it; True if it was.
+    Call `finish_form_fields` once every field is folded."""
     if name == "lora" and isinstance(value, str):
+        if "lora" in data:
+            raise invalid("parameter 'lora' is given twice", "lora", "invalid_value")
         try:
             data["lora"] = json.loads(value)
         except ValueError:
@@ -64,17 +77,19 @@ def fold_form_field(data: dict[str, Any], name: str, value: Any) -> bool:
     match = _FORM_KEY.match(name)
     if match is None:
         return False
-    items = data.setdefault("lora", [])
-    if not isinstance(items, list):
+    items = data.setdefault("lora", _FormAdapters())
+    if not isinstance(items, _FormAdapters):
         raise invalid(f"parameter '{name}' is given twice", "lora", "invalid_value")
     index, key = match.group(1), match.group(2)
     if index:
+        items.ways.add("numbered")
         i = int(index)
         if i > len(items) or i > 64:
             raise invalid(f"'{name}': adapters must be numbered from 0", "lora", "invalid_value")
     else:
         # Brackets (the openai client's format, which groups repeated keys: every name, then
         # every scale): the k-th value of a key belongs to the k-th adapter.
+        items.ways.add("brackets")
         i = next((j for j, item in enumerate(items) if key not in item), len(items))
     if i == len(items):
         items.append({})
@@ -91,6 +106,33 @@ def fold_form_field(data: dict[str, Any], name: str, value: Any) -> bool:
             ) from None
     items[i][key] = value
     return True
+
+
+def finish_form_fields(data: dict[str, Any]) -> None:
+    """After the last field: refuse `lora` fields whose adapters and scales cannot be paired
+    for certain, and leave data["lora"] a plain list."""
+    items = data.get("lora")
+    if not isinstance(items, _FormAdapters):
+        return
+    if len(items.ways) > 1:
+        raise invalid(
+            "'lora' fields mix lora[][...] and numbered lora[N][...]: use one way",
+            "lora",
+            "invalid_value",
+        )
+    if items.ways == {"brackets"}:
+        names = sum("name" in item for item in items)
+        scales = sum("scale" in item for item in items)
+        if scales and (names != len(items) or scales != len(items)):
+            raise invalid(
+                f"{names} lora[][name] and {scales} lora[][scale] fields cannot be paired: the "
+                "k-th scale goes with the k-th name, so give every adapter a scale (or none: "
+                "1.0 each), number them (lora[0][name], lora[0][scale]) or send 'lora' as one "
+                "JSON field",
+                "lora",
+                "invalid_value",
+            )
+    data["lora"] = list(items)
 
 
 class LoraRegistry:

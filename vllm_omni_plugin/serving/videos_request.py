@@ -16,7 +16,7 @@ from typing import Any
 
 from ..common.knobs import cfg_runs
 from .errors import APIError, invalid
-from .lora_adapters import fold_form_field
+from .lora_adapters import finish_form_fields, fold_form_field
 from .request_fields import VIDEOS, FamilyFields, split_fields
 from .validation import json_object
 
@@ -227,6 +227,7 @@ def form_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
         if isinstance(value, str) and fold_form_field(data, name, value):
             continue
         data[name] = value
+    finish_form_fields(data)
     return data
 
 

@@ -22,7 +22,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from ...common.knobs import FAMILY_KNOBS, CfgFacts
+from ...common.knobs import FAMILY_KNOBS, CfgFacts, ignored_guidance_default
+from ..errors import DiffusionEngineError
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
@@ -48,6 +49,9 @@ class QwenImageAdapter(DiffusionAdapter):
         check_flow_match_scheduler(pipe.scheduler)
         self.vae_scale_factor = pipe.vae_scale_factor
         self.guidance_distilled = bool(pipe.transformer.config.guidance_embeds)
+        ignored = ignored_guidance_default(self.defaults, self.guidance_distilled)
+        if ignored is not None:  # the config check could not read a hub checkpoint's config
+            raise DiffusionEngineError(f"default_sampling_params.guidance_scale {ignored}")
         # The stage's true CFG scale: its true_cfg_scale, else (a model without embedded
         # guidance) its guidance_scale, which the stage config maps to the family's CFG
         # argument, else diffusers' 4.0.

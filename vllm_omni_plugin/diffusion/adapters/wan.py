@@ -35,7 +35,7 @@ from diffusers import WanPipeline
 from PIL import Image
 
 from ...common.knobs import FAMILY_KNOBS, CfgFacts, Knob
-from ..errors import RequestValidationError
+from ..errors import RequestValidationError, UnsupportedModelError
 from ..request import GenerationRequest, RequestState
 from . import wan_image
 from .base import DiffusionAdapter, FamilySpec
@@ -61,8 +61,15 @@ class WanAdapter(DiffusionAdapter):
         self.spatial = int(pipe.vae_scale_factor_spatial)
         self.patch = tuple(pipe.transformer.config.patch_size)
         ratio = pipe.config.get("boundary_ratio")
+        self.boundary_ratio = ratio
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.transformer_2 = getattr(pipe, "transformer_2", None)
+        if ratio is not None and self.transformer_2 is None:
+            # diffusers would call the missing expert at the first step below the switch.
+            raise UnsupportedModelError(
+                f"WanPipeline with boundary_ratio {ratio} but no transformer_2 (the low-noise "
+                "expert it switches to) is not supported"
+            )
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         # How a source image conditions the video (None: text-to-video only).
         self.image_mode = wan_image.FIRST_FRAME if self.expand_timesteps else None
@@ -98,7 +105,9 @@ class WanAdapter(DiffusionAdapter):
         facts = super().cfg_facts()
         if self.boundary is None:
             return facts
-        return dataclasses.replace(facts, second_scale="guidance_scale_2")
+        return dataclasses.replace(
+            facts, second_scale="guidance_scale_2", second_boundary=self.boundary_ratio
+        )
 
     def _boundary(self, req: GenerationRequest) -> float | None:
         ratio = req.knobs.get("boundary_ratio")
@@ -141,6 +150,18 @@ class WanAdapter(DiffusionAdapter):
             raise RequestValidationError(
                 "num_frames", f"must be 1 + a multiple of {self.temporal}, got {frames}"
             )
+        if "guidance_scale_2" in req.knobs and self.uses_cfg(req):
+            # diffusers: the low-noise expert, guided by guidance_scale_2, runs the steps whose
+            # timestep lies below the switch; with few steps (or a late switch) none may.
+            boundary = self._boundary(req)
+            timesteps = self._timesteps(req.num_inference_steps, req.knobs.get("flow_shift"))
+            if boundary is None or not bool((timesteps < boundary).any()):
+                raise RequestValidationError(
+                    "guidance_scale_2",
+                    f"has no effect: none of this request's {req.num_inference_steps} steps "
+                    "reaches the low-noise expert it guides (boundary_ratio "
+                    f"{req.knobs.get('boundary_ratio', self.boundary_ratio)})",
+                )
 
     def output_frames(self, req: GenerationRequest) -> int:
         return self.num_frames(req)
