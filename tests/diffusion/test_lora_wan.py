@@ -3,8 +3,9 @@
 load_into_transformer_2=True)` (the low-noise expert) + `set_adapters([name], [scale])`, on the
 same tiny checkpoint, adapters and seed.
 
-Two steps on the tiny Wan2.2 (boundary_ratio 0.875): timesteps 999 (high-noise expert) and 750
-(low-noise expert), so every request crosses the expert switch. One mixed batch: a row with an
+Two steps on the tiny Wan2.2 text-to-video (boundary_ratio 0.875: timesteps 999 on the
+high-noise expert, 750 on the low-noise one) and image-to-video (I2V-A14B, 0.9: 999 and 833), so
+every request crosses the expert switch. One mixed batch: a row with an
 adapter for both experts, a row with a low-noise-only adapter (negative scale), a plain row, each
 with its CFG row; every forward shares all rows.
 
@@ -20,6 +21,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
@@ -29,14 +31,7 @@ SIZE = 32
 FRAMES = 5
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("wan")
-
-
-@pytest.fixture(scope="module")
-def lora_dir(model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("wan-loras")
+def build_adapters(model_dir, root):
     build_tiny_lora(model_dir, root / "both", rank=4, seed=3)
     # A low-noise-only adapter: only its transformer_2/ file.
     build_tiny_lora(model_dir, root / "low", rank=4, seed=4)
@@ -45,12 +40,31 @@ def lora_dir(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models("wan")
+
+
+@pytest.fixture(scope="module")
+def lora_dir(model_dir, tmp_path_factory):
+    return build_adapters(model_dir, tmp_path_factory.mktemp("wan-loras"))
+
+
+@pytest.fixture(scope="module")
 def engine(model_dir, lora_dir, one_torch_thread):
+    return make_engine(model_dir, lora_dir)
+
+
+def make_engine(model_dir, lora_dir) -> DiffusionEngine:
     cfg = DiffusionEngineConfig(model=str(model_dir), max_batch_size=4, lora={"dir": str(lora_dir)})
     return DiffusionEngine(cfg)
 
 
-def request(rid: str, seed: int, lora=None) -> GenerationRequest:
+def source() -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8))
+
+
+def request(rid: str, seed: int, lora=None, image: bool = False) -> GenerationRequest:
     return GenerationRequest(
         rid,
         f"prompt {seed}",
@@ -62,6 +76,7 @@ def request(rid: str, seed: int, lora=None) -> GenerationRequest:
         seed=seed,
         lora=lora,
         num_frames=FRAMES,
+        input_images=[source()] if image else [],
     )
 
 
@@ -69,10 +84,19 @@ def frames(images) -> np.ndarray:
     return np.stack([np.asarray(i.convert("RGB"), dtype=np.float64) for i in images])
 
 
+def _embeds(pipe, text: str) -> torch.Tensor:
+    from diffusers import WanPipeline
+
+    return WanPipeline._get_t5_prompt_embeds(
+        pipe, [text], max_sequence_length=512, device=torch.device("cpu")
+    )
+
+
 def reference(model_dir, lora_dir, r: GenerationRequest) -> np.ndarray:
     import diffusers
 
-    pipe = diffusers.WanPipeline.from_pretrained(str(model_dir))
+    cls = diffusers.WanImageToVideoPipeline if r.input_images else diffusers.WanPipeline
+    pipe = cls.from_pretrained(str(model_dir))
     pipe.set_progress_bar_config(disable=True)
     (item,) = r.lora
     folder = lora_dir / item["name"]
@@ -82,9 +106,7 @@ def reference(model_dir, lora_dir, r: GenerationRequest) -> np.ndarray:
         str(folder / "transformer_2"), adapter_name=item["name"], load_into_transformer_2=True
     )
     pipe.set_adapters([item["name"]], [item["scale"]])
-    out = pipe(
-        r.prompt,
-        negative_prompt=r.negative_prompt,
+    common = dict(
         height=SIZE,
         width=SIZE,
         num_frames=FRAMES,
@@ -93,25 +115,46 @@ def reference(model_dir, lora_dir, r: GenerationRequest) -> np.ndarray:
         generator=torch.Generator("cpu").manual_seed(r.seed),
         output_type="pil",
     )
+    if not r.input_images:
+        return frames(pipe(r.prompt, negative_prompt=r.negative_prompt, **common).frames[0])
+    # WanImageToVideoPipeline cleans prompts with ftfy unchecked: embeddings as the engine's.
+    out = pipe(
+        image=r.input_images[0],
+        prompt_embeds=_embeds(pipe, r.prompt),
+        negative_prompt_embeds=_embeds(pipe, r.negative_prompt),
+        **common,
+    )
     return frames(out.frames[0])
 
 
-def test_mixed_batch_across_the_expert_switch_equals_diffusers(engine, model_dir, lora_dir):
-    assert engine.adapter._timesteps(2).tolist() == [999, 750]  # one step on each expert
-    both = request("both", 1, [{"name": "both", "scale": 0.9}])
-    low = request("low", 1, [{"name": "low", "scale": -1.2}])
-    plain = request("plain", 1)
+def check_mixed_batch(engine, model_dir, lora_dir, image: bool) -> None:
+    timesteps = engine.adapter._timesteps(2)
+    assert timesteps[0] >= engine.adapter.boundary > timesteps[1]  # one step on each expert
+    both = request("both", 1, [{"name": "both", "scale": 0.9}], image)
+    low = request("low", 1, [{"name": "low", "scale": -1.2}], image)
+    plain = request("plain", 1, image=image)
     outs = engine.generate([both, low, plain])
     assert all(o.error is None and o.metrics["max_batch"] == 3 for o in outs)  # shared forwards
     got_both, got_low, got_plain = (frames(o.images) for o in outs)
-    ref_both = reference(model_dir, lora_dir, both)
-    ref_low = reference(model_dir, lora_dir, low)
-    for got, ref, name in ((got_both, ref_both, "both"), (got_low, ref_low, "low")):
+    for got, r in ((got_both, both), (got_low, low)):
+        ref = reference(model_dir, lora_dir, r)
         diff = np.abs(got - ref).mean()
-        assert diff <= 0.5, (name, diff)
-        assert np.abs(got_plain - ref).mean() > 4 * max(diff, 0.1), name
+        assert diff <= 0.5, (r.request_id, diff)
+        assert np.abs(got_plain - ref).mean() > 4 * max(diff, 0.1), r.request_id
     # The high-noise file alone would not give diffusers' video: the second expert's counts.
     assert np.abs(got_both - got_low).mean() > 2
+
+
+def test_mixed_batch_across_the_expert_switch_equals_diffusers(engine, model_dir, lora_dir):
+    check_mixed_batch(engine, model_dir, lora_dir, image=False)
+
+
+def test_image_to_video_two_experts_equal_diffusers(tiny_models, tmp_path, one_torch_thread):
+    """Wan2.2 I2V-A14B (WanImageToVideoPipeline, two experts): the same rule, every row with
+    its source image."""
+    model = tiny_models("wan-i2v")
+    lora_dir = build_adapters(model, tmp_path)
+    check_mixed_batch(make_engine(model, lora_dir), model, lora_dir, image=True)
 
 
 def test_second_expert_files_are_checked(engine, model_dir, lora_dir, tiny_models, tmp_path):
