@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     lora = sub.add_parser(
         "make-tiny-lora",
-        help="write a random LoRA adapter for a checkpoint's transformer (diffusers' format)",
+        help="write a random LoRA adapter for a checkpoint's transformer (diffusers' format; "
+        "Wan2.2 with two experts: also transformer_2/ for the low-noise expert)",
     )
     lora.add_argument("model_dir", help="the diffusers checkpoint folder the adapter is for")
     lora.add_argument("out_dir", help="the adapter folder to write (its name is the adapter's)")

@@ -140,7 +140,8 @@ def shared_edit_server(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="session")
 def shared_wan_server(tiny_models, tmp_path_factory):
     """Wan2.2 (two experts), the bundled CPU config with its job store in a temporary folder;
-    one tiny LoRA adapter in its lora.dir (test_lora_serve.py)."""
+    one tiny LoRA adapter (both experts' files) in its lora.dir `server.lora_dir`
+    (test_lora_serve.py)."""
     from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
 
     root = tmp_path_factory.mktemp("shared-wan-server")
@@ -152,6 +153,7 @@ def shared_wan_server(tiny_models, tmp_path_factory):
         f"stages:\n  - stage_id: 0\n    lora:\n      dir: {root / 'loras'}\n"
     )
     server = start_shared(tiny_models("wan"), config, root)
+    server.lora_dir = root / "loras"
     try:
         yield server
     finally:

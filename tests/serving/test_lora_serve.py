@@ -100,6 +100,33 @@ def test_video_job_with_an_adapter(shared_wan_server):
     assert info.value.body["param"] == "lora[0].name"
 
 
+def test_video_second_expert_file_is_checked_before_the_stage(shared_wan_server, tiny_models):
+    """Wan2.2's low-noise expert's file (an adapter's transformer_2/) is checked by the API
+    server against that expert: another family's file there is a 400 naming it, not listed."""
+    from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
+
+    root = shared_wan_server.lora_dir
+    assert (root / "motion" / "transformer_2" / "pytorch_lora_weights.safetensors").is_file()
+    build_tiny_lora(tiny_models("wan"), root / "wrong-low", rank=4, seed=2)
+    shutil.rmtree(root / "wrong-low" / "transformer_2")
+    build_tiny_lora(tiny_models("flux"), root / "wrong-low" / "transformer_2", rank=4, seed=2)
+    try:
+        cards = models(shared_wan_server)
+        assert "motion" in cards and "wrong-low" not in cards
+        c = OpenAI(
+            base_url=f"{shared_wan_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60
+        )
+        with pytest.raises(BadRequestError) as info:
+            c.videos.create(prompt="a cat", extra_body={"lora": [{"name": "wrong-low"}]})
+        assert (
+            "adapter 'wrong-low' (transformer_2) does not fit Wan2.2"
+            in (info.value.body["message"])
+        )
+        assert info.value.body["param"] == "lora[0]"
+    finally:
+        shutil.rmtree(root / "wrong-low")
+
+
 def test_models_list_adapters_and_runtime_load_unload(shared_edit_server):
     server = shared_edit_server
     cards = models(server)

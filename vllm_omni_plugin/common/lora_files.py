@@ -7,6 +7,11 @@ file) with, per adapted linear, `transformer.<module>.lora_A.weight` [rank, in] 
 (`lora_alpha / sqrt(r)` with `use_rslora`) from diffusers' `lora_adapter_metadata` in the
 file's header, else 1 (diffusers' rule without alphas: alpha = rank).
 
+A model with a second expert (Wan2.2: `transformer_2`, the low-noise expert) takes that
+expert's file from the adapter's `transformer_2/` sub-folder, in the same format (what
+diffusers' `load_lora_weights(folder / "transformer_2", load_into_transformer_2=True)` reads);
+an adapter holds either expert's file or both.
+
 `read_adapter` checks the header only (names, shapes, dtypes, metadata): cheap enough for the
 API server to run on every request and load (against the target linears the diffusion stage
 announced); the stage checks again before `load_tensors` reads the weights. A leaf module (no
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+SECOND_EXPERT = "transformer_2"  # the sub-folder (and diffusers' component) of a second expert
 PREFIX = "transformer."
 METADATA_KEY = "lora_adapter_metadata"
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
@@ -46,17 +52,29 @@ class LoraError(ValueError):
 
 
 @dataclass(frozen=True)
-class AdapterFile:
-    """One adapter's checked header: where it is, and per target module (rank, scaling)."""
+class ExpertFile:
+    """One expert's weights file of an adapter, checked: per target module (rank, scaling)."""
 
-    folder: Path
     weights: Path
     modules: dict[str, tuple[int, float]]
     stamp: tuple[int, int]  # (mtime_ns, size) of the weights when checked
 
+
+@dataclass(frozen=True)
+class AdapterFile:
+    """One adapter's checked headers: where it is, and per expert (`transformer`, then
+    `transformer_2` where the model has one) its file, or None where it adapts not that one."""
+
+    folder: Path
+    experts: tuple[ExpertFile | None, ...]
+
+    @property
+    def stamp(self) -> tuple[tuple[int, int] | None, ...]:
+        return tuple(e.stamp if e is not None else None for e in self.experts)
+
     @property
     def rank(self) -> int:
-        return max(r for r, _ in self.modules.values())
+        return max(r for e in self.experts if e is not None for r, _ in e.modules.values())
 
 
 def resolve_folder(root: str | Path, path: str) -> Path:
@@ -74,11 +92,16 @@ def resolve_folder(root: str | Path, path: str) -> Path:
     return folder
 
 
-def weight_file(folder: Path) -> Path:
-    """`pytorch_lora_weights.safetensors`, else the folder's only .safetensors file."""
+def weight_file(folder: Path, adapter: Path | None = None) -> Path | None:
+    """`pytorch_lora_weights.safetensors`, else the folder's only .safetensors file; None where
+    the folder holds none. `adapter`: the adapter's folder (default `folder`), which a link may
+    not leave."""
+    adapter = folder if adapter is None else adapter
     path = folder / WEIGHT_NAME
     if not path.is_file():
         found = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+        if not found:
+            return None
         if len(found) != 1:
             raise LoraError(
                 f"adapter folder {folder.name!r} must hold {WEIGHT_NAME} (diffusers' LoRA "
@@ -86,7 +109,7 @@ def weight_file(folder: Path) -> Path:
             )
         path = found[0]
     real = path.resolve()
-    if real.parent != folder:  # a link out of the folder is a path outside the directory
+    if adapter not in real.parents:  # a link out of the folder is a path outside the directory
         raise LoraError(f"{path.name} in {folder.name!r} links outside its folder")
     return real
 
@@ -153,12 +176,45 @@ def _scaling(meta: dict[str, str], ranks: dict[str, int], where: str) -> dict[st
 
 
 def read_adapter(
-    folder: Path, targets: dict[str, tuple[int, int]], max_rank: int, family: str
+    folder: Path,
+    targets: dict[str, tuple[int, int]],
+    max_rank: int,
+    family: str,
+    second_targets: dict[str, tuple[int, int]] | None = None,
 ) -> AdapterFile:
-    """Check an adapter's header against the transformer's target linears (name -> (in, out))
-    and the stage's max_rank; nothing is loaded. LoraError says what does not fit."""
-    path = weight_file(folder)
+    """Check an adapter's headers against the transformer's target linears (name -> (in, out);
+    `second_targets`: the second expert's, where the model has one) and the stage's max_rank;
+    nothing is loaded. LoraError says what does not fit."""
     where = f"adapter {folder.name!r}"
+    sub = folder / SECOND_EXPERT
+    experts: list[ExpertFile | None] = []
+    first = weight_file(folder)
+    experts.append(None if first is None else _read_file(first, where, targets, max_rank, family))
+    if second_targets is not None:
+        second = weight_file(sub, folder) if sub.is_dir() else None
+        experts.append(
+            None
+            if second is None
+            else _read_file(second, f"{where} ({SECOND_EXPERT})", second_targets, max_rank, family)
+        )
+    elif sub.is_dir():
+        raise LoraError(
+            f"{where} holds {SECOND_EXPERT}/ (a second expert's adapter); {family} here has "
+            "one transformer"
+        )
+    if all(e is None for e in experts):
+        found = sorted(p.name for p in folder.iterdir())
+        also = f" or {SECOND_EXPERT}/{WEIGHT_NAME}" if second_targets is not None else ""
+        raise LoraError(
+            f"adapter folder {folder.name!r} must hold {WEIGHT_NAME}{also} (diffusers' LoRA "
+            f"format), found {found}"
+        )
+    return AdapterFile(folder, tuple(experts))
+
+
+def _read_file(
+    path: Path, where: str, targets: dict[str, tuple[int, int]], max_rank: int, family: str
+) -> ExpertFile:
     stamp = _stamp(path)
     tensors, meta = _header(path)
     if not tensors:
@@ -202,29 +258,35 @@ def read_adapter(
             raise LoraError(f"{where}: {module} has rank 0")
         ranks[module] = rank
     scaling = _scaling(meta, ranks, where)
-    return AdapterFile(folder, path, {m: (ranks[m], scaling[m]) for m in ranks}, stamp)
+    return ExpertFile(path, {m: (ranks[m], scaling[m]) for m in ranks}, stamp)
 
 
 def load_tensors(
     adapter: AdapterFile, device: Any, dtype: Any
-) -> dict[str, tuple[Any, Any, float]]:
-    """module -> (lora_A, lora_B, scaling) on `device` in `dtype`; the file must be the one
-    that was checked (same size and modification time), else LoraError."""
+) -> tuple[dict[str, tuple[Any, Any, float]], ...]:
+    """Per expert, module -> (lora_A, lora_B, scaling) on `device` in `dtype` (empty where the
+    adapter adapts not that expert); the files must be the ones that were checked (same size
+    and modification time), else LoraError."""
+    return tuple(
+        {} if e is None else _load_expert(adapter.folder.name, e, device, dtype)
+        for e in adapter.experts
+    )
+
+
+def _load_expert(name: str, expert: ExpertFile, device: Any, dtype: Any) -> dict:
     from safetensors.torch import load_file
 
-    if _stamp(adapter.weights) != adapter.stamp:
-        raise LoraError(f"adapter {adapter.folder.name!r} changed on disk since it was checked")
+    if _stamp(expert.weights) != expert.stamp:
+        raise LoraError(f"adapter {name!r} changed on disk since it was checked")
     try:
-        tensors = load_file(str(adapter.weights), device="cpu")
+        tensors = load_file(str(expert.weights), device="cpu")
     except Exception as exc:  # a truncated or corrupt body
-        raise LoraError(
-            f"adapter {adapter.folder.name!r}: cannot read its weights: {exc}"
-        ) from None
+        raise LoraError(f"adapter {name!r}: cannot read its weights: {exc}") from None
     out = {}
-    for module, (rank, scaling) in adapter.modules.items():
+    for module, (rank, scaling) in expert.modules.items():
         a = tensors[PREFIX + module + A_SUFFIX]
         b = tensors[PREFIX + module + B_SUFFIX]
         if a.shape[0] != rank or b.shape[1] != rank:
-            raise LoraError(f"adapter {adapter.folder.name!r} changed on disk since it was checked")
+            raise LoraError(f"adapter {name!r} changed on disk since it was checked")
         out[module] = (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), scaling)
     return out

@@ -135,6 +135,10 @@ def finish_form_fields(data: dict[str, Any]) -> None:
     data["lora"] = list(items)
 
 
+def _targets(raw: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    return {k: (int(v[0]), int(v[1])) for k, v in raw.items()}
+
+
 class LoraRegistry:
     """The adapters served by one final diffusion stage (its announced `lora` facts)."""
 
@@ -143,14 +147,17 @@ class LoraRegistry:
         self.max_loaded = int(facts["max_loaded"])
         self.max_rank = int(facts["max_rank"])
         self.family = str(facts["family"])
-        self.targets = {k: (int(v[0]), int(v[1])) for k, v in facts["targets"].items()}
+        self.targets = _targets(facts["targets"])
+        # Wan2.2's low-noise expert (`transformer_2`): None where the model has one transformer.
+        second = facts.get("targets_2")
+        self.second_targets = None if second is None else _targets(second)
         self._loaded: dict[str, str] = {}  # loaded at run time: name -> folder under root
         self._unloaded: set[str] = set()  # folders of root unloaded at run time
         self._lock = threading.Lock()
 
     def _check(self, path: str) -> Path:
         folder = resolve_folder(self.root, path)
-        read_adapter(folder, self.targets, self.max_rank, self.family)
+        read_adapter(folder, self.targets, self.max_rank, self.family, self.second_targets)
         return folder
 
     def path_of(self, name: str) -> str | None:

@@ -59,6 +59,9 @@ class DiffusionAdapter(ABC):
     # LoRA: the transformer modules adapters may adapt, as module-name prefixes (every nn.Linear
     # under one of them); empty: the family takes no LoRA (a stage with `lora` refuses to start).
     lora_targets: ClassVar[tuple[str, ...]] = ()
+    # The pipeline's transformers adapters adapt, in expert order (diffusers' LoRA-loadable
+    # denoisers; Wan2.2: `transformer`, then `transformer_2`, the low-noise expert).
+    lora_experts: ClassVar[tuple[str, ...]] = ("transformer",)
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         self.pipe = pipe
@@ -71,6 +74,11 @@ class DiffusionAdapter(ABC):
         self.step_cache: Any = None
         # The engine's LoraStore (lora/store.py) when the stage serves LoRA adapters.
         self.lora: Any = None
+
+    def lora_models(self) -> list[torch.nn.Module]:
+        """The transformers of `lora_experts` this checkpoint has (Wan2.1: no `transformer_2`)."""
+        found = [getattr(self.pipe, name, None) for name in self.lora_experts]
+        return [m for m in found if m is not None]
 
     def cached_models(self) -> list[torch.nn.Module]:
         """The transformers whose blocks the step cache wraps (Wan2.2: both experts)."""
@@ -205,7 +213,7 @@ class DiffusionAdapter(ABC):
         row groups in order, (state, "cond" or "uncond", rows); with LoRA, each row gets its
         request's adapters."""
         if self.lora is not None:
-            with self.lora.rows(rows):
+            with self.lora.rows(rows, expert):
                 return model(**kwargs)
         if self.step_cache is None:
             return model(**kwargs)

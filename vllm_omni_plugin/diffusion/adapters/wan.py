@@ -49,9 +49,11 @@ class WanAdapter(DiffusionAdapter):
     pipeline_class = "WanPipeline"
     family = "Wan2.2"
     knobs = FAMILY_KNOBS["Wan2.2"]
-    # The blocks of `transformer` (Wan2.2: the high-noise expert), where diffusers'
-    # `load_lora_weights` puts an adapter by default; `transformer_2` runs without it.
+    # The blocks of each expert: `transformer` (Wan2.2: the high-noise expert) from the
+    # adapter's file, `transformer_2` (the low-noise expert) from its `transformer_2/` file,
+    # as diffusers' `load_lora_weights(..., load_into_transformer_2=True)` loads it.
     lora_targets = ("blocks",)
+    lora_experts = ("transformer", "transformer_2")
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

@@ -39,6 +39,11 @@ class ZImageAdapter(DiffusionAdapter):
     family = "Z-Image"
     knobs = FAMILY_KNOBS["Z-Image"]
     unsupported = {"guidance_scale": NO_CFG, "negative_prompt": NO_CFG}  # noqa: RUF012 - read only
+    # LoRA: every linear of the main layers, the two refiners, the timestep embedder and the
+    # final layer, whose inputs have one row per image. Not the patch and caption embedders
+    # (`all_x_embedder`, `cap_embedder`): they take every image's tokens concatenated in one
+    # row, so one request's adapter cannot be told from another's there (refused, not ignored).
+    lora_targets = ("layers", "noise_refiner", "context_refiner", "t_embedder", "all_final_layer")
 
     def __init__(self, pipe, device, dtype, defaults) -> None:
         super().__init__(pipe, device, dtype, defaults)

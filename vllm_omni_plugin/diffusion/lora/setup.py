@@ -68,7 +68,7 @@ def build_store(config: Any, adapter: Any, device: Any, dtype: Any) -> LoraStore
         raise DiffusionEngineError(f"lora cannot be combined with {why}")
     try:
         return LoraStore(
-            adapter.pipe.transformer,
+            adapter.lora_models(),
             prefixes,
             root=root,
             max_loaded=max_loaded,

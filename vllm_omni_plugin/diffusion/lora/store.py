@@ -6,7 +6,9 @@
   pinned while it runs. At most `max_loaded` adapters are resident; an unpinned one is evicted
   least recently used first. A request whose adapters cannot all be made resident now (every
   slot pinned by running requests) waits in the queue; `release` unpins when it leaves.
-* `rows` (each transformer forward): the plan the wrapped linears read (layers.py).
+* `rows` (each transformer forward): the plan the wrapped linears read (layers.py), with the
+  weights of the expert that forward runs (Wan2.2: `transformer`, then `transformer_2`; an
+  adapter without weights for that expert leaves its rows plain there).
 
 Resident adapters are keyed by folder and file stamp, so an adapter replaced on disk (or
 unloaded and loaded again from changed files) is loaded afresh.
@@ -37,21 +39,24 @@ class CheckedLora:
     file: AdapterFile
 
     @property
-    def key(self) -> tuple[str, tuple[int, int]]:
+    def key(self) -> tuple[str, tuple]:
         return str(self.file.folder), self.file.stamp
 
 
 @dataclass(eq=False)
 class Resident:
-    key: tuple[str, tuple[int, int]]
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    key: tuple[str, tuple]
+    # per expert: module -> (lora_A, lora_B, scaling); empty where it adapts not that expert
+    weights: tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float]], ...]
     pins: int = 0
 
 
 class LoraStore:
+    """`models`: the transformers adapters adapt, in expert order (one, or Wan2.2's two)."""
+
     def __init__(
         self,
-        model: torch.nn.Module,
+        models: list[torch.nn.Module],
         prefixes: tuple[str, ...],
         *,
         root: str,
@@ -68,8 +73,10 @@ class LoraStore:
         self.device = device
         self.dtype = dtype
         self.plan: RowPlan | None = None
-        self.targets = install(model, prefixes, self)
-        self._resident: OrderedDict[tuple[str, tuple[int, int]], Resident] = OrderedDict()
+        # Each expert's wrapped linears read the same plan: one forward runs one expert.
+        self.expert_targets = [install(m, prefixes, self) for m in models]
+        self.targets = self.expert_targets[0]
+        self._resident: OrderedDict[tuple[str, tuple], Resident] = OrderedDict()
         self._pinned: dict[str, list[Resident]] = {}
         self._lock = threading.Lock()
         self._plan_tensors: dict[tuple, torch.Tensor] = {}
@@ -77,13 +84,21 @@ class LoraStore:
 
     def facts(self) -> dict[str, Any]:
         """What the API server checks adapters and requests against (StageInfo.lora)."""
-        return {
+        out = {
             "dir": self.root,
             "max_loaded": self.max_loaded,
             "max_rank": self.max_rank,
             "family": self.family,
             "targets": {k: list(v) for k, v in self.targets.items()},
         }
+        if self.second_targets is not None:
+            out["targets_2"] = {k: list(v) for k, v in self.second_targets.items()}
+        return out
+
+    @property
+    def second_targets(self) -> dict[str, tuple[int, int]] | None:
+        """The second expert's target linears (Wan2.2's `transformer_2`), None with one."""
+        return self.expert_targets[1] if len(self.expert_targets) > 1 else None
 
     # ---- requests ----------------------------------------------------------------------
     def check(self, items: list[tuple[LoraRef, str]]) -> tuple[CheckedLora, ...]:
@@ -96,7 +111,12 @@ class LoraStore:
         for ref, path in items:
             folder = resolve_folder(self.root, path)
             out.append(
-                CheckedLora(ref, read_adapter(folder, self.targets, self.max_rank, self.family))
+                CheckedLora(
+                    ref,
+                    read_adapter(
+                        folder, self.targets, self.max_rank, self.family, self.second_targets
+                    ),
+                )
             )
         return tuple(out)
 
@@ -155,13 +175,16 @@ class LoraStore:
         return found
 
     @contextmanager
-    def rows(self, rows: list[tuple[Any, Any, int]]) -> Iterator[None]:
-        """The plan of one forward: `rows` are its row groups in batch order, (request state,
-        tag, rows); a state's `lora` holds its pinned (Resident, scale) pairs."""
+    def rows(self, rows: list[tuple[Any, Any, int]], expert: int = 0) -> Iterator[None]:
+        """The plan of one forward of `expert` (0: `transformer`, 1: `transformer_2`): `rows`
+        are its row groups in batch order, (request state, tag, rows); a state's `lora` holds
+        its pinned (Resident, scale) pairs."""
         groups: dict[int, tuple[Resident, list[int], list[float]]] = {}
         lo = 0
         for state, _tag, n in rows:
             for resident, scale in getattr(state, "lora", None) or ():
+                if not resident.weights[expert]:
+                    continue  # this adapter adapts not this expert
                 entry = groups.setdefault(id(resident), (resident, [], []))
                 entry[1].extend(range(lo, lo + n))
                 entry[2].extend([scale] * n)
@@ -175,7 +198,7 @@ class LoraStore:
             uniform = all(s == scales[0] for s in scales)
             plan.groups.append(
                 AdapterRows(
-                    resident.weights,
+                    resident.weights[expert],
                     None if contiguous else self._on_device(index, torch.long),
                     float(scales[0]) if uniform else self._on_device(scales, torch.float32),
                     (index[0], index[-1] + 1) if contiguous else None,
