@@ -22,6 +22,8 @@ from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, G
 from vllm_omni_plugin.diffusion.errors import DiffusionEngineError, RequestValidationError
 from vllm_omni_plugin.diffusion.lora.tiny import build_tiny_lora
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 SIZE = 64
 STEPS = 2
 
