@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-
-
-def mean_abs_diff(a, b) -> float:
-    """Mean absolute pixel difference of two PIL images on the 0-255 scale."""
-    x = np.asarray(a, dtype=np.float64)
-    y = np.asarray(b, dtype=np.float64)
-    assert x.shape == y.shape, (x.shape, y.shape)
-    return float(np.abs(x - y).mean())
+from family_helpers import mean_abs_diff
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ as FLUX.1-dev), alone, batched with joins, and with true CFG from the stage defa
 from __future__ import annotations
 
 import pytest
-import torch
+from family_helpers import check_images, reference_pipeline, seeded, square_request, tiny_engine
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 
@@ -18,16 +18,14 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=4))
+    return tiny_engine(model_dir)
 
 
 @pytest.fixture(scope="module")
 def pipe(model_dir):
     from diffusers import FluxPipeline
 
-    p = FluxPipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(FluxPipeline, model_dir)
 
 
 def reference(pipe, r: GenerationRequest, true_cfg_scale: float = 1.0):
@@ -40,21 +38,13 @@ def reference(pipe, r: GenerationRequest, true_cfg_scale: float = 1.0):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
     ).images
 
 
 def req(rid, prompt, seed, steps=2, guidance=3.5, n=1, negative=None):
-    return GenerationRequest(
-        rid,
-        prompt,
-        negative_prompt=negative,
-        n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        seed=seed,
+    return square_request(
+        rid, prompt, SIZE, seed, steps, negative_prompt=negative, n=n, guidance_scale=guidance
     )
 
 
@@ -65,7 +55,7 @@ def test_alone_matches_diffusers(engine, pipe, pixel_diff):
     assert pixel_diff(out.images[0], reference(pipe, r)[0]) <= 1.0
 
 
-def test_batched_with_joins_and_batch_limit(engine, pipe, pixel_diff, staggered):
+def test_batched_with_joins_and_batch_limit(engine, pipe, staggered):
     first = [req("f0", "a red cube", seed=0, steps=3), req("f1", "a cat", seed=1, guidance=5.0)]
     later = [
         req("f2", "the cat with a cube", seed=2, steps=4),
@@ -76,11 +66,7 @@ def test_batched_with_joins_and_batch_limit(engine, pipe, pixel_diff, staggered)
     sizes = [o.metrics["max_batch"] for o in results.values()]
     assert max(sizes) <= 4  # max_batch_size honoured
     assert max(sizes) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        for got, want in zip(out.images, reference(pipe, r), strict=True):
-            assert pixel_diff(got, want) <= 1.0, r.request_id
+    check_images(results, first + later, lambda r: reference(pipe, r))
 
 
 def test_true_cfg_from_stage_defaults(model_dir, pipe, pixel_diff):

@@ -8,10 +8,15 @@ reference from a used one."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
+from family_helpers import (
+    check_images,
+    noise_picture,
+    reference_pipeline,
+    seeded,
+    square_request,
+    tiny_engine,
+)
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
@@ -32,25 +37,14 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return DiffusionEngine(
-        DiffusionEngineConfig(
-            model=str(model_dir), max_batch_size=4, min_height=SIZE, min_width=SIZE
-        )
-    )
+    return tiny_engine(model_dir, min_size=SIZE)
 
 
 @pytest.fixture(scope="module")
 def pipe(model_dir):
     from diffusers import Flux2KleinPipeline
 
-    p = Flux2KleinPipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
-
-
-def picture(seed: int, width: int, height: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+    return reference_pipeline(Flux2KleinPipeline, model_dir)
 
 
 def reference(pipe, r: GenerationRequest):
@@ -62,30 +56,14 @@ def reference(pipe, r: GenerationRequest):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
     ).images
 
 
 def req(rid, prompt, seed, steps=2, guidance=4.0, n=1, images=()):
-    return GenerationRequest(
-        rid,
-        prompt,
-        n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        seed=seed,
-        input_images=list(images),
+    return square_request(
+        rid, prompt, SIZE, seed, steps, n=n, guidance_scale=guidance, input_images=list(images)
     )
-
-
-def check(results, pipe, pixel_diff, requests, tolerance=1.0):
-    for r in requests:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        for got, want in zip(out.images, reference(pipe, r), strict=True):
-            assert pixel_diff(got, want) <= tolerance, r.request_id
 
 
 def test_text_to_image_batched_with_joins_and_cfg(engine, pipe, pixel_diff, staggered):
@@ -94,7 +72,7 @@ def test_text_to_image_batched_with_joins_and_cfg(engine, pipe, pixel_diff, stag
     later = [req("k2", "a photo of the cat", seed=2, guidance=1.0, n=2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(o.metrics["max_batch"] for o in results.values()) >= 2
-    check(results, pipe, pixel_diff, first + later)
+    check_images(results, first + later, lambda r: reference(pipe, r))
     assert pixel_diff(results["k1"].images[0], results["k2"].images[0]) > 1.0  # not vacuous
 
 
@@ -102,13 +80,13 @@ def test_edits_with_reference_images_batched(engine, pipe, pixel_diff, staggered
     """Two edits with CFG whose references crop to the same 64x64 share forwards (their
     empty-prompt rows carry the references too); a 2-image edit without CFG runs beside."""
     first = [
-        req("e0", "a red cube", seed=3, images=[picture(1, 64, 72)]),
-        req("e1", "a cat", seed=4, images=[picture(2, 72, 64)]),
+        req("e0", "a red cube", seed=3, images=[noise_picture(1, 64, 72)]),
+        req("e1", "a cat", seed=4, images=[noise_picture(2, 72, 64)]),
     ]
-    later = [req("e2", "make it red", seed=5, guidance=1.0, images=[picture(3, 64, 64)] * 2)]
+    later = [req("e2", "make it red", seed=5, guidance=1.0, images=[noise_picture(3, 64, 64)] * 2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert results["e0"].metrics["max_batch"] == 2  # e0 and e1: same reference size 64x64
-    check(results, pipe, pixel_diff, first + later, EDIT_TOLERANCE)
+    check_images(results, first + later, lambda r: reference(pipe, r), EDIT_TOLERANCE)
     # Not vacuous: without its references the same request gives a farther image.
     for r in (first[0], later[0]):
         plain = reference(pipe, req("plain", r.prompt, seed=r.seed, guidance=r.guidance_scale))[0]
@@ -120,10 +98,10 @@ def test_refused_fields(engine):
         engine.validate(GenerationRequest("neg", "a cat", negative_prompt="blur"))
     assert info.value.field == "negative_prompt"
     with pytest.raises(RequestValidationError) as info:  # diffusers' own check: >= 64 px
-        engine.validate(req("small", "a cat", seed=0, images=[picture(0, 32, 64)]))
+        engine.validate(req("small", "a cat", seed=0, images=[noise_picture(0, 32, 64)]))
     assert info.value.field == "image"
     with pytest.raises(RequestValidationError) as info:
-        engine.validate(req("many", "a cat", seed=0, images=[picture(0, 64, 64)] * 5))
+        engine.validate(req("many", "a cat", seed=0, images=[noise_picture(0, 64, 64)] * 5))
     assert info.value.field == "image"
 
 
@@ -144,19 +122,14 @@ def test_step_distilled_checkpoint_runs_without_cfg(model_dir, tmp_path, pixel_d
     engine = DiffusionEngine(
         DiffusionEngineConfig(model=str(distilled), min_height=SIZE, min_width=SIZE)
     )
-    r = GenerationRequest("d", "a red cube", height=SIZE, width=SIZE, num_inference_steps=2, seed=9)
+    r = square_request("d", "a red cube", SIZE, seed=9, steps=2)
     assert not engine.adapter.uses_cfg(engine.validate(r))
     with pytest.raises(RequestValidationError) as info:
         engine.validate(req("g", "a cat", seed=0, guidance=4.0))
     assert info.value.field == "guidance_scale"
     (out,) = engine.generate([r])
-    pipe = Flux2KleinPipeline.from_pretrained(str(distilled))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = reference_pipeline(Flux2KleinPipeline, distilled)
     want = pipe(
-        prompt=r.prompt,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=2,
-        generator=torch.Generator("cpu").manual_seed(9),
+        prompt=r.prompt, height=SIZE, width=SIZE, num_inference_steps=2, generator=seeded(9)
     ).images[0]
     assert pixel_diff(out.images[0], want) <= 1.0

@@ -14,14 +14,21 @@ latents by ~4e-3, so the latent check sees a dropped or misplaced condition imag
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
+from family_helpers import (
+    check_final_latents,
+    latent_diff,
+    latent_keeping_engine,
+    noise_image,
+    reference_pipeline,
+    run_keeping_last_latents,
+    seeded,
+    square_request,
+)
 from PIL import Image
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.flux_kontext import FluxKontextAdapter
-from vllm_omni_plugin.diffusion.adapters.loader import load_pipeline
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
 SIZE = 64
@@ -46,20 +53,7 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    cpu = torch.device("cpu")
-    adapter = SmallKontextAdapter(
-        load_pipeline(model_dir, torch.float32, cpu), cpu, torch.float32, {}
-    )
-    engine = DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=8), adapter)
-    engine.final_latents = {}  # each request's final latents (the real decode still runs)
-    decode = adapter.decode
-
-    def keep_and_decode(states):
-        engine.final_latents.update({s.request_id: s.latents.clone() for s in states})
-        return decode(states)
-
-    adapter.decode = keep_and_decode
-    return engine
+    return latent_keeping_engine(SmallKontextAdapter, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -67,28 +61,16 @@ def pipe(model_dir):
     from diffusers import FluxKontextPipeline
     from diffusers.pipelines.flux import pipeline_flux_kontext as module
 
-    p = FluxKontextPipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
+    p = reference_pipeline(FluxKontextPipeline, model_dir)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, "PREFERRED_KONTEXT_RESOLUTIONS", list(RESOLUTIONS))
         yield p
 
 
-def source(seed: int, size=(64, 48)) -> Image.Image:
-    rs = np.random.RandomState(seed)
-    return Image.fromarray((rs.rand(size[1], size[0], 3) * 255).astype(np.uint8))
-
-
 def reference(pipe, r: GenerationRequest):
-    """diffusers' packed final latents and PIL images for the same request and seed (one run:
-    the step callback keeps the last step's latents)."""
-    kept = {}
-
-    def keep(_pipe, _i, _t, tensors):
-        kept["latents"] = tensors["latents"]
-        return {}
-
-    images = pipe(
+    """diffusers' packed final latents and PIL images for the same request and seed."""
+    return run_keeping_last_latents(
+        pipe,
         r.input_images[0] if r.input_images else None,
         r.prompt,
         negative_prompt=r.negative_prompt,
@@ -99,62 +81,53 @@ def reference(pipe, r: GenerationRequest):
         max_area=SIZE * SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
-        callback_on_step_end=keep,
-    ).images
-    return kept["latents"], images
-
-
-def latent_diff(engine, r: GenerationRequest, pipe) -> float:
-    return float((engine.final_latents[r.request_id] - reference(pipe, r)[0]).abs().max())
+        generator=seeded(r.seed),
+    )
 
 
 def req(rid, prompt, image, seed, steps=2, negative=None, n=1, cfg=None, guidance=3.5):
-    return GenerationRequest(
+    return square_request(
         rid,
         prompt,
+        SIZE,
+        seed,
+        steps,
         negative_prompt=negative,
         n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
         guidance_scale=guidance,
-        seed=seed,
         input_images=[] if image is None else [image],
         knobs={} if cfg is None else {"true_cfg_scale": cfg},
     )
 
 
 def test_alone_matches_diffusers(engine, pipe, pixel_diff):
-    r = req("alone", "make it red", source(0), seed=7, negative="blurry", cfg=2.0)  # true CFG
+    r = req("alone", "make it red", noise_image(0), seed=7, negative="blurry", cfg=2.0)  # true CFG
     (out,) = engine.generate([r])
     assert out.error is None, out.error
     assert out.images[0].size == (SIZE, SIZE)
     latents, images = reference(pipe, r)
-    assert float((engine.final_latents[r.request_id] - latents).abs().max()) <= LATENT_TOLERANCE
+    assert latent_diff(engine, r, latents) <= LATENT_TOLERANCE
     assert pixel_diff(out.images[0], images[0]) <= TOLERANCE
 
 
 def test_batched_with_joins_matches_diffusers(engine, pipe, staggered):
     first = [  # fresh together; source images 64x48 -> 64x64 and 32x64 -> 48x96 here
-        req("b0", "a red cube", source(1), seed=1, steps=3),
-        req("b1", "a cat", source(2, size=(32, 64)), seed=2, negative="blurry", cfg=3.0),
+        req("b0", "a red cube", noise_image(1), seed=1, steps=3),
+        req("b1", "a cat", noise_image(2, size=(32, 64)), seed=2, negative="blurry", cfg=3.0),
     ]
     later = [
-        req("b3", "a photo of a cube", source(1), seed=4, n=2, guidance=5.0),
+        req("b3", "a photo of a cube", noise_image(1), seed=4, n=2, guidance=5.0),
         req("b4", "red", None, seed=5),  # no source image: FLUX.1 text-to-image
     ]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        assert len(out.images) == r.n and out.images[0].size == (SIZE, SIZE)
-        assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE, r.request_id
+    check_final_latents(
+        engine, results, first + later, lambda r: reference(pipe, r)[0], LATENT_TOLERANCE, SIZE
+    )
     # The source image matters: same prompt and seed, another image, other latents.
-    engine.generate([req("o", "a photo of a cube", source(6), seed=4)])
-    moved = engine.final_latents["o"] - engine.final_latents["b3"][:1]
-    assert float(moved.abs().max()) > 10 * LATENT_TOLERANCE
+    other = req("o", "a photo of a cube", noise_image(6), seed=4)
+    engine.generate([other])
+    assert latent_diff(engine, other, engine.final_latents["b3"][:1]) > 10 * LATENT_TOLERANCE
 
 
 def test_two_images_or_a_mask_are_refused(engine):
@@ -166,8 +139,8 @@ def test_two_images_or_a_mask_are_refused(engine):
     assert (topology.max_input_images, topology.requires_input_image) == (1, False)
     assert FluxKontextAdapter.max_input_images == 1 and not topology.accepts_mask
     for bad in (
-        GenerationRequest("two", "x", input_images=[source(0), source(1)]),
-        GenerationRequest("m", "x", input_images=[source(0)], mask=Image.new("L", (64, 48))),
+        GenerationRequest("two", "x", input_images=[noise_image(0), noise_image(1)]),
+        GenerationRequest("m", "x", input_images=[noise_image(0)], mask=Image.new("L", (64, 48))),
     ):
         with pytest.raises(RequestValidationError) as info:
             engine.validate(bad)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_helpers import check_images, reference_pipeline, seeded, square_request
 
 from vllm_omni_plugin.diffusion import (
     DiffusionEngine,
@@ -28,9 +29,7 @@ def model_dir(tiny_models):
 def pipe(model_dir):
     from diffusers import GlmImagePipeline
 
-    p = GlmImagePipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(GlmImagePipeline, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def engine(model_dir):
 
 def prior_ids(pipe, prompt: str, seed: int) -> torch.Tensor:
     ids, _, _ = pipe.generate_prior_tokens(
-        prompt=prompt, height=SIZE, width=SIZE, generator=torch.Generator("cpu").manual_seed(seed)
+        prompt=prompt, height=SIZE, width=SIZE, generator=seeded(seed)
     )
     return ids
 
@@ -54,7 +53,7 @@ def reference(pipe, r: GenerationRequest):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
     ).images
 
 
@@ -66,15 +65,14 @@ def priors(pipe):
 
 
 def req(priors, rid, prompt, seed, steps=2, guidance=1.5, n=1):
-    return GenerationRequest(
+    return square_request(
         rid,
         prompt,
+        SIZE,
+        seed,
+        steps,
         n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
         guidance_scale=guidance,
-        seed=seed,
         prior_token_ids=priors[seed % 2],
     )
 
@@ -103,11 +101,7 @@ def test_batched_with_joins_matches_diffusers(engine, pipe, priors, pixel_diff, 
     ]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(o.metrics["max_batch"] for o in results.values()) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        for got, want in zip(out.images, reference(pipe, r), strict=True):
-            assert pixel_diff(got, want) <= 1.0, r.request_id
+    check_images(results, first + later, lambda r: reference(pipe, r))
     assert pixel_diff(results["g0"].images[0], results["g3"].images[0]) > 1.0
 
 

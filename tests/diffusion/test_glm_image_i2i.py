@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_helpers import check_images, reference_pipeline, seeded, square_request
 
 from vllm_omni_plugin.diffusion import (
     DiffusionEngine,
@@ -47,9 +48,7 @@ def model_dir(tiny_models):
 def pipe(model_dir):
     from diffusers import GlmImagePipeline
 
-    p = GlmImagePipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(GlmImagePipeline, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +106,14 @@ def priors(pipe, sources):
 
 
 def edit(priors, sources, rid, prompt, k, seed, steps=2, guidance=1.5, n=1):
-    return GenerationRequest(
+    return square_request(
         rid,
         prompt,
+        SIZE,
+        seed,
+        steps,
         n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
         guidance_scale=guidance,
-        seed=seed,
         prior_token_ids=priors[k][0],
         input_images=[sources[k]],
     )
@@ -134,7 +132,7 @@ def reference(pipe, priors, sources, r: GenerationRequest, k: int | None):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
         **extra,
     ).images
 
@@ -168,30 +166,23 @@ def test_edit_alone_matches_diffusers(engine, pipe, priors, sources, pixel_diff)
 
 
 @pytest.mark.slow
-def test_edits_batched_with_text_to_image_match_diffusers(
-    engine, pipe, priors, sources, pixel_diff, staggered
-):
+def test_edits_batched_with_text_to_image_match_diffusers(engine, pipe, priors, sources, staggered):
     """Two edits (other sources, other guidance, n=2) and a text-to-image request of the same
     size share engine steps, joining at different steps; each equals its own reference."""
-    t2i = GenerationRequest(
-        "t2i",
-        "a red cube",
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=3,
-        guidance_scale=1.5,
-        seed=5,
-        prior_token_ids=priors[1][0],
+    t2i = square_request(
+        "t2i", "a red cube", SIZE, seed=5, steps=3, guidance_scale=1.5, prior_token_ids=priors[1][0]
     )
     first = [edit(priors, sources, "e0", "a red cube", 0, seed=0, steps=3), t2i]
     later = [edit(priors, sources, "e1", "a blue ball", 1, seed=1, steps=2, guidance=2.5, n=2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(o.metrics["max_batch"] for o in results.values()) >= 3
-    for r, k in ((first[0], 0), (t2i, None), (later[0], 1)):
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        for got, want in zip(out.images, reference(pipe, priors, sources, r, k), strict=True):
-            assert pixel_diff(got, want) <= TOLERANCE, r.request_id
+    source_of = {"e0": 0, "t2i": None, "e1": 1}  # request id -> index of its source image
+    check_images(
+        results,
+        [first[0], t2i, later[0]],
+        lambda r: reference(pipe, priors, sources, r, source_of[r.request_id]),
+        TOLERANCE,
+    )
 
 
 def test_unusable_source_is_a_validation_error(engine, priors):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from family_helpers import check_images, reference_pipeline, seeded, square_request, tiny_engine
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion import GenerationRequest
 
 SIZE = 64
 
@@ -17,20 +17,18 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=8))
+    return tiny_engine(model_dir, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")
 def pipe(model_dir):
     from diffusers import QwenImagePipeline
 
-    p = QwenImagePipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(QwenImagePipeline, model_dir)
 
 
 def reference(pipe, r: GenerationRequest):
-    out = pipe(
+    return pipe(
         r.prompt,
         negative_prompt=r.negative_prompt,
         true_cfg_scale=r.knobs.get("true_cfg_scale", 4.0),  # diffusers' default, and ours
@@ -38,23 +36,21 @@ def reference(pipe, r: GenerationRequest):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
-    )
-    return out.images
+        generator=seeded(r.seed),
+    ).images
 
 
 def req(rid, prompt, seed, steps=2, negative=None, cfg=None, n=1):
     """`cfg`: the request's true_cfg_scale (a guidance_scale is refused: this tiny model is not
     guidance-distilled, so diffusers would ignore it)."""
-    return GenerationRequest(
+    return square_request(
         rid,
         prompt,
+        SIZE,
+        seed,
+        steps,
         negative_prompt=negative,
         n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        seed=seed,
         knobs={} if cfg is None else {"true_cfg_scale": cfg},
     )
 
@@ -80,13 +76,7 @@ def test_batched_with_joins_matches_diffusers(engine, pipe, pixel_diff, staggere
     ]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        ref = reference(pipe, r)
-        assert len(out.images) == r.n
-        for got, want in zip(out.images, ref, strict=True):
-            assert pixel_diff(got, want) <= 1.0, r.request_id
+    check_images(results, first + later, lambda r: reference(pipe, r))
     # Different seeds/prompts give different pictures (the comparison is not vacuous).
     assert pixel_diff(results["b1"].images[0], results["b2"].images[0]) > 1.0
 

@@ -19,11 +19,19 @@ import io
 
 import numpy as np
 import pytest
-import torch
+from family_helpers import (
+    check_final_latents,
+    latent_diff,
+    latent_keeping_engine,
+    noise_image,
+    reference_pipeline,
+    run_keeping_last_latents,
+    seeded,
+    square_request,
+)
 from PIL import Image
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
-from vllm_omni_plugin.diffusion.adapters.loader import load_pipeline
+from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import (
     QwenImageEditAdapter,
     load_processor,
@@ -47,20 +55,7 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    cpu = torch.device("cpu")
-    pipe = load_pipeline(model_dir, torch.float32, cpu, skip=QwenImageEditAdapter.skip_components)
-    adapter = SmallConditionAdapter(pipe, cpu, torch.float32, {})
-    engine = DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=8), adapter)
-    # Keep each request's final latents (the real decode still runs on them).
-    engine.final_latents = {}
-    decode = adapter.decode
-
-    def keep_and_decode(states):
-        engine.final_latents.update({s.request_id: s.latents.clone() for s in states})
-        return decode(states)
-
-    adapter.decode = keep_and_decode
-    return engine
+    return latent_keeping_engine(SmallConditionAdapter, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -68,24 +63,19 @@ def pipe(model_dir):
     from diffusers import QwenImageEditPipeline
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
 
-    p = QwenImageEditPipeline.from_pretrained(
-        str(model_dir), processor=load_processor(model_dir / "processor")
+    p = reference_pipeline(
+        QwenImageEditPipeline, model_dir, processor=load_processor(model_dir / "processor")
     )
-    p.set_progress_bar_config(disable=True)
     original = module.calculate_dimensions
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, "calculate_dimensions", lambda _area, ratio: original(AREA, ratio))
         yield p
 
 
-def source(seed: int, size=(64, 48)) -> Image.Image:
-    rs = np.random.RandomState(seed)
-    return Image.fromarray((rs.rand(size[1], size[0], 3) * 255).astype(np.uint8))
-
-
-def reference(pipe, r: GenerationRequest, output_type: str = "latent"):
-    """diffusers' packed final latents (or PIL images) for the same request and seed."""
-    return pipe(
+def reference(pipe, r: GenerationRequest):
+    """diffusers' packed final latents and PIL images for the same request and seed."""
+    return run_keeping_last_latents(
+        pipe,
         r.input_images[0],
         r.prompt,
         negative_prompt=r.negative_prompt,
@@ -94,26 +84,13 @@ def reference(pipe, r: GenerationRequest, output_type: str = "latent"):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
-        output_type=output_type,
-    ).images
-
-
-def latent_diff(engine, r: GenerationRequest, pipe) -> float:
-    return float((engine.final_latents[r.request_id] - reference(pipe, r)).abs().max())
+        generator=seeded(r.seed),
+    )
 
 
 def req(rid, prompt, image, seed, steps=2, negative=None, n=1):
-    return GenerationRequest(
-        rid,
-        prompt,
-        negative_prompt=negative,
-        n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        seed=seed,
-        input_images=[image],
+    return square_request(
+        rid, prompt, SIZE, seed, steps, negative_prompt=negative, n=n, input_images=[image]
     )
 
 
@@ -123,40 +100,41 @@ def test_tiny_template_prefix_is_64_tokens_like_the_real_one(pipe):
 
 
 def test_alone_matches_diffusers(engine, pipe, pixel_diff):
-    r = req("alone", "make it red", source(0), seed=7, negative="blurry")  # true CFG on
+    r = req("alone", "make it red", noise_image(0), seed=7, negative="blurry")  # true CFG on
     (out,) = engine.generate([r])
     assert out.error is None, out.error
     assert out.images[0].size == (SIZE, SIZE)
-    assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE
-    assert pixel_diff(out.images[0], reference(pipe, r, "pil")[0]) <= TOLERANCE
+    latents, images = reference(pipe, r)
+    assert latent_diff(engine, r, latents) <= LATENT_TOLERANCE
+    assert pixel_diff(out.images[0], images[0]) <= TOLERANCE
 
 
 def test_batched_with_joins_matches_diffusers(engine, pipe, pixel_diff, staggered):
     first = [  # fresh together, with different condition sizes (64x64 and 96x32 here)
-        req("b0", "turn the cube into a cat", source(1), seed=1, steps=3),
-        req("b1", "sky", source(2, size=(64, 32)), seed=2, steps=2),
+        req("b0", "turn the cube into a cat", noise_image(1), seed=1, steps=3),
+        req("b1", "sky", noise_image(2, size=(64, 32)), seed=2, steps=2),
     ]
-    later = [req("b2", "make it blue", source(1), seed=3, steps=2, n=2)]
+    later = [req("b2", "make it blue", noise_image(1), seed=3, steps=2, n=2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        assert len(out.images) == r.n and out.images[0].size == (SIZE, SIZE)
-        assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE, r.request_id
+    check_final_latents(
+        engine, results, first + later, lambda r: reference(pipe, r)[0], LATENT_TOLERANCE, SIZE
+    )
     # The source image matters: same prompt and seed, another image, other latents.
-    engine.generate([req("o", "make it blue", source(5), seed=3)])
-    moved = engine.final_latents["o"] - engine.final_latents["b2"][:1]
-    assert float(moved.abs().max()) > 100 * LATENT_TOLERANCE
+    other = req("o", "make it blue", noise_image(5), seed=3)
+    engine.generate([other])
+    assert latent_diff(engine, other, engine.final_latents["b2"][:1]) > 100 * LATENT_TOLERANCE
 
 
 def test_requests_without_one_image_or_with_a_mask_are_refused(engine):
-    r = req("none", "x", source(0), seed=0)
+    r = req("none", "x", noise_image(0), seed=0)
     for bad, field in (
         (GenerationRequest("none", "x"), "image"),
-        (GenerationRequest("two", "x", input_images=[source(0), source(1)]), "image"),
+        (GenerationRequest("two", "x", input_images=[noise_image(0), noise_image(1)]), "image"),
         (
-            GenerationRequest("m", "x", input_images=[source(0)], mask=Image.new("L", (64, 48))),
+            GenerationRequest(
+                "m", "x", input_images=[noise_image(0)], mask=Image.new("L", (64, 48))
+            ),
             "mask",
         ),
     ):
@@ -171,7 +149,7 @@ def test_stage_decodes_the_api_servers_png(engine):
     from vllm_omni_plugin.serving.edits import to_rgb_png
     from vllm_omni_plugin.stages.diffusion_stage import _decode_png
 
-    im = source(3)
+    im = noise_image(3)
     back = _decode_png(to_rgb_png(im))
     assert back.mode == "RGB" and (np.asarray(back) == np.asarray(im)).all()
     assert io.BytesIO(to_rgb_png(im)).getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -180,13 +158,11 @@ def test_stage_decodes_the_api_servers_png(engine):
 def test_true_cfg_scale_knob_matches_diffusers(engine, pipe):
     """A request's own `true_cfg_scale`: the same final latents as diffusers given that scale
     (1e-4), other than the default's (4.0)."""
-    base = req("knob", "make it red", source(3), seed=11, negative="blurry")
+    base = req("knob", "make it red", noise_image(3), seed=11, negative="blurry")
     r = dataclasses.replace(base, knobs={"true_cfg_scale": 2.5})
     (out,) = engine.generate([r])
     assert out.error is None, out.error
-    want = reference(pipe, r)
-    got = engine.final_latents[r.request_id]
-    assert float((got - want).abs().max()) <= LATENT_TOLERANCE
+    assert latent_diff(engine, r, reference(pipe, r)[0]) <= LATENT_TOLERANCE
     (default,) = engine.generate([dataclasses.replace(r, request_id="knob0", knobs={})])
     assert default.error is None
-    assert float((got - engine.final_latents["knob0"]).abs().max()) > 100 * LATENT_TOLERANCE
+    assert latent_diff(engine, r, engine.final_latents["knob0"]) > 100 * LATENT_TOLERANCE

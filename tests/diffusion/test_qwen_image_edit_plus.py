@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
-import torch
+from family_helpers import (
+    check_final_latents,
+    latent_diff,
+    latent_keeping_engine,
+    noise_image,
+    reference_pipeline,
+    run_keeping_last_latents,
+    seeded,
+    square_request,
+)
 from PIL import Image
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
-from vllm_omni_plugin.diffusion.adapters.loader import load_pipeline
+from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import load_processor
 from vllm_omni_plugin.diffusion.adapters.qwen_image_edit_plus import QwenImageEditPlusAdapter
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
@@ -40,29 +47,16 @@ class SmallAreaAdapter(QwenImageEditPlusAdapter):
 
 
 def make_engine(model_dir):
-    cpu = torch.device("cpu")
-    pipe = load_pipeline(model_dir, torch.float32, cpu, skip=SmallAreaAdapter.skip_components)
-    adapter = SmallAreaAdapter(pipe, cpu, torch.float32, {})
-    engine = DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=8), adapter)
-    engine.final_latents = {}  # each request's final latents (the real decode still runs)
-    decode = adapter.decode
-
-    def keep_and_decode(states):
-        engine.final_latents.update({s.request_id: s.latents.clone() for s in states})
-        return decode(states)
-
-    adapter.decode = keep_and_decode
-    return engine
+    return latent_keeping_engine(SmallAreaAdapter, model_dir)
 
 
 def make_pipe(model_dir, monkeypatch):
     from diffusers import QwenImageEditPlusPipeline
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
 
-    p = QwenImageEditPlusPipeline.from_pretrained(
-        str(model_dir), processor=load_processor(model_dir / "processor")
+    p = reference_pipeline(
+        QwenImageEditPlusPipeline, model_dir, processor=load_processor(model_dir / "processor")
     )
-    p.set_progress_bar_config(disable=True)
     monkeypatch.setattr(module, "CONDITION_IMAGE_SIZE", AREA)
     monkeypatch.setattr(module, "VAE_IMAGE_SIZE", AREA)
     return p
@@ -89,21 +83,10 @@ def pipe(model_dir):
         yield make_pipe(model_dir, mp)
 
 
-def source(seed: int, size=(64, 48)) -> Image.Image:
-    rs = np.random.RandomState(seed)
-    return Image.fromarray((rs.rand(size[1], size[0], 3) * 255).astype(np.uint8))
-
-
 def reference(pipe, r: GenerationRequest):
-    """diffusers' packed final latents and PIL images for the same request and seed (one run:
-    the step callback keeps the last step's latents)."""
-    kept = {}
-
-    def keep(_pipe, _i, _t, tensors):
-        kept["latents"] = tensors["latents"]
-        return {}
-
-    images = pipe(
+    """diffusers' packed final latents and PIL images for the same request and seed."""
+    return run_keeping_last_latents(
+        pipe,
         list(r.input_images),
         r.prompt,
         negative_prompt=r.negative_prompt,
@@ -112,59 +95,50 @@ def reference(pipe, r: GenerationRequest):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
-        callback_on_step_end=keep,
-    ).images
-    return kept["latents"], images
-
-
-def latent_diff(engine, r: GenerationRequest, pipe) -> float:
-    return float((engine.final_latents[r.request_id] - reference(pipe, r)[0]).abs().max())
+        generator=seeded(r.seed),
+    )
 
 
 def req(rid, prompt, images, seed, steps=2, negative=None, n=1):
-    return GenerationRequest(
-        rid,
-        prompt,
-        negative_prompt=negative,
-        n=n,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        seed=seed,
-        input_images=list(images),
+    return square_request(
+        rid, prompt, SIZE, seed, steps, negative_prompt=negative, n=n, input_images=list(images)
     )
 
 
 def test_two_images_alone_match_diffusers(engine, pipe, pixel_diff):
-    r = req("alone", "the cat on the cube", [source(0), source(1, (32, 64))], 7, negative="blurry")
+    r = req(
+        "alone",
+        "the cat on the cube",
+        [noise_image(0), noise_image(1, (32, 64))],
+        7,
+        negative="blurry",
+    )
     (out,) = engine.generate([r])
     assert out.error is None, out.error
     assert out.images[0].size == (SIZE, SIZE)
     latents, images = reference(pipe, r)
-    assert float((engine.final_latents[r.request_id] - latents).abs().max()) <= LATENT_TOLERANCE
+    assert latent_diff(engine, r, latents) <= LATENT_TOLERANCE
     assert pixel_diff(out.images[0], images[0]) <= TOLERANCE
     # Every image counts, in order: the first alone, or the two swapped, move the latents.
     for rid, images in (("first", r.input_images[:1]), ("swap", r.input_images[::-1])):
-        engine.generate([dataclasses.replace(r, request_id=rid, input_images=images)])
-        moved = engine.final_latents[rid] - engine.final_latents["alone"]
-        assert float(moved.abs().max()) > 10 * LATENT_TOLERANCE, rid
+        other = dataclasses.replace(r, request_id=rid, input_images=images)
+        engine.generate([other])
+        moved = latent_diff(engine, other, engine.final_latents["alone"])
+        assert moved > 10 * LATENT_TOLERANCE, rid
 
 
 def test_batched_with_joins_matches_diffusers(engine, pipe, staggered):
-    two = [source(2), source(3)]
+    two = [noise_image(2), noise_image(3)]
     first = [
         req("b0", "make it red", two, seed=1, steps=3),
-        req("b1", "sky", [source(4, (64, 32))], seed=2, negative="blurry"),  # CFG, one image
+        req("b1", "sky", [noise_image(4, (64, 32))], seed=2, negative="blurry"),  # CFG, one image
     ]
     later = [req("b2", "turn the cube into a cat", two, seed=3, n=2)]  # joins b0's batch
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        assert len(out.images) == r.n and out.images[0].size == (SIZE, SIZE)
-        assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE, r.request_id
+    check_final_latents(
+        engine, results, first + later, lambda r: reference(pipe, r)[0], LATENT_TOLERANCE, SIZE
+    )
 
 
 def test_2511_zero_cond_t_batched_matches_diffusers(tmp_path, staggered):
@@ -174,7 +148,7 @@ def test_2511_zero_cond_t_batched_matches_diffusers(tmp_path, staggered):
     model_dir = build_2511(tmp_path / "2511", seed=0)
     engine = make_engine(model_dir)
     assert engine.adapter.pipe.transformer.config.zero_cond_t
-    two = [source(5), source(6, (48, 64))]
+    two = [noise_image(5), noise_image(6, (48, 64))]
     first = [req("z0", "make it blue", two, seed=1, steps=3, negative="blurry")]
     later = [req("z1", "a red cube", two, seed=2, negative="dark")]
     results = staggered(engine, first, later, join_after_steps=1)
@@ -183,7 +157,7 @@ def test_2511_zero_cond_t_batched_matches_diffusers(tmp_path, staggered):
         pipe = make_pipe(model_dir, mp)
         for r in first + later:
             assert results[r.request_id].error is None
-            assert latent_diff(engine, r, pipe) <= LATENT_TOLERANCE, r.request_id
+            assert latent_diff(engine, r, reference(pipe, r)[0]) <= LATENT_TOLERANCE, r.request_id
 
 
 def test_more_images_than_the_model_takes_or_a_mask_are_refused(engine):
@@ -194,7 +168,7 @@ def test_more_images_than_the_model_takes_or_a_mask_are_refused(engine):
     assert pipeline_for_class("QwenImageEditPlusPipeline") is topology
     assert (topology.max_input_images, topology.requires_input_image) == (4, True)
     assert QwenImageEditPlusAdapter.max_input_images == 4 and not topology.accepts_mask
-    five = [source(i) for i in range(5)]
+    five = [noise_image(i) for i in range(5)]
     for bad, field in (
         (GenerationRequest("none", "x"), "image"),
         (GenerationRequest("five", "x", input_images=five), "image"),

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from family_helpers import (
+    check_video,
+    reference_pipeline,
+    seeded,
+    square_request,
+    tiny_engine,
+    video,
+)
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
 SIZE = 32
@@ -28,34 +35,20 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return DiffusionEngine(DiffusionEngineConfig(model=str(model_dir), max_batch_size=4))
+    return tiny_engine(model_dir)
 
 
 @pytest.fixture(scope="module")
 def pipe(model_dir):
     from diffusers import WanPipeline
 
-    p = WanPipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(WanPipeline, model_dir)
 
 
 def req(rid, prompt, seed, steps=6, guidance=5.0, frames=FRAMES, **kw):
-    return GenerationRequest(
-        rid,
-        prompt,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        seed=seed,
-        num_frames=frames,
-        **kw,
+    return square_request(
+        rid, prompt, SIZE, seed, steps, guidance_scale=guidance, num_frames=frames, **kw
     )
-
-
-def video(frames) -> np.ndarray:
-    return np.stack([np.asarray(f.convert("RGB"), dtype=np.float64) for f in frames])
 
 
 def reference(pipe, r: GenerationRequest) -> np.ndarray:
@@ -67,7 +60,7 @@ def reference(pipe, r: GenerationRequest) -> np.ndarray:
         num_frames=r.num_frames,
         num_inference_steps=r.num_inference_steps,
         guidance_scale=r.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
         output_type="pil",
     ).frames[0]
     return video(frames)
@@ -91,11 +84,7 @@ def test_batched_frames_equal_diffusers(engine, pipe, staggered):
         assert o.ok, o.error
         got = video(o.images)
         assert got.shape == (r.num_frames, SIZE, SIZE, 3)
-        diff = np.abs(got - reference(pipe, r))
-        assert diff.max() <= MAX_PIXEL_DIFF and diff.mean() <= MAX_MEAN_DIFF, (
-            r.request_id,
-            diff.max(),
-        )
+        check_video(got, reference(pipe, r), r.request_id, MAX_PIXEL_DIFF, MAX_MEAN_DIFF)
         videos[r.request_id] = got
     assert np.abs(videos["a"] - videos["b"]).mean() > 1.0  # seeds and prompts matter
     assert np.abs(videos["a"][0] - videos["a"][-1]).mean() > 0.0  # frames are not one image

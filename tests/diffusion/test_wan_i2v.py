@@ -20,9 +20,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from family_helpers import (
+    check_video,
+    noise_picture,
+    reference_pipeline,
+    seeded,
+    square_request,
+    tiny_engine,
+    video,
+)
 from PIL import Image
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
 FRAMES = 5
@@ -32,27 +41,21 @@ MAX_MEAN_DIFF = 0.05
 
 def source(seed: int, size=(40, 24)) -> Image.Image:
     """A noise image of another size and aspect ratio than the video (the pipeline resizes)."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    return noise_picture(seed, *size)
 
 
 def req(rid, prompt, seed, size, steps=4, guidance=5.0, image=None, **kw):
-    return GenerationRequest(
+    return square_request(
         rid,
         prompt,
-        height=size,
-        width=size,
-        num_inference_steps=steps,
+        size,
+        seed,
+        steps,
         guidance_scale=guidance,
-        seed=seed,
         num_frames=FRAMES,
         input_images=[] if image is None else [image],
         **kw,
     )
-
-
-def video(frames) -> np.ndarray:
-    return np.stack([np.asarray(f.convert("RGB"), dtype=np.float64) for f in frames])
 
 
 def _embeds(pipe, text: str) -> torch.Tensor:
@@ -72,7 +75,7 @@ def reference(model_dir, r: GenerationRequest) -> np.ndarray:
         num_frames=r.num_frames,
         num_inference_steps=r.num_inference_steps,
         guidance_scale=r.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
         output_type="pil",
     )
     if not r.input_images:
@@ -95,9 +98,7 @@ _PIPES: dict = {}
 def _pipe(cls, model_dir):
     key = (cls.__name__, str(model_dir))
     if key not in _PIPES:
-        pipe = cls.from_pretrained(str(model_dir))
-        pipe.set_progress_bar_config(disable=True)
-        _PIPES[key] = pipe
+        _PIPES[key] = reference_pipeline(cls, model_dir)
     return _PIPES[key]
 
 
@@ -107,11 +108,7 @@ def check_equal(model_dir, requests, out):
         assert o.ok, o.error
         got = video(o.images)
         assert got.shape == (FRAMES, r.height, r.width, 3)
-        diff = np.abs(got - reference(model_dir, r))
-        assert diff.max() <= MAX_PIXEL_DIFF and diff.mean() <= MAX_MEAN_DIFF, (
-            r.request_id,
-            diff.max(),
-        )
+        check_video(got, reference(model_dir, r), r.request_id, MAX_PIXEL_DIFF, MAX_MEAN_DIFF)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +122,7 @@ def i2v(tiny_models):
 
 
 def test_ti2v_image_and_text_requests_share_steps_and_equal_diffusers(ti2v, staggered):
-    engine = DiffusionEngine(DiffusionEngineConfig(model=str(ti2v), max_batch_size=4))
+    engine = tiny_engine(ti2v)
     assert engine.adapter.max_input_images == 1 and not engine.adapter.requires_input_image
     first = [req("a", "a red cat", 1, 32, image=source(0))]
     later = [
@@ -143,7 +140,7 @@ def test_ti2v_image_and_text_requests_share_steps_and_equal_diffusers(ti2v, stag
 
 
 def test_i2v_two_experts_batched_equal_diffusers(i2v, staggered):
-    engine = DiffusionEngine(DiffusionEngineConfig(model=str(i2v), max_batch_size=4))
+    engine = tiny_engine(i2v)
     timesteps = engine.adapter._timesteps(4)
     assert timesteps[0] >= engine.adapter.boundary > timesteps[-1]  # both experts run
     first = [req("a", "a red cat", 1, 32, image=source(0))]

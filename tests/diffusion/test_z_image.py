@@ -5,9 +5,9 @@ difference <= 1.0 on the 0-255 scale (same seed, same weights, 32x32)."""
 from __future__ import annotations
 
 import pytest
-import torch
+from family_helpers import check_images, reference_pipeline, seeded, square_request, tiny_engine
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
 SIZE = 32
@@ -25,20 +25,14 @@ def model_dir(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return DiffusionEngine(
-        DiffusionEngineConfig(
-            model=str(model_dir), max_batch_size=4, min_height=SIZE, min_width=SIZE
-        )
-    )
+    return tiny_engine(model_dir, min_size=SIZE)
 
 
 @pytest.fixture(scope="module")
 def pipe(model_dir):
     from diffusers import ZImagePipeline
 
-    p = ZImagePipeline.from_pretrained(str(model_dir))
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(ZImagePipeline, model_dir)
 
 
 def reference(pipe, r: GenerationRequest):
@@ -49,14 +43,12 @@ def reference(pipe, r: GenerationRequest):
         width=SIZE,
         num_inference_steps=r.num_inference_steps,
         num_images_per_prompt=r.n,
-        generator=torch.Generator("cpu").manual_seed(r.seed),
+        generator=seeded(r.seed),
     ).images
 
 
 def req(rid, prompt, seed, steps=2, n=1):
-    return GenerationRequest(
-        rid, prompt, n=n, height=SIZE, width=SIZE, num_inference_steps=steps, seed=seed
-    )
+    return square_request(rid, prompt, SIZE, seed, steps, n=n)
 
 
 def test_alone_matches_diffusers(engine, pipe, pixel_diff):
@@ -73,11 +65,7 @@ def test_batched_with_joins_matches_diffusers(engine, pipe, pixel_diff, staggere
     later = [req("z2", "cat", seed=2, steps=3), req("z3", "a red photo of the cat", seed=3, n=2)]
     results = staggered(engine, first, later, join_after_steps=1)
     assert max(o.metrics["max_batch"] for o in results.values()) >= 3
-    for r in first + later:
-        out = results[r.request_id]
-        assert out.error is None, out.error
-        for got, want in zip(out.images, reference(pipe, r), strict=True):
-            assert pixel_diff(got, want) <= 1.0, r.request_id
+    check_images(results, first + later, lambda r: reference(pipe, r))
     assert pixel_diff(results["z0"].images[0], results["z2"].images[0]) > 1.0  # not vacuous
 
 
