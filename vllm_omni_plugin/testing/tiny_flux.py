@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 CLIP_MAX_LENGTH = 77
+T5_DIM = 32
 _WORDS = "a red cube cat photo of the and with".split()
 
 
@@ -72,8 +73,8 @@ def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Pat
     """The checkpoint of `pipeline_class` (FluxPipeline, or FluxKontextPipeline: the same
     components, tiny_flux_kontext.py)."""
     import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     tokenizer = build_clip_tokenizer()
     tokenizer_2 = build_t5_tokenizer()
@@ -96,21 +97,7 @@ def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Pat
         )
     ).eval()
 
-    t5_dim = 32
-    torch.manual_seed(seed + 1)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=t5_dim,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-        )
-    ).eval()
+    text_encoder_2 = build_t5_encoder(seed + 1, vocab_size=len(tokenizer_2))
 
     torch.manual_seed(seed + 2)
     transformer = FluxTransformer2DModel(
@@ -120,7 +107,7 @@ def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Pat
         num_single_layers=1,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=t5_dim,
+        joint_attention_dim=T5_DIM,
         pooled_projection_dim=clip_hidden,
         guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim (real: 16, 56, 56)
@@ -128,18 +115,8 @@ def build(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> Pat
 
     vae = build_vae(seed + 3)
 
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-
     pipe = getattr(diffusers, pipeline_class)(
-        scheduler=scheduler,
+        scheduler=build_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -160,8 +137,58 @@ def _name_t5_tokenizer_fast(index_file: Path) -> None:
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def build_vae(seed: int):
-    """A tiny AutoencoderKL with FLUX.1's 16 latent channels and factors (Z-Image uses it too)."""
+def build_t5_encoder(seed: int, vocab_size: int, umt5: bool = False):
+    """T5EncoderModel of width 32 (2 gated-GELU layers), seeded with `seed`; GLM-Image's ByT5
+    text encoder has the same shape, and Wan's UMT5EncoderModel (`umt5`) too."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_class, model_class = (
+        (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    )
+    torch.manual_seed(seed)
+    return model_class(
+        config_class(
+            vocab_size=vocab_size,
+            d_model=T5_DIM,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+            use_cache=False,
+        )
+    ).eval()
+
+
+def build_scheduler():
+    """FlowMatchEulerDiscreteScheduler with FLUX.1-dev's dynamic shifting (FLUX.2's too)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
+# FLUX.1's VAE settings (Z-Image's too): its scaling and shift factors, no quant convs.
+FLUX_VAE = {
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+
+
+def build_vae(seed: int, **settings):
+    """A tiny AutoencoderKL with 16 latent channels, seeded with `seed`, with FLUX_VAE's
+    settings unless `settings` replaces them (GLM-Image's: its factors, latent statistics and
+    quant convs)."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
@@ -175,8 +202,5 @@ def build_vae(seed: int):
         latent_channels=16,
         norm_num_groups=4,
         sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
+        **{**FLUX_VAE, **settings},
     )

@@ -22,28 +22,10 @@ from pathlib import Path
 
 import torch
 
-from vllm_omni_plugin.testing.tiny_z_image import TEXT_HIDDEN, build_tokenizer
+from vllm_omni_plugin.testing.tiny_flux import build_scheduler
+from vllm_omni_plugin.testing.tiny_z_image import TEXT_HIDDEN, build_text_encoder, build_tokenizer
 
 TEXT_LAYERS = 27  # Flux2KleinPipeline reads hidden_states[9], [18] and [27]
-
-
-def build_text_encoder(seed: int, vocab_size: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=vocab_size,
-            hidden_size=TEXT_HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=TEXT_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-        )
-    ).eval()
 
 
 def build_vae(seed: int):
@@ -65,14 +47,12 @@ def build_vae(seed: int):
 
 
 def build(out_dir: Path, seed: int) -> Path:
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
     tokenizer = build_tokenizer()
-    text_encoder = build_text_encoder(seed, vocab_size=512)
+    text_encoder = build_text_encoder(
+        seed, 512, TEXT_LAYERS, "Qwen3ForCausalLM", tie_word_embeddings=True
+    )
     torch.manual_seed(seed + 1)
     transformer = Flux2Transformer2DModel(
         patch_size=1,
@@ -86,17 +66,8 @@ def build(out_dir: Path, seed: int) -> Path:
         axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim (real: 32 x 4 for 128)
         guidance_embeds=False,
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
     pipe = Flux2KleinPipeline(
-        scheduler=scheduler,
+        scheduler=build_scheduler(),
         vae=build_vae(seed + 2),
         text_encoder=text_encoder,
         tokenizer=tokenizer,

@@ -164,7 +164,6 @@ def build_processor(out_dir: Path | None = None, layout: TokenLayout = TINY_LAYO
 
 def build(out_dir: Path, seed: int) -> Path:
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         GlmImagePipeline,
         GlmImageTransformer2DModel,
@@ -174,9 +173,9 @@ def build(out_dir: Path, seed: int) -> Path:
         GenerationConfig,
         GlmImageConfig,
         GlmImageForConditionalGeneration,
-        T5Config,
-        T5EncoderModel,
     )
+
+    from vllm_omni_plugin.testing import tiny_flux
 
     glm_config = GlmImageConfig(
         text_config={
@@ -227,20 +226,8 @@ def build(out_dir: Path, seed: int) -> Path:
         sequence_bias=[[[i], -1.0e4] for i in range(NUM_IMAGE_CODES, VISION_VOCAB_SIZE)],
     )
 
-    torch.manual_seed(seed + 1)
-    text_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=384,  # ByT5: 3 specials + 256 bytes + 125 extra ids
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-        )
-    ).eval()
+    # ByT5: 3 specials + 256 bytes + 125 extra ids.
+    text_encoder = tiny_flux.build_t5_encoder(seed + 1, vocab_size=384)
 
     torch.manual_seed(seed + 2)
     transformer = GlmImageTransformer2DModel(
@@ -256,24 +243,15 @@ def build(out_dir: Path, seed: int) -> Path:
         prior_vq_quantizer_codebook_size=VISION_VOCAB_SIZE,
     )
 
-    torch.manual_seed(seed + 3)
     gen = torch.Generator().manual_seed(seed)
-    latents_mean = (torch.randn(16, generator=gen) * 0.1).tolist()
-    latents_std = (0.5 + torch.rand(16, generator=gen)).tolist()
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
+    vae = tiny_flux.build_vae(
+        seed + 3,
         scaling_factor=1.0,
         shift_factor=0.0,
-        latents_mean=latents_mean,
-        latents_std=latents_std,
+        use_quant_conv=True,
+        use_post_quant_conv=True,
+        latents_mean=(torch.randn(16, generator=gen) * 0.1).tolist(),
+        latents_std=(0.5 + torch.rand(16, generator=gen)).tolist(),
     )
 
     scheduler = FlowMatchEulerDiscreteScheduler(

@@ -155,14 +155,15 @@ def build_transformer(seed: int, text_hidden: int = TEXT_HIDDEN):
     )
 
 
-def build_vae(seed: int):
-    """AutoencoderKLQwenImage (z_dim 16), seeded with `seed + 2`; latent stats from `seed`."""
+def build_vae(seed: int, base_dim: int = 8):
+    """AutoencoderKLQwenImage (z_dim 16, width `base_dim`), seeded with `seed + 2`; latent stats
+    from `seed`."""
     from diffusers import AutoencoderKLQwenImage
 
     torch.manual_seed(seed + 2)
     gen = torch.Generator().manual_seed(seed)
     return AutoencoderKLQwenImage(
-        base_dim=8,
+        base_dim=base_dim,
         z_dim=16,
         dim_mult=[1, 2, 4, 4],
         num_res_blocks=1,

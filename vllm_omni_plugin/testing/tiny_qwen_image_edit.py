@@ -88,11 +88,10 @@ def write_processor(folder: Path) -> None:
     )
 
 
-def build(out_dir: Path, seed: int) -> Path:
-    from diffusers import QwenImageEditPipeline
-
-    # The real tower's geometry (14 px patches, 2x2 merge, 2 frames), 1 block of width 32.
-    text_encoder = build_text_encoder(
+def build_text_encoder_vl(seed: int):
+    """The Qwen2.5-VL text encoder over this vocabulary: the real tower's geometry (14 px
+    patches, 2x2 merge, 2 frames), 1 block of width 32."""
+    return build_text_encoder(
         seed,
         vocab_size=VOCAB_SIZE,
         special_offset=SPECIAL_OFFSET,
@@ -100,16 +99,11 @@ def build(out_dir: Path, seed: int) -> Path:
         max_position_embeddings=8192,
         vision_geometry={"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
     )
-    transformer = build_transformer(seed, TEXT_HIDDEN)
-    vae = build_vae(seed)
-    pipe = QwenImageEditPipeline(
-        scheduler=build_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=build_tokenizer(),
-        processor=None,  # written below
-        transformer=transformer,
-    )
+
+
+def save_with_processor(pipe, out_dir: Path) -> Path:
+    """`pipe` (built with `processor=None`) saved as on the hub: processor/ written piece by
+    piece (`write_processor`) and named in model_index.json."""
     pipe.save_pretrained(out_dir, safe_serialization=True)
     write_processor(Path(out_dir) / "processor")
     index_file = Path(out_dir) / "model_index.json"
@@ -117,3 +111,20 @@ def build(out_dir: Path, seed: int) -> Path:
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def build(out_dir: Path, seed: int) -> Path:
+    from diffusers import QwenImageEditPipeline
+
+    text_encoder = build_text_encoder_vl(seed)
+    transformer = build_transformer(seed, TEXT_HIDDEN)
+    vae = build_vae(seed)
+    pipe = QwenImageEditPipeline(
+        scheduler=build_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=build_tokenizer(),
+        processor=None,  # written by save_with_processor
+        transformer=transformer,
+    )
+    return save_with_processor(pipe, out_dir)

@@ -30,26 +30,10 @@ TEXT_DIM = 32
 
 def text_parts(seed: int) -> tuple[Any, Any]:
     """(tokenizer, UMT5 text encoder) of every tiny Wan checkpoint."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from vllm_omni_plugin.testing.tiny_flux import build_t5_tokenizer
+    from vllm_omni_plugin.testing.tiny_flux import build_t5_encoder, build_t5_tokenizer
 
     tokenizer = build_t5_tokenizer()
-    torch.manual_seed(seed)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-        )
-    ).eval()
-    return tokenizer, text_encoder
+    return tokenizer, build_t5_encoder(seed, len(tokenizer), umt5=True)
 
 
 def expert(seed: int, in_channels: int = 16, out_channels: int = 16):

@@ -43,13 +43,16 @@ def build_tokenizer():
     return tok
 
 
-def build_text_encoder(seed: int, vocab_size: int, num_layers: int = 2):
-    """transformers Qwen3Model (`num_layers` layers, hidden 32), seeded with `seed`."""
-    from transformers import Qwen3Config, Qwen3Model
+def build_text_encoder(
+    seed: int, vocab_size: int, num_layers: int = 2, model_class: str = "Qwen3Model", **config
+):
+    """transformers `model_class` (Qwen3Model; FLUX.2 klein's Qwen3ForCausalLM) of `num_layers`
+    layers, hidden 32, seeded with `seed`; `config`: other Qwen3Config fields."""
+    import transformers
 
     torch.manual_seed(seed)
-    return Qwen3Model(
-        Qwen3Config(
+    return getattr(transformers, model_class)(
+        transformers.Qwen3Config(
             vocab_size=vocab_size,
             hidden_size=TEXT_HIDDEN,
             intermediate_size=64,
@@ -58,6 +61,7 @@ def build_text_encoder(seed: int, vocab_size: int, num_layers: int = 2):
             num_key_value_heads=1,
             head_dim=16,
             max_position_embeddings=1024,
+            **config,
         )
     ).eval()
 
