@@ -165,11 +165,17 @@ class DiffusionAdapter(ABC):
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         """(sequence tokens incl. text, transformer width, attention heads) for one row."""
+        return self.grid_token_geometry(height, width, grid=16, text_tokens=512)
+
+    def grid_token_geometry(
+        self, height: int, width: int, grid: int, text_tokens: int
+    ) -> tuple[int, int, int]:
+        """token_geometry of a transformer with one token per `grid` x `grid` pixels and
+        `text_tokens` of text, its width and heads from num_attention_heads x attention_head_dim."""
         cfg = self.pipe.transformer.config
         heads = int(cfg.num_attention_heads)
-        inner = heads * int(cfg.attention_head_dim)
-        image_tokens = (height // 16) * (width // 16)
-        return image_tokens + 512, inner, heads
+        tokens = (height // grid) * (width // grid) + text_tokens
+        return tokens, heads * int(cfg.attention_head_dim), heads
 
     # ---- phases ------------------------------------------------------------------------
     def batch_key(self, state: RequestState) -> Hashable:

@@ -73,10 +73,9 @@ class FluxAdapter(DiffusionAdapter):
         )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
-        cfg = self.pipe.transformer.config
-        tokens = (height // (self.vae_scale_factor * 2)) * (width // (self.vae_scale_factor * 2))
-        heads = int(cfg.num_attention_heads)
-        return tokens + MAX_SEQUENCE_LENGTH, heads * int(cfg.attention_head_dim), heads
+        return self.grid_token_geometry(
+            height, width, self.vae_scale_factor * 2, MAX_SEQUENCE_LENGTH
+        )
 
     # ---- prepare -----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

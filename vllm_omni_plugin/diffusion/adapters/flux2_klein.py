@@ -102,11 +102,9 @@ class Flux2KleinAdapter(DiffusionAdapter):
         return (height // g) * g, (width // g) * g
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
-        cfg = self.pipe.transformer.config
-        g = self.vae_scale_factor * 2
-        heads = int(cfg.num_attention_heads)
-        tokens = (height // g) * (width // g) + MAX_SEQUENCE_LENGTH
-        return tokens, heads * int(cfg.attention_head_dim), heads
+        return self.grid_token_geometry(
+            height, width, self.vae_scale_factor * 2, MAX_SEQUENCE_LENGTH
+        )
 
     def batch_key(self, state: RequestState):
         refs = tuple(self.reference_size(im) for im in state.req.input_images)

@@ -163,11 +163,7 @@ class GlmImageAdapter(DiffusionAdapter):
         return [(layer.k_caches[0], layer.v_caches[0]) for layer in caches.caches]
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
-        cfg = self.pipe.transformer.config
-        grid = self.vae_scale_factor * self.patch
-        heads = int(cfg.num_attention_heads)
-        tokens = (height // grid) * (width // grid) + 256
-        return tokens, heads * int(cfg.attention_head_dim), heads
+        return self.grid_token_geometry(height, width, self.vae_scale_factor * self.patch, 256)
 
     # ---- prepare -----------------------------------------------------------------------
     def _glyph_embeds(self, prompts: list[str]) -> list[torch.Tensor]:

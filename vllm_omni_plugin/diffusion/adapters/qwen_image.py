@@ -87,11 +87,9 @@ class QwenImageAdapter(DiffusionAdapter):
         )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
-        cfg = self.pipe.transformer.config
-        g = self.vae_scale_factor * 2
-        heads = int(cfg.num_attention_heads)
-        tokens = (height // g) * (width // g) + MAX_SEQUENCE_LENGTH
-        return tokens, heads * int(cfg.attention_head_dim), heads
+        return self.grid_token_geometry(
+            height, width, self.vae_scale_factor * 2, MAX_SEQUENCE_LENGTH
+        )
 
     # ---- prepare -----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> list[torch.Tensor]:

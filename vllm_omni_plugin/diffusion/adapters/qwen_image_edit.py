@@ -111,6 +111,31 @@ class QwenImageEditAdapter(QwenImageAdapter):
         lengths = mask.sum(dim=1).tolist()
         return [embeds[i : i + 1, : int(n)] for i, n in enumerate(lengths)]
 
+    def _encode_prompts(self, states: list[RequestState], images: list) -> list[torch.Tensor]:
+        """Each request's prompt embeddings with its `images` entry; for requests running CFG,
+        the negative prompt's ("" when none) with the same images, in `s.cond["neg"]`."""
+        embeds = self._encode_with_images([s.req.prompt for s in states], images)
+        cfg = [(s, im) for s, im in zip(states, images, strict=True) if s.do_cfg]
+        if cfg:
+            negs = self._encode_with_images(
+                [s.req.negative_prompt or "" for s, _ in cfg], [im for _, im in cfg]
+            )
+            for (s, _), neg in zip(cfg, negs, strict=True):
+                s.cond["neg"] = neg
+        return embeds
+
+    def _packed_image_latents(
+        self, image, height: int, width: int, state: RequestState, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`image` at height x width through the VAE, packed as the transformer reads it."""
+        pixels = self.pipe.image_processor.preprocess(image, height, width)
+        pixels = pixels.unsqueeze(2).to(self.device, dtype)
+        # argmax: the latent mode, so the generator is not drawn from (as in diffusers).
+        latents = self.pipe._encode_vae_image(pixels, state.generator)
+        lh, lw = latents.shape[3:]
+        channels = self.pipe.transformer.config.in_channels // 4
+        return self.pipe._pack_latents(latents, 1, channels, lh, lw)
+
     def prepare(self, states: list[RequestState]) -> None:
         proc = self.pipe.image_processor
         prompt_images = []
@@ -118,23 +143,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
             ch, cw = self.condition_size(s.req.input_images[0])
             s.cond["cond_hw"] = (ch, cw)
             prompt_images.append(proc.resize(s.req.input_images[0], ch, cw))
-        embeds = self._encode_with_images([s.req.prompt for s in states], prompt_images)
-        cfg = [(s, im) for s, im in zip(states, prompt_images, strict=True) if s.do_cfg]
-        if cfg:
-            negs = self._encode_with_images(
-                [s.req.negative_prompt or "" for s, _ in cfg], [im for _, im in cfg]
-            )
-            for (s, _), neg in zip(cfg, negs, strict=True):
-                s.cond["neg"] = neg
+        embeds = self._encode_prompts(states, prompt_images)
         channels = self.pipe.transformer.config.in_channels // 4
         for s, emb, image in zip(states, embeds, prompt_images, strict=True):
             s.cond["embeds"] = emb
-            ch, cw = s.cond["cond_hw"]
-            pixels = proc.preprocess(image, ch, cw).unsqueeze(2).to(self.device, emb.dtype)
-            # argmax: the latent mode, so the generator is not drawn from (as in diffusers).
-            latents = self.pipe._encode_vae_image(pixels, s.generator)
-            lh, lw = latents.shape[3:]
-            packed = self.pipe._pack_latents(latents, 1, channels, lh, lw)
+            packed = self._packed_image_latents(image, *s.cond["cond_hw"], s, emb.dtype)
             s.cond["image_latents"] = packed.expand(s.n, -1, -1)
             self._init_latents(s, channels, emb.dtype)
 

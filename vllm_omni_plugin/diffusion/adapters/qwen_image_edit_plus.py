@@ -68,7 +68,7 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         return (req.height, req.width, state.do_cfg, self.vae_sizes(req))
 
     # ---- prepare -----------------------------------------------------------------------
-    def _encode_requests(self, prompts: list[str], images: list[list]) -> list[torch.Tensor]:
+    def _encode_with_images(self, prompts: list[str], images: list[list]) -> list[torch.Tensor]:
         """One text-encoder call for all (prompt, images) pairs, diffusers' template per row;
         each row keeps its own valid tokens after the template prefix."""
         pipe = self.pipe
@@ -104,25 +104,15 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
             ]
             for s in states
         ]
-        embeds = self._encode_requests([s.req.prompt for s in states], prompt_images)
-        cfg = [(s, ims) for s, ims in zip(states, prompt_images, strict=True) if s.do_cfg]
-        if cfg:
-            negs = self._encode_requests(
-                [s.req.negative_prompt or "" for s, _ in cfg], [ims for _, ims in cfg]
-            )
-            for (s, _), neg in zip(cfg, negs, strict=True):
-                s.cond["neg"] = neg
+        embeds = self._encode_prompts(states, prompt_images)
         channels = self.pipe.transformer.config.in_channels // 4
         for s, emb in zip(states, embeds, strict=True):
             s.cond["embeds"] = emb
             s.cond["vae_hw"] = self.vae_sizes(s.req)
-            packed = []
-            for im, (vh, vw) in zip(s.req.input_images, s.cond["vae_hw"], strict=True):
-                pixels = proc.preprocess(im, vh, vw).unsqueeze(2).to(self.device, emb.dtype)
-                # argmax: the latent mode, so the generator is not drawn from (as in diffusers).
-                latents = self.pipe._encode_vae_image(pixels, s.generator)
-                lh, lw = latents.shape[3:]
-                packed.append(self.pipe._pack_latents(latents, 1, channels, lh, lw))
+            packed = [
+                self._packed_image_latents(im, vh, vw, s, emb.dtype)
+                for im, (vh, vw) in zip(s.req.input_images, s.cond["vae_hw"], strict=True)
+            ]
             s.cond["image_latents"] = torch.cat(packed, dim=1).expand(s.n, -1, -1)
             self._init_latents(s, channels, emb.dtype)
 

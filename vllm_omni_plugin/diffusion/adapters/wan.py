@@ -179,11 +179,8 @@ class WanAdapter(DiffusionAdapter):
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
         # Per latent frame (memory_facts adds the frames).
-        cfg = self.pipe.transformer.config
-        heads = int(cfg.num_attention_heads)
         g = self.spatial * self.patch[1]
-        tokens = (height // g) * (width // g) + MAX_SEQUENCE_LENGTH
-        return tokens, heads * int(cfg.attention_head_dim), heads
+        return self.grid_token_geometry(height, width, g, MAX_SEQUENCE_LENGTH)
 
     # ---- schedule ----------------------------------------------------------------------
     @lru_cache(maxsize=64)  # noqa: B019 - one adapter per engine, a handful of step counts
