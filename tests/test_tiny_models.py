@@ -14,6 +14,8 @@ import torch
 from vllm_omni_plugin.testing import tiny_glm_image as glm
 from vllm_omni_plugin.testing.tiny_models import KINDS, build_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 PIPELINE_CLASS = {
     "glm-image": "GlmImagePipeline",
     "qwen-image": "QwenImagePipeline",
@@ -63,11 +65,6 @@ def _generate(pipe, seed: int) -> np.ndarray:
     image = out.images[0]
     assert image.size == (64, 64)
     return np.asarray(image)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    yield
 
 
 @pytest.fixture(scope="module")

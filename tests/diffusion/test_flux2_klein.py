@@ -21,13 +21,10 @@ from family_helpers import (
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 SIZE = 32
 EDIT_TOLERANCE = 0.02
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    yield
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.adapters.flux_kontext import FluxKontextAdapter
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 SIZE = 64
 RESOLUTIONS = ((64, 64), (96, 48), (48, 96))  # (width, height), as diffusers' list
 TOLERANCE = 1.0  # pixels
@@ -39,11 +41,6 @@ LATENT_TOLERANCE = 1e-4
 
 class SmallKontextAdapter(FluxKontextAdapter):
     resolutions = RESOLUTIONS
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    yield
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,8 @@ from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import load_processor
 from vllm_omni_plugin.diffusion.adapters.qwen_image_edit_plus import QwenImageEditPlusAdapter
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 SIZE = 64
 AREA = 64 * 64
 TOLERANCE = 1.0  # pixels
@@ -60,11 +62,6 @@ def make_pipe(model_dir, monkeypatch):
     monkeypatch.setattr(module, "CONDITION_IMAGE_SIZE", AREA)
     monkeypatch.setattr(module, "VAE_IMAGE_SIZE", AREA)
     return p
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    yield
 
 
 @pytest.fixture(scope="module")

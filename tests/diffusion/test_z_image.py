@@ -10,12 +10,9 @@ from family_helpers import check_images, reference_pipeline, seeded, square_requ
 from vllm_omni_plugin.diffusion import GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 SIZE = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    yield
 
 
 @pytest.fixture(scope="module")
