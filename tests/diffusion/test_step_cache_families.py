@@ -13,6 +13,8 @@ from PIL import Image
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 ALL = {"policies": ["first_block", "teacache", "taylorseer"]}
 FB = {"policy": "first_block", "threshold": 0.3}
 TEA = {"policy": "teacache", "threshold": 0.5}

@@ -13,6 +13,8 @@ import torch
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 SIZE = 64
 ALL = {"policies": ["first_block", "teacache", "taylorseer"]}
 

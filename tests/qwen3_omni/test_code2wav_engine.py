@@ -9,6 +9,8 @@ import torch
 from vllm_omni_plugin.code2wav import Code2WavDecoder, Code2WavEngine, Code2WavEngineConfig
 from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 
 @pytest.fixture(scope="module")
 def decoder(omni_dir):

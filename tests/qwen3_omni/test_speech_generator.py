@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_omni_plugin.models.qwen3_omni import SpeechGenerator
 from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
 
 
 def test_two_requests_streamed_equal_transformers(omni_model, omni_dir):

@@ -10,6 +10,8 @@ from vllm_omni_plugin.code2wav import Code2WavEngine, Code2WavEngineConfig
 from vllm_omni_plugin.talker import TalkerEngine
 from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
+
 PROMPTS = ["Say hello.", "What is two plus two?", "Hi"]
 
 
