@@ -133,7 +133,8 @@ def split_from_response(headers, body: dict) -> dict[str, float]:
     """Where one request's time went, in seconds, as the serving system itself reported it.
 
     - vllm-omni-plugin: the `x-omni-stage-timings` header, milliseconds per key ("stage_0",
-      "stage_1", "decode", "other").
+      "stage_1", "decode", "other"); an AR stage's "stage_<id>_ttft" / "stage_<id>_tpot" are
+      parts of its stage's time, not more of the split, and stay out (ar_served.py reads them).
     - vLLM-Omni: the response body's `metrics.stage_durations`; keys ending in `_ms` are
       milliseconds (`stage_<id>_gen_ms`, each stage's generation time), the others seconds
       (its diffusion profiler's and the AR profiler's entries).
@@ -141,7 +142,11 @@ def split_from_response(headers, body: dict) -> dict[str, float]:
     """
     raw = headers.get("x-omni-stage-timings") if headers is not None else None
     if raw:
-        return {k: round(float(v) / 1e3, 4) for k, v in json.loads(raw).items()}
+        return {
+            k: round(float(v) / 1e3, 4)
+            for k, v in json.loads(raw).items()
+            if not k.endswith(("_ttft", "_tpot"))
+        }
     durations = ((body or {}).get("metrics") or {}).get("stage_durations") or {}
     out = {}
     for key, value in durations.items():

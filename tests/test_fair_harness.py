@@ -155,7 +155,11 @@ def test_open_loop_sends_at_arrival_times(slow_server):
 
 
 def test_split_from_our_header():
-    headers = {"x-omni-stage-timings": '{"stage_0":1200.5,"decode":30.0,"other":4.0}'}
+    # The AR stage's ttft / tpot are inside stage_0's time: not more of the split.
+    headers = {
+        "x-omni-stage-timings": '{"stage_0":1200.5,"stage_0_ttft":20.0,"stage_0_tpot":6.5,'
+        '"decode":30.0,"other":4.0}'
+    }
     assert load_gen.split_from_response(headers, {}) == {
         "stage_0": 1.2005,
         "decode": 0.03,

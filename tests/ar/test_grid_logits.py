@@ -124,3 +124,29 @@ def test_a_settled_batch_uploads_nothing_per_step(rows):
             proc.update_state(None)
             proc.apply(logits)
     assert later.ops == [] and built.call_count == 0, (later.ops, built.call_args_list)
+
+
+def test_the_list_form_of_vllm_xargs_is_the_same_rule():
+    """`vllm serve --logits-processors` clients send the grid as `vllm_xargs` ([N, C, E]: no
+    nested objects there); it masks exactly as the dict form, and a wrong length is refused."""
+    listed = SamplingParams(max_tokens=4, extra_args={GRID_EXTRA_ARG: [3, 5, 9]})
+    ImageGridLogitsProcessor.validate_params(listed)
+    logits = torch.randn(1, VOCAB)
+    masked = {}
+    for name, params in (("list", listed), ("dict", grid(3, 5, 9))):
+        proc, output = processor("cpu"), []
+        proc.update_state(BatchUpdate(1, [], [(0, params, None, output)], []))
+        masked[name] = []
+        for _ in range(4):  # codes, codes, codes, EOS
+            masked[name].append(proc.apply(logits.clone()))
+            output.append(3)
+    for a, b in zip(masked["list"], masked["dict"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (
+        torch.isinf(masked["list"][0][0, 5:]).all()
+        and torch.isfinite(masked["list"][0][0, :5]).all()
+    )
+    with pytest.raises(ValueError, match="as a list"):
+        ImageGridLogitsProcessor.validate_params(
+            SamplingParams(max_tokens=4, extra_args={GRID_EXTRA_ARG: [3, 5]})
+        )

@@ -334,12 +334,18 @@ def _timeout_error(limit_s: float) -> APIError:
 def stage_timings(metrics: dict, server_ms: float) -> str:
     """Where a request's time went, in ms, as compact JSON: each stage from receipt to reply
     ("stage_<id>"), the VAE decode inside a diffusion stage where it reports one ("decode"), and
-    the rest ("other": validation, control hops, payload handoffs, encoding)."""
+    the rest ("other": validation, control hops, payload handoffs, encoding). An AR stage also
+    reports its engine's time to first token and time per output token after it
+    ("stage_<id>_ttft", "stage_<id>_tpot": parts of "stage_<id>", not added to the sum)."""
     out: dict[str, float] = {}
+    stages = 0.0
     for name, m in metrics.items():
         out[name] = round(m.get("stage_s", 0.0) * 1e3, 1)
+        stages += out[name]
         if "decode_s" in m:
             out["decode"] = round(m["decode_s"] * 1e3, 1)
-    stages = sum(v for k, v in out.items() if k.startswith("stage_"))
+        for key in ("ttft", "tpot"):
+            if m.get(f"{key}_s") is not None:
+                out[f"{name}_{key}"] = round(m[f"{key}_s"] * 1e3, 3)
     out["other"] = round(server_ms - stages, 1)
     return json.dumps(out, separators=(",", ":"))

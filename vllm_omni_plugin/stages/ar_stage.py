@@ -32,6 +32,7 @@ from . import engine_metrics
 from .ar_glue import glue_for
 from .ar_text import run_text, speak_chat
 from .loop import AsyncStageLoop, _log_task_failure
+from .token_clock import TokenClock
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
 
@@ -238,9 +239,11 @@ class ARStageRunner(AsyncStageLoop):
         final = None
         total = int(params.max_tokens or 0)
         sent = 0
+        clock = TokenClock()  # the x-omni-stage-timings header's time to first token, per token
         # Cancelling this task (Abort) makes AsyncLLM.generate abort the request in vLLM.
         async for out in self.engine.generate(prompt, params, rid):
             final = out
+            clock.saw(len(out.outputs[0].token_ids))
             # Sent as outputs arrive from vLLM's engine core, so a stuck engine (or a stopped
             # worker) stops the pulses; nothing here beats on a timer.
             self.pulse()
@@ -254,7 +257,8 @@ class ARStageRunner(AsyncStageLoop):
         token_ids = list(final.outputs[0].token_ids)
         payload = self.glue.to_payload(token_ids, msg.params)
         output = self.payloads.emit(payload, rid, self.stage_id, msg.to_stage, msg.out_connector)
-        return Result(rid, output=output, metrics={"generated_tokens": len(token_ids)})
+        metrics = {"generated_tokens": len(token_ids), **clock.metrics()}
+        return Result(rid, output=output, metrics=metrics)
 
     def _engine_died(self) -> None:
         # vLLM's engine core is gone (a device error, a crashed worker): every later request

@@ -8,7 +8,9 @@ one. In an engine it is inert unless a request asks for it or the engine serves 
 * Per request, `SamplingParams.extra_args["omni_image_grid"] = {"num_tokens": N, "num_codes": C,
   "eos_token_id": E}` (what `t2i_sampling_overrides` returns): output tokens 0..N-1 may only be
   image codes (ids < C), token N may only be E. Random weights sample out-of-range ids and early
-  EOS; the DiT would crash on either.
+  EOS; the DiT would crash on either. Over vLLM's own HTTP API (`vllm serve` of the AR model with
+  `--logits-processors`), whose `vllm_xargs` carry no nested objects, the same spec is the list
+  `[N, C, E]`.
 * Engine-wide, for a `glm_image` model: the two generation_config.json fields transformers'
   `generate` honours and vLLM ignores, so greedy vLLM equals greedy transformers on the same
   checkpoint: single-token `sequence_bias`, and `forced_eos_token_id` at the last allowed token
@@ -46,7 +48,15 @@ class _Rule:
 
 def _grid_spec(params: SamplingParams) -> dict | None:
     extra = params.extra_args or {}
-    return extra.get(GRID_EXTRA_ARG)
+    spec = extra.get(GRID_EXTRA_ARG)
+    if isinstance(spec, (list, tuple)):  # vllm_xargs' form: [num_tokens, num_codes, eos]
+        if len(spec) != 3:
+            raise ValueError(
+                f"extra_args[{GRID_EXTRA_ARG!r}] as a list is [num_tokens, num_codes, "
+                f"eos_token_id]; got {spec!r}"
+            )
+        return dict(zip(("num_tokens", "num_codes", "eos_token_id"), spec, strict=True))
+    return spec
 
 
 class ImageGridLogitsProcessor(LogitsProcessor):
