@@ -3,8 +3,6 @@
     python benchmarks/bench_gpu_glm.py PHASE --model DIR --out OUT [--size 1024 --steps 50]
 
 PHASE (each appends one JSON line to OUT/results.jsonl, so phases can run in separate calls):
-  ar         the AR stage alone: generated tokens/s at batch 1 and 8, vLLM's offline engine with
-             async scheduling and CUDA graphs, OmniARAsyncScheduler vs vLLM's own scheduler
   ours       `vllm serve DIR --stage-config glm_image_1gpu.yaml`: concurrency 1 (seconds per image,
              split AR / handoff / DiT / decode from the x-omni-stage-timings header) and
              concurrency 8 (images per minute, all 8 must come back)
@@ -460,70 +458,6 @@ def _sub_phase(args, phase: str, extra: list[str], log: Path, key: str) -> tuple
     return proc.returncode, json.loads(lines[-1]) if lines else None
 
 
-def phase_ar(args) -> None:
-    """Both schedulers in turn, each in a fresh subprocess (one engine on the GPU at a time)."""
-    results = {}
-    for name in ("omni_async", "vllm_default"):
-        log = args.out / f"ar_{name}.log"
-        extra = ["--scheduler", name, "--concurrency", str(args.concurrency)]
-        rc, results[name] = _sub_phase(args, "ar-one", extra, log, "b1")
-        if rc or results[name] is None:
-            raise RuntimeError(f"AR run {name} failed:\n{log.read_text()[-4000:]}")
-        _keep_log_lines(log, args.out / f"ar_{name}_log_lines.txt")
-    ratio = {
-        f"b{b}": round(results["omni_async"][f"b{b}"] / results["vllm_default"][f"b{b}"], 3)
-        for b in (1, args.concurrency)
-    }
-    _record(args, "ar", {**results, "ours_over_stock": ratio})
-
-
-def phase_ar_one(args) -> None:
-    """tokens/s of one engine at batch 1 and --concurrency (prints one JSON line, `{"b1": ...}`)."""
-    from vllm import LLM, SamplingParams
-
-    from vllm_omni_plugin.families.glm_image.processing import (
-        build_t2i_prompt,
-        t2i_sampling_overrides,
-    )
-    from vllm_omni_plugin.models.glm_image import LOGITS_PROCESSOR
-
-    root = args.model
-    ar, proc = str(root / "vision_language_encoder"), str(root / "processor")
-    batches = (1, args.concurrency)
-    kwargs = dict(
-        model=ar, tokenizer=proc, max_num_seqs=args.concurrency, gpu_memory_utilization=0.5
-    )
-    kwargs["logits_processors"] = [LOGITS_PROCESSOR]  # both runs: as the AR stage has it
-    kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=32768)
-    if args.scheduler == "omni_async":
-        kwargs["scheduler_cls"] = "vllm_omni_plugin.core.sched.OmniARAsyncScheduler"
-    llm = LLM(**kwargs)
-    cfg = llm.llm_engine.vllm_config
-    print(
-        f"async_scheduling={cfg.scheduler_config.async_scheduling} "
-        f"cudagraph_mode={cfg.compilation_config.cudagraph_mode}",
-        file=sys.stderr,
-        flush=True,
-    )
-    prompt = {"prompt_token_ids": build_t2i_prompt(proc, PROMPTS[0], args.size, args.size)}
-    params = SamplingParams(
-        temperature=0.9, top_p=0.75, seed=0, **t2i_sampling_overrides(ar, args.size, args.size)
-    )
-    # Warm-up at every timed batch size. In the fourth H200 run a batch-1 warm-up left vLLM's
-    # top-k/top-p Triton kernel to JIT-compile inside the timed batch of 8: cold on the first
-    # engine (~2.3 s of its 11.9 s), from Triton's disk cache on the second, a 0.81 ratio.
-    for batch in batches:
-        llm.generate([prompt] * batch, params, use_tqdm=False)
-    out = {}
-    for batch in batches:
-        t0 = time.perf_counter()
-        res = llm.generate([prompt] * batch, params, use_tqdm=False)
-        took = time.perf_counter() - t0
-        out[f"b{batch}"] = round(sum(len(r.outputs[0].token_ids) for r in res) / took, 1)
-        out[f"b{batch}_tokens_per_request"] = len(res[0].outputs[0].token_ids)
-    print(json.dumps(out), flush=True)
-
-
 def phase_ar_tokens(args) -> None:
     """vLLM's greedy AR tokens for the parity prompt (prints one JSON list): the AR stage's
     dtype and enforce_eager from --stage-overrides' stage 0, top_k 1 as the served parity run."""
@@ -671,7 +605,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "phase",
-        choices=["ar", "ar-one", "ar-tokens", "ours", "omni", "diffusers", "parity", "report"],
+        choices=["ar-tokens", "ours", "omni", "diffusers", "parity", "report"],
     )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench-gpu")))
@@ -681,7 +615,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--stage-config", default="glm_image_1gpu")
     parser.add_argument("--stage-overrides", default=None)
-    parser.add_argument("--scheduler", default="omni_async")
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument(
         "--restart",
@@ -696,11 +629,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase not in ("ar-one", "ar-tokens"):
+    if args.phase != "ar-tokens":
         print("versions:", _versions(), flush=True)
     {
-        "ar": phase_ar,
-        "ar-one": phase_ar_one,
         "ar-tokens": phase_ar_tokens,
         "ours": phase_ours,
         "omni": phase_omni,

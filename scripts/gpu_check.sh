@@ -5,7 +5,12 @@
 #   scripts/gpu_check.sh smoke              tiny GLM-Image served (8 concurrent) + greedy parity
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
 #   scripts/gpu_check.sh placeholders       vLLM-Omni's start-up processor check on both checkpoints
-#   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ar ours omni diffusers)
+#   scripts/gpu_check.sh bench PHASE...     bench_gpu_glm.py phases on $FULL (ours omni diffusers)
+#   scripts/gpu_check.sh ar-served          bench_ar_served.py on $FULL: time per output token inside our
+#                                           AR stage (served GLM-Image) vs stock `vllm serve` of the same
+#                                           AR model, same requests and sampling, at concurrency 1 and
+#                                           CONCURRENCY, alternating; ROUNDS ROUND_OFFSET AR_REQUESTS
+#                                           AR_STEPS; results in $AR_OUT/ar_served.jsonl (kept across calls)
 #   scripts/gpu_check.sh build-full-qwen    random-weight Qwen-Image at real size in $QWEN_FULL (~58 GB)
 #   scripts/gpu_check.sh fair FAMILY        bench_fair.py: ours vs vLLM-Omni shipped and tuned vs diffusers,
 #                                           rounds in alternating order (glm-image on $FULL, qwen-image
@@ -30,6 +35,7 @@ TINY=${TINY:-/tmp/glm-tiny}
 FULL=${FULL:-/tmp/glm-full}
 QWEN_FULL=${QWEN_FULL:-/tmp/qwen-full}
 FAIR_OUT=${FAIR_OUT:-/tmp/fair}
+AR_OUT=${AR_OUT:-/tmp/ar-served}
 SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
 REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
 CONCURRENCY=${CONCURRENCY:-8}  # then this many at once (every phase that sends requests)
@@ -155,6 +161,19 @@ while [ $# -gt 0 ]; do
         --requests "${REQUESTS:-32}" --concurrency "$CONCURRENCY" ${RATE:+--rate "$RATE"} \
         --omni-path /tmp/vomni 2>&1 | tee -a "$FAIR_OUT/bench_fair.log" || true
       stop_servers
+      ;;
+    ar-served)
+      mkdir -p "$AR_OUT"
+      # AR_TIMEOUT_S bounds the run inside a device call's limit; its servers are stopped below.
+      timeout "${AR_TIMEOUT_S:-86400}" \
+        python3 benchmarks/bench_ar_served.py run --model "$FULL" --out "$AR_OUT" \
+        --stage-config "$STAGE_CONFIG" ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
+        --rounds "${ROUNDS:-1}" --round-offset "${ROUND_OFFSET:-0}" \
+        --requests "${AR_REQUESTS:-8}" --steps "${AR_STEPS:-50}" --concurrency "$CONCURRENCY" \
+        2>&1 | tee -a "$AR_OUT/bench_ar_served.log" || true
+      stop_servers
+      mkdir -p "$OUT/ar_served"
+      cp "$AR_OUT/ar_served.jsonl" "$OUT/ar_served/" 2>/dev/null || true
       ;;
     collect)
       stop_servers  # what an earlier call cut short by `timeout` left running

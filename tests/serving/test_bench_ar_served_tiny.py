@@ -37,11 +37,7 @@ SIZE, STEPS = 64, 2
 TOLERANCE = 1.0  # mean absolute pixel difference, 0-255
 
 
-def diffusers_image(model, prompt: str, tokens: list[int], seed: int) -> np.ndarray:
-    from diffusers import GlmImagePipeline
-
-    pipe = GlmImagePipeline.from_pretrained(str(model))
-    pipe.set_progress_bar_config(disable=True)
+def diffusers_image(pipe, prompt: str, tokens: list[int], seed: int) -> np.ndarray:
     image = pipe(
         prompt,
         prior_token_ids=tokens_to_prior_token_ids(tokens, SIZE, SIZE),
@@ -86,12 +82,16 @@ def test_ours_and_stock_serve_the_same_tokens_and_report_per_token_times(
         Image.open(io.BytesIO(base64.b64decode(ours[0]["_results"][0]["b64"]))).convert("RGB"),
         dtype=np.float32,
     )
+    from diffusers import GlmImagePipeline
+
+    pipe = GlmImagePipeline.from_pretrained(str(model))
+    pipe.set_progress_bar_config(disable=True)
     prompt = bench.PROMPTS[0]
-    same = diffusers_image(model, prompt, first[0], seed=1000)
+    same = diffusers_image(pipe, prompt, first[0], seed=1000)
     assert np.abs(served - same).mean() < TOLERANCE
     changed = list(first[0])
     changed[-2] = (changed[-2] + 1) % stage_codes(stage)  # one code of the large grid
-    other = diffusers_image(model, prompt, changed, seed=1000)
+    other = diffusers_image(pipe, prompt, changed, seed=1000)
     assert np.abs(served - other).mean() > TOLERANCE
 
     rows = [{**lv, "device": "cpu", "size": SIZE, "steps": STEPS} for lv in ours + theirs]
