@@ -30,6 +30,9 @@ Each option keeps the model's function: no caching across steps, no lower precis
   * GLM-Image always runs without its forward's host syncs (glm_image_sync_free.py): the same
     math, and the precondition for capturing it in a CUDA graph. Compiled on CUDA, its four
     shape classes are compiled at start-up (`warm_up`), not in the first requests.
+  * Qwen-Image's padded text batches (batch > 1, prompts of different lengths) always run
+    without the forward's host-to-device copy of the text length (qwen_image_sync_free.py):
+    the same math, and what lets those shapes be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8 as fp8_gemm
-from . import gelu_epilogue, glm_image_sync_free
+from . import gelu_epilogue, glm_image_sync_free, qwen_image_sync_free
 from .compile_cache import use_compile_cache
 from .cuda_graphs import StepGraphs
 
@@ -142,6 +145,9 @@ def accelerate_transformer(
     sync_free = glm_image_sync_free.install(transformer)
     if sync_free is not None:
         undo.append(sync_free)
+    qwen_undo = qwen_image_sync_free.install(transformer)
+    if qwen_undo is not None:
+        undo.append(qwen_undo)
     fn: Callable[..., Any] = transformer
     if compile:
         logger.info("torch.compile cache: %s", use_compile_cache(compile_cache_dir))
@@ -158,6 +164,8 @@ def accelerate_transformer(
         if compile and cuda and dynamic:
             # All of GLM's compiles now, at start-up, instead of in the first requests.
             glm_image_sync_free.warm_up(fn, transformer)
+    if qwen_image_sync_free.holder(transformer) is not None:
+        fn = qwen_image_sync_free.SyncFreeQwen(fn, transformer)
     if attention_backend is not None:
         if cuda:
             fn = WithAttentionBackend(fn, attention_backend)
