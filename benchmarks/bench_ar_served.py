@@ -2,8 +2,8 @@
 inside our pipeline's AR stage vs stock `vllm serve` of the same AR model.
 
     python benchmarks/bench_ar_served.py run --model DIR --out OUT [--stage-config glm_image_1gpu]
-        [--stage-overrides JSON] [--rounds 1 --round-offset 0] [--requests 8] [--concurrency 8]
-        [--size 1024 --steps 50]
+        [--stage-overrides JSON] [--systems ours,stock] [--rounds 1 --round-offset 0]
+        [--requests 8] [--concurrency 8] [--size 1024 --steps 50]
     python benchmarks/bench_ar_served.py report OUT/ar_served.jsonl [--write BENCHMARKS.md]
 
 - **ours**: `vllm serve DIR --stage-config CONFIG`, images through `/v1/images/generations`;
@@ -281,8 +281,12 @@ def phase_run(args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stage = ar_stage(args.stage_config, args.stage_overrides, args.model)
     print("stock argv:", stock_argv(stage, args.model), flush=True)
+    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown or not systems:
+        raise SystemExit(f"--systems: {sorted(unknown) or 'none'}; known: {', '.join(SYSTEMS)}")
     for r in range(args.round_offset, args.round_offset + args.rounds):
-        order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]  # alternating: ours first every other
+        order = systems if r % 2 == 0 else systems[::-1]  # alternating: ours first every other
         for system in order:
             run_system(system, args, stage, r)
 
@@ -373,6 +377,11 @@ def main() -> None:
     run.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/ar-served")))
     run.add_argument("--stage-config", default="glm_image_1gpu")
     run.add_argument("--stage-overrides", default=None)
+    run.add_argument(
+        "--systems",
+        default="ours,stock",
+        help="which of ours,stock run in this call (a round split over calls keeps its index)",
+    )
     run.add_argument("--rounds", type=int, default=1)
     run.add_argument("--round-offset", type=int, default=0)
     run.add_argument("--requests", type=int, default=8)

@@ -9,8 +9,9 @@
 #   scripts/gpu_check.sh ar-served          bench_ar_served.py on $FULL: time per output token inside our
 #                                           AR stage (served GLM-Image) vs stock `vllm serve` of the same
 #                                           AR model, same requests and sampling, at concurrency 1 and
-#                                           CONCURRENCY, alternating; ROUNDS ROUND_OFFSET AR_REQUESTS
-#                                           AR_STEPS; results in $AR_OUT/ar_served.jsonl (kept across calls)
+#                                           CONCURRENCY, alternating; AR_SYSTEMS ROUNDS ROUND_OFFSET
+#                                           AR_REQUESTS AR_STEPS; results in $AR_OUT/ar_served.jsonl
+#                                           (kept across calls)
 #   scripts/gpu_check.sh build-full-qwen    random-weight Qwen-Image at real size in $QWEN_FULL (~58 GB)
 #   scripts/gpu_check.sh fair FAMILY        bench_fair.py: ours vs vLLM-Omni shipped and tuned vs diffusers,
 #                                           rounds in alternating order (glm-image on $FULL, qwen-image
@@ -168,8 +169,9 @@ while [ $# -gt 0 ]; do
       timeout "${AR_TIMEOUT_S:-86400}" \
         python3 benchmarks/bench_ar_served.py run --model "$FULL" --out "$AR_OUT" \
         --stage-config "$STAGE_CONFIG" ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
-        --rounds "${ROUNDS:-1}" --round-offset "${ROUND_OFFSET:-0}" \
-        --requests "${AR_REQUESTS:-8}" --steps "${AR_STEPS:-50}" --concurrency "$CONCURRENCY" \
+        --systems "${AR_SYSTEMS:-ours,stock}" --rounds "${ROUNDS:-1}" \
+        --round-offset "${ROUND_OFFSET:-0}" --requests "${AR_REQUESTS:-8}" \
+        --steps "${AR_STEPS:-50}" --concurrency "$CONCURRENCY" \
         2>&1 | tee -a "$AR_OUT/bench_ar_served.log" || true
       stop_servers
       mkdir -p "$OUT/ar_served"
