@@ -16,7 +16,8 @@
 #   scripts/gpu_check.sh fair FAMILY        bench_fair.py: ours vs vLLM-Omni shipped and tuned vs diffusers,
 #                                           rounds in alternating order (glm-image on $FULL, qwen-image
 #                                           on $QWEN_FULL); SYSTEMS ROUNDS ROUND_OFFSET SINGLES REQUESTS
-#                                           RATE CONCURRENCY; results in $FAIR_OUT (kept across calls)
+#                                           RATE CONCURRENCY STAGE_OVERRIDES (ours); results in $FAIR_OUT
+#                                           (kept across calls)
 #   scripts/gpu_check.sh collect            $FAIR_OUT's results.jsonl, first images and logs (one .tgz) into
 #                                           $OUT (the device tool brings back at most 8 files)
 #   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_attention_gpu.py + bench_dit_gpu.py,
@@ -160,6 +161,7 @@ while [ $# -gt 0 ]; do
         --systems "${SYSTEMS:-ours,omni,omni-tuned,diffusers}" --rounds "${ROUNDS:-1}" \
         --round-offset "${ROUND_OFFSET:-0}" --singles "${SINGLES:-$REPEATS}" \
         --requests "${REQUESTS:-32}" --concurrency "$CONCURRENCY" ${RATE:+--rate "$RATE"} \
+        ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
         --omni-path /tmp/vomni 2>&1 | tee -a "$FAIR_OUT/bench_fair.log" || true
       stop_servers
       ;;
