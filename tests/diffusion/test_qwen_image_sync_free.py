@@ -23,6 +23,7 @@ from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, G
 from vllm_omni_plugin.diffusion.acceleration import accelerate_transformer
 from vllm_omni_plugin.diffusion.qwen_image_sync_free import SyncFreeQwen
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
 SIZE = 64
 FROM_HOST = {"tensor", "as_tensor", "asarray", "from_numpy"}  # host data -> a new tensor
 MOVES = {"to", "cuda", "copy_", "_to_copy"}  # a tensor's data to another device
