@@ -32,6 +32,7 @@ from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_sta
 from .pending import PendingRequests, stall_timeout_of
 from .ray_auth import START_HINT, RayAuthError, use_token_auth
 from .replicas import ReplicaLostError, ReplicaSet
+from .stage_process import forwarded_env
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
 
@@ -170,6 +171,9 @@ class RayBackend:
             max_restarts=self.runtime.max_restarts,
             max_task_retries=0,  # a lost request is retried (or not) by its ReplicaSet
             scheduling_strategy=strategy,
+            # The actor's process gets its node's environment, not this server's: pass on what
+            # the stage process must see as a local stage would (stage_process.forwarded_env).
+            runtime_env={"env_vars": forwarded_env()},
         )
         return actor_cls.remote(init, replica, self.startup_timeout_s)
 

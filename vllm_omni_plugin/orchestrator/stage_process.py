@@ -41,6 +41,21 @@ logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 LOG_TAIL_LINES = 40
 
 
+# The API server's own variables its stages must see wherever they run: the plugin's settings
+# (VLLM_OMNI_*, OMNI_*), among them VLLM_OMNI_STAGE_PIPELINE, which the server sets for its
+# stages (entry_points/patches.py, patch 7). A local stage inherits the server's whole
+# environment; a stage under a Ray actor inherits its node's, plus these (ray_backend.py).
+FORWARDED_PREFIXES = ("VLLM_OMNI_", "OMNI_")
+
+
+def forwarded_env() -> dict[str, str]:
+    """The server's variables a stage on another process tree (a Ray actor) gets too; never
+    the node registry's secret (see stage_env)."""
+    return {
+        k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) and k != AUTHKEY_ENV
+    }
+
+
 def stage_env(stage: Any) -> dict[str, str]:
     """The child's environment: ours, then the stage's `devices` and `env` from its config."""
     env = dict(os.environ)
