@@ -75,6 +75,9 @@ class DiffusionEngine:
         self.step_cache = self._step_cache()
         self.adapter.step_cache = self.step_cache
         self.defaults: dict[str, Any] = dict(config.defaults or {})
+        for name, why in self.adapter.unsupported.items():  # what requests get (check_applied)
+            if self.defaults.get(name) is not None:
+                raise DiffusionEngineError(f"default_sampling_params.{name}: {why}")
         # What requests may use once the weights are loaded, and what each one needs.
         self.memory = plan_memory(config, self.adapter, self._budget_bytes, self.device, self.dtype)
         self._activation_budget = None if self.memory is None else self.memory.budget_bytes

@@ -18,6 +18,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from ...common.knobs import FAMILY_KNOBS, CfgFacts
+from ..errors import DiffusionEngineError
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
 
@@ -44,7 +45,14 @@ class FluxAdapter(DiffusionAdapter):
         super().__init__(pipe, device, dtype, defaults)
         check_flow_match_scheduler(pipe.scheduler)
         self.vae_scale_factor = pipe.vae_scale_factor
+        self.guidance_distilled = bool(pipe.transformer.config.guidance_embeds)
         self.true_cfg_scale = float(self.defaults.get("true_cfg_scale", 1.0))
+        if self.defaults.get("guidance_scale") is not None and not self.guidance_distilled:
+            raise DiffusionEngineError(  # what a request's guidance_scale gets (cfg_facts)
+                "default_sampling_params.guidance_scale: this transformer is not "
+                "guidance-distilled (guidance_embeds false): diffusers ignores guidance_scale; "
+                "true CFG is true_cfg_scale with a negative_prompt"
+            )
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
@@ -69,7 +77,7 @@ class FluxAdapter(DiffusionAdapter):
             scale_field="true_cfg_scale",
             default_scale=self.true_cfg_scale,
             needs_negative=True,
-            guidance_used=bool(self.pipe.transformer.config.guidance_embeds),
+            guidance_used=self.guidance_distilled,
         )
 
     def token_geometry(self, height: int, width: int) -> tuple[int, int, int]:
@@ -148,7 +156,7 @@ class FluxAdapter(DiffusionAdapter):
         )
         t = per_row([s.timesteps[s.step].reshape(1) for s in rows]).to(latents.dtype)
         guidance = None
-        if self.pipe.transformer.config.guidance_embeds:
+        if self.guidance_distilled:
             g = [
                 torch.full([1], s.req.guidance_scale, dtype=torch.float32, device=self.device)
                 for s in rows
