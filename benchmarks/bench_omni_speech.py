@@ -134,8 +134,11 @@ async def measure(
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=1800, max_retries=0)
 
     async def restarts() -> int | None:
-        async with httpx.AsyncClient() as http:
-            return stage_restarts((await http.get(f"{url}/metrics", timeout=30)).text)
+        try:
+            async with httpx.AsyncClient() as http:
+                return stage_restarts((await http.get(f"{url}/metrics", timeout=30)).text)
+        except httpx.HTTPError:  # no /metrics: the figure is missing, the run goes on
+            return None
 
     out: dict = {"restarts_before": await restarts()}
     t0 = time.perf_counter()

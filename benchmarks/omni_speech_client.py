@@ -7,7 +7,8 @@ are capped by each server's configuration; a talker may still end at its own end
 before the cap: `at_cap` says whether it ran to it). Per request:
 - `ttfa_s`: request sent -> first audio bytes received (time to first audio packet);
 - `wall_s`: request sent -> end of the stream (generation wall time);
-- `audio_s`: seconds of audio received (pcm16 bytes / 2 / 24000);
+- `audio_s`: seconds of audio received (pcm16 bytes / 2 / 24000); `frames`: the codec frames
+  they came from (1920 samples each, less the decoder's fixed trim of under one frame);
 - `rtf`: `wall_s / audio_s` (real-time factor; below 1 is faster than playback).
 Both servers' stream shapes are read: ours (OpenAI's) carries `delta.audio.data` (base64 pcm16)
 and `delta.audio.transcript`; vLLM-Omni 0.26 sends chunks with a top-level `modality` ("audio":
@@ -125,7 +126,8 @@ async def speech_request(
     wall = time.perf_counter() - t0
     if not nbytes:
         return {"ok": False, "status": 200, "error": "no audio in the stream", "s": wall}
-    audio_s = nbytes / 2 / SAMPLE_RATE
+    samples = nbytes // 2
+    audio_s = samples / SAMPLE_RATE
     return {
         "ok": True,
         "prompt": i % len(PROMPTS),
@@ -133,9 +135,13 @@ async def speech_request(
         "ttfa_s": first - t0,
         "last_audio_s": last - t0,
         "wall_s": wall,
+        "samples": samples,
         "audio_s": audio_s,
         "rtf": wall / audio_s,
-        "at_cap": nbytes == lengths.frames * SAMPLES_PER_FRAME * 2,
+        # Code2Wav's output for N frames is N x 1920 samples less a fixed trim of its decoder's
+        # convolutions (under one frame): the frames received are the samples rounded up.
+        "frames": -(-samples // SAMPLES_PER_FRAME),
+        "at_cap": -(-samples // SAMPLES_PER_FRAME) >= lengths.frames,
         "transcript_chars": len("".join(transcript)),
     }
 
@@ -159,6 +165,8 @@ async def text_request(client: openai.AsyncOpenAI, model: str, i: int, lengths: 
         async for chunk in stream:
             if chunk.usage is not None and chunk.usage.completion_tokens:
                 tokens = chunk.usage.completion_tokens
+            if _field(chunk, "modality") == "audio":  # not asked for; never text
+                continue
             if chunk.choices and chunk.choices[0].delta.content:
                 now = time.perf_counter()
                 first = now if first is None else first
@@ -223,7 +231,7 @@ def summarize_speech(records: list[dict], wall_s: float, concurrency: int) -> di
         "rtf": _med(r["rtf"] for r in ok),
         "rtf_p90": _p90(r["rtf"] for r in ok),
         "audio_s": _med(r["audio_s"] for r in ok),
-        "audio_s_by_prompt": {str(r["prompt"]): round(r["audio_s"], 4) for r in ok},
+        "samples_by_prompt": {str(r["prompt"]): r["samples"] for r in ok},
         "at_cap": sum(1 for r in ok if r["at_cap"]),
         "audio_s_per_wall_s": round(audio / wall_s, 3) if wall_s > 0 else None,
     }

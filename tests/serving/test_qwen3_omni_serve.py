@@ -242,11 +242,12 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
     """benchmarks/bench_omni_speech.py's measurement (what each GPU run does once its server is
     healthy) against this server, and its report. Every request completes; the first audio comes
     after 0 and before the stream ends; each answer is whole 80 ms frames (1920 samples at
-    24 kHz), at most the config's 64, and a prompt gets as many alone as in a load of 4 (greedy);
-    the real-time factor is wall time over the audio received; the thinker wrote exactly the
-    tokens asked (32: the tiny config's default caps requests, as vLLM's does); no 5xx and no
-    stage restart (our /metrics). The tiny talker (67 codec codes) ends at its end-of-speech
-    code after ~10-35 frames, before the cap: `at_cap` counts the answers that reached it."""
+    24 kHz) less the 555 samples Code2Wav's convolutions hold back at the end, at most the
+    config's 64 frames; a prompt gets as many alone as in a load of 4
+    (greedy); the real-time factor is wall time over the audio received; the thinker wrote
+    exactly the tokens asked (32: the tiny config's default caps requests, as vLLM's does); no
+    5xx and no stage restart (our /metrics). The tiny talker (67 codec codes) often ends at its
+    end-of-speech code before the cap; prompt 1 runs to it: 64 x 1920 samples less the trim."""
     import asyncio
     import sys
 
@@ -263,18 +264,21 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
     assert data["warmup_ok"] and data["http_5xx"] == 0 and data["stage_restarts"] == 0
     assert data["text_c1"]["completed"] == 1 and data["text_c1"]["tokens"] == 32
     assert data["text_c1"]["decode_tokens_per_s"] > 0
-    for level in (1, 4):
-        load = data[f"speech_c{level}"]
-        assert (load["requests"], load["completed"]) == (level, level), load
-        for audio_s in load["audio_s_by_prompt"].values():
-            frames = audio_s * SAMPLE_RATE / 1920
-            assert frames == round(frames) and 0 < frames <= MAX_FRAMES, audio_s
-        at_cap = [a == lengths.audio_s == 5.12 for a in load["audio_s_by_prompt"].values()]
-        assert load["at_cap"] == sum(at_cap)
-        assert 0 < load["ttfa_s"] <= load["ttfa_p90_s"] < load["wall_s"]
-        assert 0 < load["rtf"] <= load["wall_s"] / min(load["audio_s_by_prompt"].values())
     c1, c4 = data["speech_c1"], data["speech_c4"]
-    assert c1["audio_s_by_prompt"]["0"] == c4["audio_s_by_prompt"]["0"]
+    samples = {**c1["samples_by_prompt"], **c4["samples_by_prompt"]}
+    assert set(samples) == {"0", "1", "2", "3"}
+    # code2wav/decoder.py holdback_samples: 555 for the published upsample rates (the tiny's)
+    assert {-n % 1920 for n in samples.values()} == {555}, samples
+    assert samples["1"] == MAX_FRAMES * 1920 - 555 == max(samples.values())  # the cap, exactly
+    for level, load in ((1, c1), (4, c4)):
+        assert (load["requests"], load["completed"]) == (level, level), load
+        frames = [-(-n // 1920) for n in load["samples_by_prompt"].values()]
+        assert load["at_cap"] == frames.count(MAX_FRAMES) and max(frames) <= MAX_FRAMES
+        assert 0 < load["ttfa_s"] <= load["ttfa_p90_s"] < load["wall_s"]
+        shortest = min(load["samples_by_prompt"].values()) / SAMPLE_RATE
+        assert 0 < load["rtf"] <= load["wall_s"] / shortest  # no answer outlasts the load
+    assert c1["samples_by_prompt"]["0"] == c4["samples_by_prompt"]["0"]
+    assert c4["at_cap"] == 1
     assert c1["rtf"] == pytest.approx(c1["wall_s"] / c1["audio_s"], rel=1e-3)  # one answer
 
     rows = [build_record("ours", r, "cpu", lengths, 1.0, dict(data, ready_s=3.0)) for r in (0, 1)]
@@ -285,5 +289,4 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
     ttfa = f"{c1['ttfa_s']:.2f}"  # the same run twice: no spread
     assert f"| time to first audio, c1 (s) | {ttfa} ({ttfa}-{ttfa}, n=2) |" in text, text
     assert "c1 2/2, c4 8/8; 5xx 0; stage restarts 0" in text
-    assert f"{2 * (c1['at_cap'] + c4['at_cap'])}/10 answers at the frame cap" in text
-    assert text.endswith("tail\n")
+    assert "2/10 answers at the frame cap" in text and text.endswith("tail\n")
