@@ -74,10 +74,10 @@ def ours_overrides(frames: int, extra: str | None = None) -> dict:
     return out
 
 
-def ours_reserved(overrides: dict) -> dict:
+def ours_reserved(overrides: dict, stage_config: str = STAGE_CONFIG) -> dict:
     from vllm_omni_plugin.config.resolve import load_deploy_config
 
-    cfg = load_deploy_config(STAGE_CONFIG, stage_overrides=json.dumps(overrides))
+    cfg = load_deploy_config(stage_config, stage_overrides=json.dumps(overrides))
     stages = [s.flat_dict() for s in cfg.stages]
     caps = {s["stage_id"]: (s.get("default_sampling_params") or {}) for s in stages}
     return {
@@ -115,9 +115,9 @@ def server_argv(args, system: str, incumbent: dict) -> tuple[list[str], dict, di
     """argv, extra env, and what the system's configuration reserves and caps."""
     if system == "ours":
         overrides = ours_overrides(args.frames, args.stage_overrides)
-        argv = [str(args.model), "--stage-config", STAGE_CONFIG]
+        argv = [str(args.model), "--stage-config", args.stage_config]
         argv += ["--stage-overrides", json.dumps(overrides)]
-        return argv, {}, ours_reserved(overrides)
+        return argv, {}, ours_reserved(overrides, args.stage_config)
     argv = [str(args.model), "--omni", "--deploy-config", incumbent["deploy"]]
     reserved = dict(incumbent["reserved"], talker_max_tokens=args.frames)
     return argv, omni_env(args), reserved
@@ -305,6 +305,7 @@ def main() -> None:
     parser.add_argument("--levels", type=levels_arg, default=[1, 8, 32])
     parser.add_argument("--thinker-tokens", type=int, default=64)
     parser.add_argument("--frames", type=int, default=128, help="talker frames (80 ms each)")
+    parser.add_argument("--stage-config", default=STAGE_CONFIG, help="ours (a CPU dry run: tiny)")
     parser.add_argument("--stage-overrides", default=None, help="ours: more overrides (JSON)")
     parser.add_argument("--omni-path", default=os.environ.get("OMNI_PYTHONPATH", "/tmp/vomni"))
     parser.add_argument("--omni-deploy", type=Path, default=None, help="shipped yaml to start from")
