@@ -34,6 +34,7 @@
 #                                           bounded by what is left of this call (CALL_LIMIT_S); runs already in
 #                                           $SPEECH_OUT are kept, so the same command continues in the next call.
 #                                           SYSTEMS ROUNDS SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
+#                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
@@ -243,6 +244,7 @@ while [ $# -gt 0 ]; do
           --singles "${SINGLES:-3}" --levels "${SPEECH_CONCURRENCY:-1,8,32}" \
           --thinker-tokens "${THINKER_TOKENS:-64}" --frames "${FRAMES:-128}" \
           --budget-s "$((left - 15))" --first-run-s "${FIRST_RUN_S:-300}" --omni-path /tmp/vomni \
+          --stage-config "${OMNI_STAGE_CONFIG:-qwen3_omni_1gpu}" \
           ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
           2>&1 | tee -a "$SPEECH_OUT/bench.log" || true
       fi
