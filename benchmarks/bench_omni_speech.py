@@ -48,6 +48,7 @@ from omni_speech_client import (  # noqa: E402
     Lengths,
     load,
     speech_request,
+    stage_counter,
     stage_restarts,
     summarize_speech,
     summarize_text,
@@ -133,12 +134,15 @@ async def measure(
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=1800, max_retries=0)
 
-    async def restarts() -> int | None:
+    async def metrics() -> str:
         try:
             async with httpx.AsyncClient() as http:
-                return stage_restarts((await http.get(f"{url}/metrics", timeout=30)).text)
-        except httpx.HTTPError:  # no /metrics: the figure is missing, the run goes on
-            return None
+                return (await http.get(f"{url}/metrics", timeout=30)).text
+        except httpx.HTTPError:  # no /metrics: its figures are missing, the run goes on
+            return ""
+
+    async def restarts() -> int | None:
+        return stage_restarts(await metrics())
 
     out: dict = {"restarts_before": await restarts()}
     t0 = time.perf_counter()
@@ -149,6 +153,7 @@ async def measure(
     out["text_c1"] = summarize_text(text)
     print(f"  text c1 {out['text_c1']}", flush=True)
     for level in levels:
+        busy_before = stage_counter(await metrics(), "busy_seconds")
         if level == 1:
             records, wall = [], 0.0
             for i in range(singles):
@@ -160,6 +165,14 @@ async def measure(
                 lambda i: speech_request(client, model, i, lengths), level, level
             )
         out[f"speech_c{level}"] = summarize_speech(records, wall, level)
+        busy_after = stage_counter(await metrics(), "busy_seconds")
+        if busy_before is not None and busy_after is not None:
+            # ours: the request-seconds each stage spent on the load's requests (summed over
+            # requests, overlapping ones included: a streamed request is in every stage for
+            # most of its life, so this says where requests waited, not which stage computed)
+            out[f"speech_c{level}"]["stage_request_s"] = {
+                k: round(v - busy_before.get(k, 0.0), 3) for k, v in busy_after.items()
+            }
         print(f"  speech c{level} {out[f'speech_c{level}']}", flush=True)
     after = await restarts()
     out["restarts_after"] = after

@@ -250,12 +250,20 @@ def summarize_text(records: list[dict]) -> dict:
     }
 
 
-def stage_restarts(metrics_text: str) -> int | None:
-    """Our /metrics: the stage restarts so far (all stages); None when the server exports no
-    such family (vLLM-Omni 0.26)."""
-    total, seen = 0.0, False
+def stage_counter(metrics_text: str, name: str) -> dict[str, float] | None:
+    """Our /metrics: a per-stage counter family (`omni_stage_<name>_total`) by stage id; None
+    when the server exports no such family (vLLM-Omni 0.26)."""
+    out: dict[str, float] = {}
+    prefix = f"omni_stage_{name}_total{{"
     for line in metrics_text.splitlines():
-        if line.startswith("omni_stage_restarts_total{"):
-            total += float(line.rpartition(" ")[2])
-            seen = True
-    return int(total) if seen else None
+        if line.startswith(prefix):
+            labels, _, value = line.rpartition(" ")
+            stage = labels.split('stage_id="', 1)[1].split('"', 1)[0]
+            out[stage] = out.get(stage, 0.0) + float(value)
+    return out or None
+
+
+def stage_restarts(metrics_text: str) -> int | None:
+    """Our /metrics: the stage restarts so far (all stages); None when not exported."""
+    per_stage = stage_counter(metrics_text, "restarts")
+    return None if per_stage is None else int(sum(per_stage.values()))

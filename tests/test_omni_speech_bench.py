@@ -95,6 +95,7 @@ def test_stage_restarts_from_metrics_text():
         "omni_stage_restarts_created 1.7e9\n"
     )
     assert client.stage_restarts(text) == 2
+    assert client.stage_counter(text, "restarts") == {"0": 0.0, "1": 2.0}
     assert client.stage_restarts("vllm:num_requests_running 0\n") is None
 
 

@@ -278,6 +278,9 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
         shortest = min(load["samples_by_prompt"].values()) / SAMPLE_RATE
         assert 0 < load["rtf"] <= load["wall_s"] / shortest  # no answer outlasts the load
     assert c1["samples_by_prompt"]["0"] == c4["samples_by_prompt"]["0"]
+    for load in (c1, c4):  # our /metrics: every stage held the load's requests for a while
+        assert set(load["stage_request_s"]) == {"0", "1", "2"}, load
+        assert all(v > 0 for v in load["stage_request_s"].values()), load
     assert c4["at_cap"] == 1
     assert c1["rtf"] == pytest.approx(c1["wall_s"] / c1["audio_s"], rel=1e-3)  # one answer
 
