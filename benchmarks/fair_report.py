@@ -140,14 +140,14 @@ def report(rows: list[dict]) -> str:
     return "\n".join(table(rows, f) for f in families)
 
 
-def write_into(doc: Path, text: str) -> None:
-    """Replace what lies between the markers in `doc` with `text`."""
+def write_into(doc: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace what lies between the markers `begin` and `end` in `doc` with `text`."""
     content = doc.read_text()
-    if BEGIN not in content or END not in content:
-        raise ValueError(f"{doc} has no {BEGIN} ... {END} block")
-    head, rest = content.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{BEGIN}\n{text.rstrip()}\n{END}{tail}")
+    if begin not in content or end not in content:
+        raise ValueError(f"{doc} has no {begin} ... {end} block")
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{begin}\n{text.rstrip()}\n{end}{tail}")
 
 
 def main() -> None:

@@ -16,6 +16,11 @@ Qwen-Image: vLLM-Omni ships no deploy file for it; it serves `vllm serve MODEL -
 diffusion defaults (one request at a time, transformer compiled regionally). Tuned: step
 batching on (`--step-execution`, its step-level batching) with `--max-num-seqs` = the load's
 concurrency (8).
+
+Qwen3-Omni: vLLM-Omni ships `deploy/qwen3_omni_moe.yaml` (thinker on GPU 0, talker and Code2Wav
+on GPU 1, three vLLM engines). `qwen3_omni_one_gpu_deploy` moves every stage to GPU 0 with memory
+shares that fit one GPU together and caps the talker's frames (the benchmark's fixed audio
+length); everything else stays as shipped (`bench_omni_speech.py`).
 """
 
 from __future__ import annotations
@@ -42,10 +47,15 @@ KNOWN_STAGE_FIELDS = frozenset(
         "logits_processors",  # vLLM engine arg (passed through engine_extras to the AR engine)
         "trust_remote_code",
         "enable_prefix_caching",
+        "enable_chunked_prefill",  # vLLM engine arg (Qwen3-Omni's Code2Wav stage)
+        "async_scheduling",
+        "input_connectors",
     }
 )
 # vLLM engine args the AR stage takes through engine_extras on purpose (not StageDeployConfig).
-ENGINE_PASSTHROUGH = frozenset({"logits_processors", "trust_remote_code", "enable_prefix_caching"})
+ENGINE_PASSTHROUGH = frozenset(
+    {"logits_processors", "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill"}
+)
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,53 @@ def qwen_image_argv(model: str, tuned: bool, batch: int) -> tuple[list[str], lis
     ]
 
 
+# Qwen3-Omni's stages on one GPU: vLLM-Omni's engines each take `gpu_memory_utilization` of the
+# whole device (a stage starting after another is capped to what is free), so the shares must
+# sum below 1 with room for three CUDA contexts. Thinker: ~59 GiB of bf16 weights plus KV cache
+# and graphs in 0.6 of an H200 (~84 GiB; it ships with 0.9 of an 80 GB GPU, 72 GB); talker: ~6 GiB
+# of weights in 0.2 (~28 GiB); Code2Wav keeps its shipped 0.1 (~14 GiB, more than the 8 GB it
+# ships with). 0.9 in all.
+QWEN3_OMNI_ONE_GPU_SHARES = {0: 0.6, 1: 0.2, 2: 0.1}
+QWEN3_OMNI_TALKER = 1
+
+
+def qwen3_omni_one_gpu_deploy(
+    src: dict, frames: int, shares: dict[int, float] | None = None
+) -> tuple[dict, list[Change]]:
+    """vLLM-Omni's qwen3_omni_moe.yaml (`src`, as loaded) on GPU 0: every stage's `devices` "0",
+    the memory `shares` (default QWEN3_OMNI_ONE_GPU_SHARES), and the talker's
+    `default_sampling_params.max_tokens` = `frames` (one codec frame per talker token, 80 ms of
+    audio each: the fixed audio length both systems get). The thinker's length comes with each
+    request (`max_tokens` + `ignore_eos`, which vLLM-Omni applies to its thinker stage); the
+    `platforms:` sections (NPU, ROCm, XPU) and everything else stay as shipped."""
+    if frames < 1:
+        raise ValueError(f"frames must be >= 1, got {frames}")
+    shares = QWEN3_OMNI_ONE_GPU_SHARES if shares is None else shares
+    cfg = copy.deepcopy(src)
+    changes = []
+    for stage in cfg["stages"]:
+        sid = stage["stage_id"]
+        if str(stage.get("devices")) != "0":
+            changes.append(Change(f"stage {sid} devices", stage.get("devices"), "0", "one GPU"))
+            stage["devices"] = "0"
+        share = shares[sid]
+        if stage.get("gpu_memory_utilization") != share:
+            why = f"the three stages' shares sum to {sum(shares.values()):.2f} of one GPU"
+            changes.append(
+                Change(f"stage {sid} gpu_memory_utilization", stage.get("gpu_memory_utilization"),
+                       share, why)
+            )  # fmt: skip
+            stage["gpu_memory_utilization"] = share
+    talker = _stage(cfg, QWEN3_OMNI_TALKER)
+    params = talker.setdefault("default_sampling_params", {})
+    changes.append(
+        Change(f"stage {QWEN3_OMNI_TALKER} max_tokens", params.get("max_tokens"), frames,
+               "the fixed audio length: at most this many codec frames (80 ms each)")
+    )  # fmt: skip
+    params["max_tokens"] = frames
+    return cfg, changes
+
+
 def installed_stage_fields(omni_path: str | None = None) -> frozenset[str] | None:
     """The installed vLLM-Omni's StageDeployConfig field names (from `omni_path` when given: the
     GPU kit installs it in a folder of its own), None when it is not importable."""
@@ -150,7 +207,7 @@ def installed_stage_fields(omni_path: str | None = None) -> frozenset[str] | Non
 def validate_deploy(cfg: dict, fields: frozenset[str] | None = None) -> list[str]:
     """Problems with a deploy dict (empty: valid): stage ids unique, every stage key one the
     incumbent knows (`fields`, else KNOWN_STAGE_FIELDS plus our pass-through engine args),
-    devices on GPU 0, shares in (0, 1], batch sizes >= 1."""
+    devices on GPU 0, shares in (0, 1] and together at most 0.95, batch sizes >= 1."""
     known = (fields | ENGINE_PASSTHROUGH) if fields is not None else KNOWN_STAGE_FIELDS
     problems = []
     ids = [s.get("stage_id") for s in cfg.get("stages", [])]
@@ -169,6 +226,9 @@ def validate_deploy(cfg: dict, fields: frozenset[str] | None = None) -> list[str
             problems.append(f"stage {sid}: max_num_seqs {seqs!r} must be an int >= 1")
         if str(stage.get("devices", "0")) != "0":
             problems.append(f"stage {sid}: devices {stage.get('devices')!r}, expected GPU 0")
+    total = sum(s.get("gpu_memory_utilization") or 0 for s in cfg.get("stages", []))
+    if total > 0.95:  # every stage on GPU 0: their shares must leave room for CUDA contexts
+        problems.append(f"gpu_memory_utilization sums to {total:.2f} on GPU 0 (> 0.95)")
     return problems
 
 

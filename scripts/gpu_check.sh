@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of issues 10, 16 and 19 on the device tool's H200 machines (torch 2.11 + CUDA 13, no network).
+# The GPU runs of issues 10, 16, 19 and 30 on the device tool's H200 machines (torch 2.11 + CUDA 13, no network).
 # Run from the project root once the kit's parts lie in /tmp/kit (README: "Reproducing the GPU runs").
 #   scripts/gpu_check.sh install            unpack the kit, install it + this checkout into /tmp/site
 #   scripts/gpu_check.sh smoke              tiny GLM-Image served (8 concurrent) + greedy parity
@@ -28,6 +28,14 @@
 #                                           eager (the connector path, not speed: ~1.5 min, no compiles)
 #   scripts/gpu_check.sh headless           two GPUs (issue 19): head (AR, GPU 0) + headless DiT node
 #                                           (GPU 1) on $FULL, the node killed mid-request, restarted (~6 min)
+#   scripts/gpu_check.sh build-full-omni    random-weight Qwen3-Omni at real size (~70 GB) in $OMNI_FULL (default:
+#                                           /dev/shm/omni-full, else /tmp/omni-full, whichever has room)
+#   scripts/gpu_check.sh omni-speech        bench_omni_speech.py (issue 30): ours vs vLLM-Omni 0.26, rounds alternating,
+#                                           bounded by what is left of this call (CALL_LIMIT_S); runs already in
+#                                           $SPEECH_OUT are kept, so the same command continues in the next call.
+#                                           SYSTEMS ROUNDS SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
+#                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
+#   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
 set -euo pipefail
@@ -38,6 +46,11 @@ FULL=${FULL:-/tmp/glm-full}
 QWEN_FULL=${QWEN_FULL:-/tmp/qwen-full}
 FAIR_OUT=${FAIR_OUT:-/tmp/fair}
 AR_OUT=${AR_OUT:-/tmp/ar-served}
+SPEECH_OUT=${SPEECH_OUT:-/tmp/speech}  # kept across calls while the machine stays warm
+# A device call may run 600 s: phases that budget themselves (omni-speech) stop starting new
+# work when what is left of CALL_LIMIT_S, counted from this script's start, runs short.
+CALL_T0=$(date +%s)
+CALL_LIMIT_S=${CALL_LIMIT_S:-590}
 SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
 REPEATS=${REPEATS:-2}  # single requests (concurrency 1) per served phase, after one warm-up
 CONCURRENCY=${CONCURRENCY:-8}  # then this many at once (every phase that sends requests)
@@ -73,6 +86,20 @@ stop_servers() {
   : > "$OMNI_BENCH_PGID_FILE"
 }
 trap stop_servers EXIT
+# Where the full-size Qwen3-Omni lives: $OMNI_FULL, else a finished build in /dev/shm or /tmp,
+# else the first of the two with room for it (~66 GiB + margin); empty when neither has room.
+omni_full_dir() {
+  if [ -n "${OMNI_FULL:-}" ]; then echo "$OMNI_FULL"; return; fi
+  local d avail
+  for d in /dev/shm/omni-full /tmp/omni-full; do
+    [ -f "$d/.complete" ] && { echo "$d"; return; }
+  done
+  for d in /dev/shm /tmp; do
+    avail=$(df -Pk "$d" | awk 'NR==2 {print $4}')
+    [ "${avail:-0}" -ge $((68 * 1024 * 1024)) ] && { echo "$d/omni-full"; return; }
+  done
+  echo ""
+}
 trap 'stop_servers; exit 143' TERM INT
 
 while [ $# -gt 0 ]; do
@@ -185,6 +212,51 @@ while [ $# -gt 0 ]; do
       cp "$FAIR_OUT/results.jsonl" "$OUT/fair/" 2>/dev/null || true
       for f in "$FAIR_OUT"/images/*_0.png; do [ -f "$f" ] && cp "$f" "$OUT/fair/"; done
       tar czf "$OUT/fair/logs.tgz" -C "$FAIR_OUT" --exclude images . 2>/dev/null || true
+      ;;
+    build-full-omni)
+      dir=$(omni_full_dir)
+      df -h /dev/shm /tmp | tee "$OUT/omni_full_df.txt"
+      if [ -z "$dir" ]; then
+        echo "build-full-omni: neither /dev/shm nor /tmp has ~68 GiB free (see above)" >&2
+        exit 3
+      fi
+      if [ ! -f "$dir/.complete" ]; then
+        rm -rf "$dir"
+        t0=$(date +%s)
+        vllm-omni-plugin make-tiny-model qwen3-omni "$dir" --size full
+        touch "$dir/.complete"  # a build cut short is rebuilt, never served
+        echo "build-full-omni: $(( $(date +%s) - t0 )) s into $dir" | tee -a "$OUT/omni_full_df.txt"
+      fi
+      du -sh "$dir" | tee -a "$OUT/omni_full_df.txt"
+      ;;
+    omni-speech)
+      dir=$(omni_full_dir)
+      [ -f "$dir/.complete" ] || { echo "omni-speech: run build-full-omni first" >&2; exit 3; }
+      mkdir -p "$SPEECH_OUT"
+      left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
+      if [ "$left" -lt 120 ]; then
+        echo "omni-speech: ${left} s left in this call, not starting; run it again"
+      else
+        # The bench starts a run only when its estimate fits its budget; `timeout` is the backstop
+        # (a run it cuts short leaves no record and is redone in the next call).
+        timeout "$left" python3 benchmarks/bench_omni_speech.py run --model "$dir" \
+          --out "$SPEECH_OUT" --systems "${SYSTEMS:-ours,omni}" --rounds "${ROUNDS:-3}" \
+          --singles "${SINGLES:-3}" --levels "${SPEECH_CONCURRENCY:-1,8,32}" \
+          --thinker-tokens "${THINKER_TOKENS:-64}" --frames "${FRAMES:-128}" \
+          --budget-s "$((left - 15))" --first-run-s "${FIRST_RUN_S:-300}" --omni-path /tmp/vomni \
+          --stage-config "${OMNI_STAGE_CONFIG:-qwen3_omni_1gpu}" \
+          ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
+          2>&1 | tee -a "$SPEECH_OUT/bench.log" || true
+      fi
+      stop_servers
+      ;;
+    collect-omni)
+      stop_servers
+      mkdir -p "$OUT/omni_speech"
+      cp "$SPEECH_OUT/results.jsonl" "$OUT/omni_speech/" 2>/dev/null || true
+      python3 benchmarks/omni_speech_report.py "$SPEECH_OUT/results.jsonl" \
+        > "$OUT/omni_speech/table.md" 2>&1 || true
+      tar czf "$OUT/omni_speech/logs.tgz" -C "$SPEECH_OUT" . 2>/dev/null || true
       ;;
     dit)
       # Attention kernels at the served shapes (~30 s), then step variants, GLM CFG step,

@@ -236,3 +236,60 @@ def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speec
     text = httpx.get(f"{omni_speech_server.url}/metrics").text
     for name in ("omni_speech_time_to_first_audio_seconds", "omni_speech_real_time_factor"):
         assert f'{name}_count{{pipeline="qwen3_omni"}}' in text, name
+
+
+def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_path):
+    """benchmarks/bench_omni_speech.py's measurement (what each GPU run does once its server is
+    healthy) against this server, and its report. Every request completes; the first audio comes
+    after 0 and before the stream ends; each answer is whole 80 ms frames (1920 samples at
+    24 kHz) less the 555 samples Code2Wav's convolutions hold back at the end, at most the
+    config's 64 frames; a prompt gets as many alone as in a load of 4
+    (greedy); the real-time factor is wall time over the audio received; the thinker wrote
+    exactly the tokens asked (32: the tiny config's default caps requests, as vLLM's does); no
+    5xx and no stage restart (our /metrics). The tiny talker (67 codec codes) often ends at its
+    end-of-speech code before the cap; prompt 1 runs to it: 64 x 1920 samples less the trim."""
+    import asyncio
+    import sys
+
+    from omni_server import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_omni_speech import build_record, measure
+    from omni_speech_client import Lengths
+    from omni_speech_report import BEGIN, END, table, write_into
+
+    lengths = Lengths(thinker_tokens=32, frames=MAX_FRAMES)
+    url, model = omni_speech_server.url, omni_speech_server.model
+    data = asyncio.run(measure(url, model, lengths, 1, [1, 4], api_key=API_KEY))
+    assert data["warmup_ok"] and data["http_5xx"] == 0 and data["stage_restarts"] == 0
+    assert data["text_c1"]["completed"] == 1 and data["text_c1"]["tokens"] == 32
+    assert data["text_c1"]["decode_tokens_per_s"] > 0
+    c1, c4 = data["speech_c1"], data["speech_c4"]
+    samples = {**c1["samples_by_prompt"], **c4["samples_by_prompt"]}
+    assert set(samples) == {"0", "1", "2", "3"}
+    # code2wav/decoder.py holdback_samples: 555 for the published upsample rates (the tiny's)
+    assert {-n % 1920 for n in samples.values()} == {555}, samples
+    assert samples["1"] == MAX_FRAMES * 1920 - 555 == max(samples.values())  # the cap, exactly
+    for level, load in ((1, c1), (4, c4)):
+        assert (load["requests"], load["completed"]) == (level, level), load
+        frames = [-(-n // 1920) for n in load["samples_by_prompt"].values()]
+        assert load["at_cap"] == frames.count(MAX_FRAMES) and max(frames) <= MAX_FRAMES
+        assert 0 < load["ttfa_s"] <= load["ttfa_p90_s"] < load["wall_s"]
+        shortest = min(load["samples_by_prompt"].values()) / SAMPLE_RATE
+        assert 0 < load["rtf"] <= load["wall_s"] / shortest  # no answer outlasts the load
+    assert c1["samples_by_prompt"]["0"] == c4["samples_by_prompt"]["0"]
+    for load in (c1, c4):  # our /metrics: every stage held the load's requests for a while
+        assert set(load["stage_request_s"]) == {"0", "1", "2"}, load
+        assert all(v > 0 for v in load["stage_request_s"].values()), load
+    assert c4["at_cap"] == 1
+    assert c1["rtf"] == pytest.approx(c1["wall_s"] / c1["audio_s"], rel=1e-3)  # one answer
+
+    rows = [build_record("ours", r, "cpu", lengths, 1.0, dict(data, ready_s=3.0)) for r in (0, 1)]
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"# x\n{BEGIN}\nNot measured yet.\n{END}\ntail\n")
+    write_into(doc, table(rows), BEGIN, END)
+    text = doc.read_text()
+    ttfa = f"{c1['ttfa_s']:.2f}"  # the same run twice: no spread
+    assert f"| time to first audio, c1 (s) | {ttfa} ({ttfa}-{ttfa}, n=2) |" in text, text
+    assert "c1 2/2, c4 8/8; 5xx 0; stage restarts 0" in text
+    assert "2/10 answers at the frame cap" in text and text.endswith("tail\n")

@@ -1,0 +1,337 @@
+"""Qwen3-Omni speech on one GPU, side by side on the same weights: vllm-omni-plugin
+(`--stage-config qwen3_omni_1gpu`) vs vLLM-Omni 0.26 (its own qwen3_omni_moe.yaml on GPU 0,
+benchmarks/incumbent.py lists every change). Each run starts its server fresh, measures, and
+appends one JSON line to OUT/results.jsonl; rounds alternate the systems (ours, theirs, ours, ...).
+
+    python benchmarks/bench_omni_speech.py run --model DIR --out OUT --rounds 3 --budget-s 540
+    python benchmarks/bench_omni_speech.py deploy --out OUT          # the incumbent's file only
+    python benchmarks/omni_speech_report.py OUT/results.jsonl --write BENCHMARKS.md
+
+Fixed lengths on both sides: the thinker writes `--thinker-tokens` tokens (each request's
+`max_tokens` with `ignore_eos`: random weights never stop), the talker at most `--frames` codec
+frames (ours: `--stage-overrides '{"1": {"default_sampling_params": {"max_tokens": N}}}'`;
+vLLM-Omni: its talker stage's `default_sampling_params.max_tokens` in the deploy file). Neither
+talker is told to ignore its end-of-speech code: each record counts the answers that reached the
+cap (`at_cap`), and the real-time factor divides by the audio actually received.
+
+A run, after the server is healthy (start-up to healthy = `ready_s`): one speech warm-up, then
+`--singles` text-only requests one at a time (the thinker's tokens/s), then for each level of
+`--levels` (default 1,8,32) that many streamed speech requests at once (level 1: `--singles`
+one after another). Memory: the device's used memory before the server starts (baseline) and its
+peak while it runs (NVML every 0.2 s; null without an NVIDIA device). Ours also reports its
+stage restarts from /metrics. With `--budget-s`, a run starts only if its estimated duration (the
+latest run of that system in OUT plus 10%, else `--first-run-s`) fits what is left; runs already
+in OUT/results.jsonl are not repeated, so the same command continues in the next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_fair import omni_env, total_gib, used_gib  # noqa: E402
+from bench_gpu_glm import PeakMemory, Server, _keep_log_lines, _versions  # noqa: E402
+from incumbent import (  # noqa: E402
+    installed_stage_fields,
+    qwen3_omni_one_gpu_deploy,
+    reserved_share,
+    validate_deploy,
+)
+from omni_speech_client import (  # noqa: E402
+    Lengths,
+    load,
+    speech_request,
+    stage_counter,
+    stage_restarts,
+    summarize_speech,
+    summarize_text,
+    text_request,
+)
+
+SYSTEMS = ("ours", "omni")
+STAGE_CONFIG = "qwen3_omni_1gpu"
+TALKER = 1
+
+
+# ---- what each system serves -----------------------------------------------------------------
+def ours_overrides(frames: int, extra: str | None = None) -> dict:
+    """Our --stage-overrides: the talker's frame cap, merged under any `extra` JSON."""
+    out: dict = {str(TALKER): {"default_sampling_params": {"max_tokens": frames}}}
+    for sid, over in json.loads(extra or "{}").items():
+        merged = {**out.get(sid, {}), **over}
+        if "default_sampling_params" in over and "default_sampling_params" in out.get(sid, {}):
+            merged["default_sampling_params"] = {
+                **out[sid]["default_sampling_params"],
+                **over["default_sampling_params"],
+            }
+        out[sid] = merged
+    return out
+
+
+def ours_reserved(overrides: dict, stage_config: str = STAGE_CONFIG) -> dict:
+    from vllm_omni_plugin.config.resolve import load_deploy_config
+
+    cfg = load_deploy_config(stage_config, stage_overrides=json.dumps(overrides))
+    stages = [s.flat_dict() for s in cfg.stages]
+    caps = {s["stage_id"]: (s.get("default_sampling_params") or {}) for s in stages}
+    return {
+        "shares": {f"stage_{s['stage_id']}": s.get("gpu_memory_utilization") for s in stages},
+        "talker_max_tokens": caps[TALKER].get("max_tokens"),
+    }
+
+
+def write_incumbent(out: Path, omni_path: str | None, src: Path | None, frames: int) -> dict:
+    """vLLM-Omni's qwen3_omni_moe.yaml (installed under `omni_path`, or `src`) moved to one GPU
+    and capped (incumbent.qwen3_omni_one_gpu_deploy), validated, written to OUT."""
+    import yaml
+
+    if src is None:
+        src = Path(omni_path or "") / "vllm_omni" / "deploy" / "qwen3_omni_moe.yaml"
+    shipped = yaml.safe_load(src.read_text())
+    cfg, changes = qwen3_omni_one_gpu_deploy(shipped, frames)
+    fields = installed_stage_fields(omni_path)
+    problems = validate_deploy(cfg, fields)
+    if problems:
+        raise ValueError(f"incumbent deploy invalid: {problems}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "omni_qwen3_omni_1gpu.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return {
+        "deploy": str(path),
+        "source": str(src),
+        "changes": [c.__dict__ for c in changes],
+        "validated_against": "installed vLLM-Omni" if fields else "KNOWN_STAGE_FIELDS",
+        "reserved": {"shares": reserved_share(cfg)},
+    }
+
+
+def server_argv(args, system: str, incumbent: dict) -> tuple[list[str], dict, dict]:
+    """argv, extra env, and what the system's configuration reserves and caps."""
+    if system == "ours":
+        overrides = ours_overrides(args.frames, args.stage_overrides)
+        argv = [str(args.model), "--stage-config", args.stage_config]
+        argv += ["--stage-overrides", json.dumps(overrides)]
+        return argv, {}, ours_reserved(overrides, args.stage_config)
+    argv = [str(args.model), "--omni", "--deploy-config", incumbent["deploy"]]
+    reserved = dict(incumbent["reserved"], talker_max_tokens=args.frames)
+    return argv, omni_env(args), reserved
+
+
+# ---- one served run --------------------------------------------------------------------------
+async def measure(
+    url: str, model: str, lengths: Lengths, singles: int, levels: list[int], api_key: str = "none"
+) -> dict:
+    """Everything a run measures once its server is healthy (the module docstring's order)."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=1800, max_retries=0)
+
+    async def metrics() -> str:
+        try:
+            async with httpx.AsyncClient() as http:
+                return (await http.get(f"{url}/metrics", timeout=30)).text
+        except httpx.HTTPError:  # no /metrics: its figures are missing, the run goes on
+            return ""
+
+    async def restarts() -> int | None:
+        return stage_restarts(await metrics())
+
+    out: dict = {"restarts_before": await restarts()}
+    t0 = time.perf_counter()
+    warm = await speech_request(client, model, 99, lengths)
+    out["warmup_s"] = round(time.perf_counter() - t0, 2)
+    out["warmup_ok"] = warm["ok"]
+    text = [await text_request(client, model, i, lengths) for i in range(singles)]
+    out["text_c1"] = summarize_text(text)
+    print(f"  text c1 {out['text_c1']}", flush=True)
+    for level in levels:
+        busy_before = stage_counter(await metrics(), "busy_seconds")
+        if level == 1:
+            records, wall = [], 0.0
+            for i in range(singles):
+                rec = await speech_request(client, model, i, lengths)
+                records.append(rec)
+                wall += rec["s"]
+        else:
+            records, wall = await load(
+                lambda i: speech_request(client, model, i, lengths), level, level
+            )
+        out[f"speech_c{level}"] = summarize_speech(records, wall, level)
+        busy_after = stage_counter(await metrics(), "busy_seconds")
+        if busy_before is not None and busy_after is not None:
+            # ours: the request-seconds each stage spent on the load's requests (summed over
+            # requests, overlapping ones included: a streamed request is in every stage for
+            # most of its life, so this says where requests waited, not which stage computed)
+            out[f"speech_c{level}"]["stage_request_s"] = {
+                k: round(v - busy_before.get(k, 0.0), 3) for k, v in busy_after.items()
+            }
+        print(f"  speech c{level} {out[f'speech_c{level}']}", flush=True)
+    after = await restarts()
+    out["restarts_after"] = after
+    out["stage_restarts"] = None if after is None else after - (out["restarts_before"] or 0)
+    out["http_5xx"] = sum(
+        v.get("http_5xx", 0) for k, v in out.items() if k.startswith(("speech_", "text_"))
+    )
+    await client.close()
+    return out
+
+
+def run_served(args, system: str, incumbent: dict, r: int) -> dict:
+    argv, env, reserved = server_argv(args, system, incumbent)
+    baseline = used_gib()
+    log = args.out / f"{system}_r{r}.log"
+    server = Server(argv, log, env=env)
+    try:
+        with PeakMemory() as mem:
+            ready = server.wait_ready(args.start_timeout)
+            print(f"{system} r{r}: ready in {ready:.1f} s", flush=True)
+            data = asyncio.run(
+                measure(server.url, str(args.model), args.lengths, args.singles, args.levels)
+            )
+    finally:
+        server.stop()
+        _keep_log_lines(log, args.out / f"{system}_r{r}_log_lines.txt")
+    total = total_gib()
+    return {
+        "ready_s": round(ready, 1),
+        **data,
+        "baseline_gib": baseline,
+        "peak_gib": mem.peak_gib,
+        "total_gib": total,
+        "reserved": reserved,
+    }
+
+
+# ---- rounds ----------------------------------------------------------------------------------
+def done_runs(results: Path) -> list[dict]:
+    if not results.exists():
+        return []
+    rows = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
+    return [x for x in rows if x.get("phase") == "omni-speech"]
+
+
+def plan(systems: list[str], rounds: int, done: list[dict]) -> list[tuple[int, str]]:
+    """The (round, system) runs still to do, in order: every round runs the systems in the
+    given order (ours, theirs, ours, theirs, ...); runs already recorded are left out."""
+    have = {(x["round"], x["system"]) for x in done}
+    return [(r, s) for r in range(rounds) for s in systems if (r, s) not in have]
+
+
+def estimate_s(system: str, done: list[dict], first_run_s: float) -> float:
+    """How long a run of `system` will take: its latest run plus 10% (later starts find warm
+    compile caches, so the latest is the better guess), else `first_run_s`."""
+    mine = [x["run_s"] for x in done if x["system"] == system and "run_s" in x]
+    return round(mine[-1] * 1.1, 1) if mine else first_run_s
+
+
+def phase_run(args) -> None:
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    incumbent = {}
+    if "omni" in systems:
+        incumbent = write_incumbent(args.out, args.omni_path, args.omni_deploy, args.frames)
+        (args.out / "incumbent_qwen3_omni.json").write_text(json.dumps(incumbent, indent=1))
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = args.out / "results.jsonl"
+    start = time.monotonic()
+    todo = plan(systems, args.rounds, done_runs(results))
+    for r, system in todo:
+        left = args.budget_s - (time.monotonic() - start) if args.budget_s else None
+        need = estimate_s(system, done_runs(results), args.first_run_s)
+        if left is not None and need > left:
+            print(f"STOPPED: {system} r{r} needs ~{need:.0f} s, {left:.0f} s left; run again "
+                  f"to continue ({len(todo) - todo.index((r, system))} runs to go)", flush=True)  # fmt: skip
+            return
+        t0 = time.perf_counter()
+        data = run_served(args, system, incumbent, r)
+        record = build_record(system, r, device, args.lengths, time.perf_counter() - t0, data)
+        record.update(singles=args.singles, levels=args.levels, versions=_versions())
+        if system == "omni":
+            record["changes"] = incumbent["changes"]
+        with open(results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+    print("ALL_DONE", flush=True)
+
+
+CAPS = {
+    "ours": "thinker: request max_tokens + ignore_eos; talker: --stage-overrides "
+    '{"1": {"default_sampling_params": {"max_tokens": FRAMES}}}',
+    "omni": "thinker: request max_tokens + ignore_eos (its thinker stage takes them); talker: "
+    "stage 1 default_sampling_params.max_tokens = FRAMES in the deploy file",
+}
+
+
+def build_record(
+    system: str, r: int, device: str, lengths: Lengths, run_s: float, data: dict
+) -> dict:
+    """One results.jsonl line: which run, the fixed lengths and how they were capped, and what
+    `run_served` measured."""
+    return {
+        "phase": "omni-speech",
+        "system": system,
+        "round": r,
+        "device": device,
+        "lengths": {
+            "thinker_tokens": lengths.thinker_tokens,
+            "frames": lengths.frames,
+            "audio_s_at_cap": lengths.audio_s,
+        },
+        "caps": CAPS[system].replace("FRAMES", str(lengths.frames)),
+        "run_s": round(run_s, 1),
+        **data,
+    }
+
+
+def phase_deploy(args) -> None:
+    info = write_incumbent(args.out, args.omni_path, args.omni_deploy, args.frames)
+    print(json.dumps(info, indent=1))
+
+
+def levels_arg(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"levels must be integers >= 1, got {text!r}")
+    return levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=["run", "deploy"])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/speech")))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--singles", type=int, default=3, help="requests one at a time")
+    parser.add_argument("--levels", type=levels_arg, default=[1, 8, 32])
+    parser.add_argument("--thinker-tokens", type=int, default=64)
+    parser.add_argument("--frames", type=int, default=128, help="talker frames (80 ms each)")
+    parser.add_argument("--stage-config", default=STAGE_CONFIG, help="ours (a CPU dry run: tiny)")
+    parser.add_argument("--stage-overrides", default=None, help="ours: more overrides (JSON)")
+    parser.add_argument("--omni-path", default=os.environ.get("OMNI_PYTHONPATH", "/tmp/vomni"))
+    parser.add_argument("--omni-deploy", type=Path, default=None, help="shipped yaml to start from")
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds this call may use")
+    parser.add_argument("--first-run-s", type=float, default=300, help="estimate, first run")
+    args = parser.parse_args()
+    args.lengths = Lengths(args.thinker_tokens, args.frames)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "run" and args.model is None:
+        parser.error("--model is required")
+    {"run": phase_run, "deploy": phase_deploy}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()

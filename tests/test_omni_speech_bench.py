@@ -1,0 +1,154 @@
+"""The Qwen3-Omni speech benchmark's parts that need no server (the served measurement is in
+tests/serving/test_qwen3_omni_serve.py): vLLM-Omni's own qwen3_omni_moe.yaml (0.26, the fixture
+copied from its wheel) moved to one GPU and capped, written and parsed back; our side's caps;
+both servers' streamed chunk shapes through the openai client's own types; the run plan (rounds
+alternate, recorded runs are not repeated); the report's medians, ratios and goals."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from openai.types.chat import ChatCompletionChunk
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_omni_speech as bench  # noqa: E402
+import incumbent  # noqa: E402
+import omni_speech_client as client  # noqa: E402
+import omni_speech_report as report  # noqa: E402
+
+SHIPPED = REPO / "tests" / "config" / "fixtures" / "vo26_qwen3_omni_moe.yaml"
+
+
+def test_incumbent_deploy_on_one_gpu_is_written_valid_and_otherwise_as_shipped(tmp_path):
+    shipped = yaml.safe_load(SHIPPED.read_text())
+    info = bench.write_incumbent(tmp_path, None, SHIPPED, frames=128)
+    written = yaml.safe_load(Path(info["deploy"]).read_text())
+    assert [s["devices"] for s in written["stages"]] == ["0", "0", "0"]
+    shares = [s["gpu_memory_utilization"] for s in written["stages"]]
+    assert shares == [0.6, 0.2, 0.1] and sum(shares) <= 0.95
+    talker = written["stages"][1]["default_sampling_params"]
+    assert talker == {**shipped["stages"][1]["default_sampling_params"], "max_tokens": 128}
+    # Everything not listed as a change is as shipped (platform sections, connectors, sampling).
+    undone = copy.deepcopy(written)
+    for change in info["changes"]:
+        where = change["where"].split()
+        stage = undone["stages"][int(where[1])]
+        if where[2] == "max_tokens":
+            stage["default_sampling_params"]["max_tokens"] = change["shipped"]
+        else:
+            stage[where[2]] = change["shipped"]
+    assert undone == shipped
+    assert {c["where"] for c in info["changes"]} == {
+        "stage 0 gpu_memory_utilization", "stage 1 devices", "stage 1 gpu_memory_utilization",
+        "stage 2 devices", "stage 1 max_tokens",
+    }  # fmt: skip
+    assert info["reserved"]["shares"] == {"stage_0": 0.6, "stage_1": 0.2, "stage_2": 0.1}
+    assert incumbent.validate_deploy(written) == []
+    with pytest.raises(ValueError, match="frames"):
+        incumbent.qwen3_omni_one_gpu_deploy(shipped, 0)
+    crowded, _ = incumbent.qwen3_omni_one_gpu_deploy(shipped, 8, {0: 0.9, 1: 0.6, 2: 0.1})
+    assert any("sums to 1.60" in p for p in incumbent.validate_deploy(crowded))
+
+
+def test_ours_caps_the_talker_through_stage_overrides():
+    over = bench.ours_overrides(128, '{"1": {"default_sampling_params": {"temperature": 0}}}')
+    assert over == {"1": {"default_sampling_params": {"max_tokens": 128, "temperature": 0}}}
+    reserved = bench.ours_reserved(bench.ours_overrides(96))  # qwen3_omni_1gpu, resolved
+    assert reserved["talker_max_tokens"] == 96
+    assert reserved["shares"]["stage_0"] == 0.75
+
+
+def _chunk(delta: dict, **extra) -> ChatCompletionChunk:
+    return ChatCompletionChunk.model_validate(
+        {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+         "choices": [{"index": 0, "delta": delta, "finish_reason": None}], **extra}
+    )  # fmt: skip
+
+
+def test_audio_pieces_from_both_servers_stream_shapes():
+    pcm = (b"\x01\x00" * 1920)[:3840]
+    b64 = base64.b64encode(pcm).decode()
+    assert client.audio_piece(_chunk({"audio": {"id": "a", "data": b64}})) == (pcm, "")
+    assert client.audio_piece(_chunk({"audio": {"id": "a", "transcript": "hi"}})) == (b"", "hi")
+    # vLLM-Omni 0.26: a top-level `modality`, the audio's base64 in delta.content
+    assert client.audio_piece(_chunk({"content": b64}, modality="audio")) == (pcm, "")
+    assert client.audio_piece(_chunk({"content": "hi"}, modality="text")) == (b"", "hi")
+    empty = ChatCompletionChunk.model_validate(
+        {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": []}
+    )
+    assert client.audio_piece(empty) == (b"", "")
+    assert client.Lengths(64, 128).audio_s == 10.24
+
+
+def test_stage_restarts_from_metrics_text():
+    text = (
+        'omni_stage_restarts_total{pipeline="qwen3_omni",stage_id="0",kind="ar"} 0.0\n'
+        'omni_stage_restarts_total{pipeline="qwen3_omni",stage_id="1",kind="x"} 2.0\n'
+        "omni_stage_restarts_created 1.7e9\n"
+    )
+    assert client.stage_restarts(text) == 2
+    assert client.stage_counter(text, "restarts") == {"0": 0.0, "1": 2.0}
+    assert client.stage_restarts("vllm:num_requests_running 0\n") is None
+
+
+def test_plan_alternates_and_skips_recorded_runs():
+    systems = ["ours", "omni"]
+    assert bench.plan(systems, 2, []) == [(0, "ours"), (0, "omni"), (1, "ours"), (1, "omni")]
+    done = [{"round": 0, "system": "ours", "run_s": 200.0}]
+    assert bench.plan(systems, 2, done) == [(0, "omni"), (1, "ours"), (1, "omni")]
+    assert bench.estimate_s("ours", done, 300) == 220.0
+    done.append({"round": 1, "system": "ours", "run_s": 100.0})  # warm caches: the latest
+    assert bench.estimate_s("ours", done, 300) == 110.0
+    assert bench.estimate_s("omni", done, 300) == 300
+
+
+def _speech(ttfa, rtf, per_wall, completed=8):
+    return {"ttfa_s": ttfa, "rtf": rtf, "audio_s_per_wall_s": per_wall, "completed": completed,
+            "requests": 8, "audio_s": 10.24, "at_cap": completed}  # fmt: skip
+
+
+def _run(system, r, ttfa, per_wall, **extra):
+    data = {
+        "ready_s": 100.0, "peak_gib": 120.0, "baseline_gib": 0.5, "http_5xx": 0,
+        "stage_restarts": 0 if system == "ours" else None,
+        "text_c1": {"decode_tokens_per_s": 150.0, "tokens_per_s": 100.0},
+        "speech_c1": _speech(ttfa, 0.2, 5.0), "speech_c8": _speech(ttfa * 2, 0.3, 25.0),
+        "speech_c32": _speech(ttfa * 4, 0.5, per_wall),
+    }  # fmt: skip
+    lengths = client.Lengths(64, 128)
+    return bench.build_record(system, r, "NVIDIA H200", lengths, 300.0, {**data, **extra})
+
+
+def test_report_medians_ratios_and_goals(tmp_path):
+    rows = [_run("ours", r, t, 60.0) for r, t in enumerate([0.3, 0.4, 0.5])]
+    change = {"where": "stage 1 devices", "shipped": "1", "tuned": "0", "why": "one GPU"}
+    rows += [_run("omni", r, 0.6, 40.0, changes=[change]) for r in range(3)]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"phase": "fair"}\n')
+    text = report.table(report.load([results]))
+    line = next(x for x in text.splitlines() if x.startswith("| time to first audio, c1"))
+    assert line == (
+        "| time to first audio, c1 (s) | 0.40 (0.30-0.50, n=3) | 0.60 (0.60-0.60, n=3) | 0.67 "
+        "| <= 0.8x: met |"
+    )
+    line = next(x for x in text.splitlines() if x.startswith("| audio s per wall s, c32"))
+    assert line.endswith("| 1.50 | >= 1.2x: met |")
+    line = next(x for x in text.splitlines() if x.startswith("| real-time factor, c1"))
+    assert line.endswith("| 1.00 | <= 1.0x: met |")
+    assert (
+        "vLLM-Omni 0.26: c1 24/24, c8 24/24, c32 24/24; 5xx 0; stage restarts not exported" in text
+    )
+    assert "`stage 1 devices`: 1 -> 0 (one GPU)" in text
+    assert "64 thinker tokens, at most 128 talker frames (10.24 s of audio)" in text
+    slow = [_run("ours", 0, 0.7, 30.0), _run("omni", 0, 0.6, 40.0)]
+    text = report.table(slow)
+    assert "| 1.17 | <= 0.8x: NOT met |" in text and "| 0.75 | >= 1.2x: NOT met |" in text
+    assert report.table([]) == "Not measured yet.\n"
