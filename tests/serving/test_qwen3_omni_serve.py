@@ -86,11 +86,11 @@ def test_speech_equals_transformers_wav_within_0_01(omni_speech_server, referenc
 
 def test_streamed_audio_starts_before_the_text_ends_and_equals_the_wav(omni_speech_server):
     """pcm16 deltas: several, the first before the last transcript delta, joined equal to the
-    non-streamed WAV. The order holds however fast the thinker is (the tiny one writes these 2000
-    tokens in a third of a second on a CPU, faster than the talker's first 4 frames): the
-    transcript is paced to the audio (speech_source.py), so text past what the audio sent so far
-    covers waits for it."""
-    kw = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+    non-streamed WAV. The order holds however fast the thinker is (the tiny one writes its 32
+    tokens in tens of milliseconds on a CPU, before the talker's first 4 frames): the transcript
+    is paced to the audio (speech_source.py), so text past what the audio sent so far covers
+    waits for it."""
+    kw = {"max_tokens": 32, "extra_body": {"ignore_eos": True}}
     events: list[tuple[str, bytes | str]] = []
     stream = chat(
         omni_speech_server,
@@ -133,11 +133,13 @@ def test_requests_together_give_what_each_gives_alone(omni_speech_server):
 
 def test_the_thinker_stage_default_sampling_params_apply(omni_speech_server):
     """qwen3_omni_tiny.yaml sets stage 0's max_tokens default to 32: a request without one
-    (EOS ignored) writes exactly 32 tokens, one with its own writes that many."""
+    (EOS ignored) writes exactly 32 tokens, one with its own writes that many, and one asking
+    for more gets 32 (vLLM's max_new_tokens override is also a cap, as in stock `vllm serve`)."""
     ignore = {"extra_body": {"ignore_eos": True}}
     answer = chat(omni_speech_server, max_tokens=openai.NOT_GIVEN, **ignore)
     assert answer.usage.completion_tokens == 32
     assert chat(omni_speech_server, max_tokens=5, **ignore).usage.completion_tokens == 5
+    assert chat(omni_speech_server, max_tokens=100, **ignore).usage.completion_tokens == 32
 
 
 def test_audio_input_text_answer_equals_transformers_thinker(

@@ -104,7 +104,7 @@ CHAT_STAGE_DEFAULTS = (
 def generation_config_overrides(sampling: ARSamplingDefaults) -> dict[str, Any]:
     """A chat stage's `default_sampling_params` as vLLM's `override_generation_config` (its
     handlers apply them to every request that does not set them; HF calls max_tokens
-    max_new_tokens)."""
+    max_new_tokens, which vLLM's handlers also take as every request's cap)."""
     out = {k: v for k, v in sampling.sampling_kwargs().items() if k in CHAT_STAGE_DEFAULTS}
     if "max_tokens" in out:
         out["max_new_tokens"] = out.pop("max_tokens")
