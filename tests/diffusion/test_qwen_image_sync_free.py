@@ -21,8 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_helpers import noise_image
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from host_copies import copies_in_warm_call, record_steps, to_meta
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
 from vllm_omni_plugin.diffusion.acceleration import accelerate_transformer
@@ -33,56 +32,13 @@ from vllm_omni_plugin.testing.tiny_qwen_image_edit_plus import build_2511
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
 SIZE = 64
-FROM_HOST = {"tensor", "as_tensor", "asarray", "from_numpy"}  # host data -> a new tensor
-MOVES = {"to", "cuda", "copy_", "_to_copy"}  # a tensor's data to another device
-READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-
-
-def _device(value) -> str | None:
-    return value.device.type if isinstance(value, torch.Tensor) else None
-
-
-class HostDeviceCopies(TorchFunctionMode):
-    """Records each torch call that moves data between the host and a non-CPU device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        source = _device(
-            args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
-        )
-        if name in READS and source not in (None, "cpu"):
-            self.seen.append(name)
-        out = func(*args, **(kwargs or {}))
-        target = _device(args[0] if name == "copy_" else out)
-        if name in FROM_HOST and target not in (None, "cpu"):
-            self.seen.append(name)
-        if name in MOVES and source and target and (source == "cpu") != (target == "cpu"):
-            self.seen.append(name)
-        return out
 
 
 def record_step(engine, requests) -> dict:
-    """The transformer's keyword arguments in the first batched step of `requests`, as the
-    adapter builds them."""
-    adapter, seen = engine.adapter, []
-    inner = adapter.transformer
-
-    def record(**kwargs):
-        seen.append(tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, kwargs))
-        return inner(**kwargs)
-
-    adapter.transformer = record
-    try:
-        outputs = engine.generate(requests)
-    finally:
-        adapter.transformer = inner
-    assert [o.error for o in outputs] == [None] * len(requests)
+    """The transformer's keyword arguments in the first (batched, padded) step of `requests`."""
+    seen = record_steps(engine, requests)
     assert len(seen) == 2  # one forward per step for all requests (2 steps)
-    kwargs = seen[0]
+    kwargs = seen[0][1]
     assert kwargs["hidden_states"].shape[0] >= 2
     assert kwargs["encoder_hidden_states_mask"] is not None  # padded: the mask path
     return kwargs
@@ -196,18 +152,13 @@ def test_edit_steps_equal_diffusers_with_and_without_zero_cond_t(edit_engine, ed
 def meta_step(model, kwargs) -> tuple[list[str], list[str], torch.Size]:
     """What the guard sees in a warm call of the engine's step and of diffusers' forward, on
     the meta device; and the step's output shape."""
-    device = torch.device("meta")
     # What the engine calls, built for the device (no CUDA graphs off CUDA: the wrapper alone).
-    step = accelerate_transformer(model, device)
+    step = accelerate_transformer(model, torch.device("meta"))
     assert isinstance(step, SyncFreeQwen)
-    inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, kwargs)
-    with torch.no_grad():
-        step(**inputs)  # the warm call StepGraphs makes before capturing
-        with HostDeviceCopies() as fixed:
-            out = step(**inputs)[0]
-        with HostDeviceCopies() as plain:
-            model(**inputs)  # diffusers' forward: the control
-    return fixed.seen, plain.seen, out.shape
+    inputs = to_meta(kwargs)
+    fixed, out = copies_in_warm_call(step, inputs)
+    plain, _ = copies_in_warm_call(model, inputs)  # diffusers' forward: the control
+    return fixed, plain, out[0].shape
 
 
 def test_a_padded_batch_step_copies_nothing_between_host_and_device(engine, step_inputs):
