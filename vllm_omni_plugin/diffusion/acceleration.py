@@ -30,9 +30,10 @@ Each option keeps the model's function: no caching across steps, no lower precis
   * GLM-Image always runs without its forward's host syncs (glm_image_sync_free.py): the same
     math, and the precondition for capturing it in a CUDA graph. Compiled on CUDA, its four
     shape classes are compiled at start-up (`warm_up`), not in the first requests.
-  * Qwen-Image's padded text batches (batch > 1, prompts of different lengths) always run
-    without the forward's host-to-device copy of the text length (qwen_image_sync_free.py):
-    the same math, and what lets those shapes be captured in a CUDA graph.
+  * The Qwen-Image family's transformers always run without the forward's host-to-device
+    copies (qwen_image_sync_free.py): the text length of padded text batches (batch > 1,
+    prompts of different lengths) and Qwen-Image-Edit-2511's `modulate_index` (`zero_cond_t`).
+    The same math, and what lets those shapes be captured in a CUDA graph.
 """
 
 from __future__ import annotations

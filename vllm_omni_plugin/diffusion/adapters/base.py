@@ -9,7 +9,7 @@ at its own step index, CFG rows in the same forward) and `decode` (one VAE call)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -224,6 +224,38 @@ class DiffusionAdapter(ABC):
         if self.step_cache is None:
             return model(**kwargs)
         return self.step_cache.run(model, rows, kwargs, expert)
+
+    def run_guided(
+        self,
+        model: Any,
+        states: list[RequestState],
+        kwargs: dict,
+        guide: Callable[[RequestState, torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        expert: int = 0,
+        keep_tokens: int | None = None,
+    ) -> list[torch.Tensor]:
+        """One batched step's transformer call and CFG, in the row layout of the batched
+        families: every state's `n` conditioned rows in order, then the unconditioned rows of
+        the states running CFG (`s.do_cfg`), in the same order. Runs `model` on `kwargs`
+        (`run_transformer`: step cache, LoRA), keeps each row's first `keep_tokens` tokens when
+        given (the noisy latents, when source-image tokens follow them) and returns each
+        state's noise prediction: its conditioned rows, or `guide(s, cond, uncond)` for a CFG
+        state (the family's guidance rule). What the step does with it stays the family's."""
+        cfg_states = [s for s in states if s.do_cfg]
+        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
+        pred = self.run_transformer(model, tags, kwargs, expert)[0]
+        if keep_tokens is not None:
+            pred = pred[:, :keep_tokens]
+        out, i, j = [], 0, sum(s.n for s in states)
+        for s in states:
+            noise = pred[i : i + s.n]
+            if s.do_cfg:
+                noise = guide(s, noise, pred[j : j + s.n])
+                j += s.n
+            out.append(noise)
+            i += s.n
+        return out
 
     def generate(self, state: RequestState, on_step: Any) -> list[Image.Image]:
         raise NotImplementedError  # only whole-pipeline adapters implement this

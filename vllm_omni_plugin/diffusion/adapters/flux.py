@@ -176,15 +176,11 @@ class FluxAdapter(DiffusionAdapter):
             joint_attention_kwargs={},
             return_dict=False,
         )
-        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
-        pred = self.run_transformer(self.transformer, tags, kwargs)[0]
-        if hidden is not latents:
-            pred = pred[:, : latents.shape[1]]  # the noisy latents' part only
-        n_cond = sum(s.n for s in states)
-        cond, uncond = pred[:n_cond], pred[n_cond:]
-        if cfg_states:
-            cond = self._apply_cfg(states, cond, uncond)
-        self.euler_update(states, cond)
+        # keep_tokens: the noisy latents' part only (Kontext appends its source image's)
+        noise = self.run_guided(
+            self.transformer, states, kwargs, self._guide, keep_tokens=latents.shape[1]
+        )
+        self.euler_update(states, torch.cat(noise))
 
     def _hidden_states(self, rows: list[RequestState], latents: torch.Tensor) -> torch.Tensor:
         """The transformer's image sequence of the rows: here their noisy latents alone."""
@@ -195,17 +191,9 @@ class FluxAdapter(DiffusionAdapter):
         req0 = states[0].req
         return self._image_ids_for(req0.height, req0.width, self._text_ids_dtype())
 
-    def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
-        out, i, j = [], 0, 0
-        for s in states:
-            c = cond[i : i + s.n]
-            if s.do_cfg:
-                u = uncond[j : j + s.n]
-                c = u + self.cfg_scale(s.req) * (c - u)
-                j += s.n
-            out.append(c)
-            i += s.n
-        return torch.cat(out)
+    def _guide(self, s: RequestState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """diffusers' true CFG (no rescale)."""
+        return uncond + self.cfg_scale(s.req) * (cond - uncond)
 
     def _text_ids_dtype(self) -> torch.dtype:
         te = self.pipe.text_encoder

@@ -192,26 +192,18 @@ class Flux2KleinAdapter(DiffusionAdapter):
             joint_attention_kwargs=None,
             return_dict=False,
         )
-        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
-        pred = self.run_transformer(self.transformer, tags, kwargs)[0]
-        pred = pred[:, : states[0].latents.shape[1]]  # the noisy tokens' part only
-        n_cond = sum(s.n for s in states)
-        cond, uncond = pred[:n_cond], pred[n_cond:]
-        if cfg_states:
-            cond = self._apply_cfg(states, cond, uncond)
-        self.euler_update(states, cond)
+        noise = self.run_guided(
+            self.transformer,
+            states,
+            kwargs,
+            self._guide,
+            keep_tokens=states[0].latents.shape[1],  # the noisy tokens' part only
+        )
+        self.euler_update(states, torch.cat(noise))
 
-    def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
-        out, i, j = [], 0, 0
-        for s in states:
-            c = cond[i : i + s.n]
-            if s.do_cfg:
-                u = uncond[j : j + s.n]
-                c = u + s.req.guidance_scale * (c - u)
-                j += s.n
-            out.append(c)
-            i += s.n
-        return torch.cat(out)
+    def _guide(self, s: RequestState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """diffusers' CFG against the empty prompt, at the request's guidance_scale."""
+        return uncond + s.req.guidance_scale * (cond - uncond)
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:

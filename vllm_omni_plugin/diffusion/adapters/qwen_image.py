@@ -174,15 +174,11 @@ class QwenImageAdapter(DiffusionAdapter):
             attention_kwargs={},
             return_dict=False,
         )
-        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
-        pred = self.run_transformer(self.transformer, tags, kwargs)[0]
-        if hidden is not latents:
-            pred = pred[:, : latents.shape[1]]  # the noisy latents' part only
-        n_cond = sum(s.n for s in states)
-        cond, uncond = pred[:n_cond], pred[n_cond:]
-        if cfg_states:
-            cond = self._apply_cfg(states, cond, uncond)
-        self.euler_update(states, cond)
+        # keep_tokens: the noisy latents' part only (the edit families append source images')
+        noise = self.run_guided(
+            self.transformer, states, kwargs, self._guide, keep_tokens=latents.shape[1]
+        )
+        self.euler_update(states, torch.cat(noise))
 
     def _hidden_states(self, rows: list[RequestState], latents: torch.Tensor) -> torch.Tensor:
         """The transformer's image sequence of the rows: here their noisy latents alone."""
@@ -193,20 +189,12 @@ class QwenImageAdapter(DiffusionAdapter):
         req0, g = states[0].req, self.vae_scale_factor * 2
         return [(1, req0.height // g, req0.width // g)]
 
-    def _apply_cfg(self, states, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
-        out, i, j = [], 0, 0
-        for s in states:
-            c = cond[i : i + s.n]
-            if s.do_cfg:
-                u = uncond[j : j + s.n]
-                comb = u + self.cfg_scale(s.req) * (c - u)
-                cond_norm = torch.norm(c, dim=-1, keepdim=True)
-                noise_norm = torch.norm(comb, dim=-1, keepdim=True)
-                c = comb * (cond_norm / noise_norm)
-                j += s.n
-            out.append(c)
-            i += s.n
-        return torch.cat(out)
+    def _guide(self, s: RequestState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """diffusers' true CFG, rescaled to the conditioned prediction's norm."""
+        comb = uncond + self.cfg_scale(s.req) * (cond - uncond)
+        cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+        noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+        return comb * (cond_norm / noise_norm)
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:

@@ -299,26 +299,20 @@ class WanAdapter(DiffusionAdapter):
             attention_kwargs=None,
             return_dict=False,
         )
-        tags = [(s, "cond", s.n) for s in states] + [(s, "uncond", s.n) for s in cfg_states]
+
+        def guide(s: RequestState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+            # Wan2.2 guides its low-noise expert with guidance_scale_2 (diffusers' default:
+            # guidance_scale).
+            scale = s.req.guidance_scale
+            if expert == 1:
+                scale = s.req.knobs.get("guidance_scale_2", scale)
+            return uncond + scale * (cond - uncond)
+
         # Each expert caches on its own: a switch of expert resets the request's cache.
-        pred = self.run_transformer(model, tags, kwargs, expert)[0]
-        n_cond = sum(s.n for s in states)
-        cond, uncond = pred[:n_cond], pred[n_cond:]
-        i = j = 0
-        for s in states:
-            noise = cond[i : i + s.n]
-            if s.do_cfg:
-                u = uncond[j : j + s.n]
-                # Wan2.2 guides its low-noise expert with guidance_scale_2 (diffusers'
-                # default: guidance_scale).
-                scale = s.req.guidance_scale
-                if expert == 1:
-                    scale = s.req.knobs.get("guidance_scale_2", scale)
-                noise = u + scale * (noise - u)
-                j += s.n
+        noises = self.run_guided(model, states, kwargs, guide, expert=expert)
+        for s, noise in zip(states, noises, strict=True):
             t = s.timesteps[s.step]
             s.latents = s.cond["scheduler"].step(noise, t, s.latents, return_dict=False)[0]
-            i += s.n
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
