@@ -154,6 +154,21 @@ def test_dead_peer_is_a_clear_error_within_deadline(consumer):
     assert consumer.health()
 
 
+def _wait_all_threads_stopped(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP is delivered asynchronously: wait until every thread of `pid` (UCX's progress
+    thread among them) is in the stopped state."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop: thread states {states}")
+
+
 def test_hung_peer_hits_deadline(monkeypatch):
     # Over TCP (the cross-node case) a READ needs the peer's progress thread; on one host UCX may
     # read a stopped process's memory directly (cma), which is then a correct, finished READ.
@@ -169,6 +184,7 @@ def test_hung_peer_hits_deadline(monkeypatch):
             peer.call("put_pattern", "hung-small", 4096, 10),
         ]
         os.kill(peer.pid, signal.SIGSTOP)
+        _wait_all_threads_stopped(peer.pid)
         for desc in descs:
             start = time.monotonic()
             with pytest.raises(ConnectorTimeout, match="did not finish within"):
