@@ -278,7 +278,8 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
         assert load["at_cap"] == frames.count(MAX_FRAMES) and max(frames) <= MAX_FRAMES
         assert 0 < load["ttfa_s"] <= load["ttfa_p90_s"] < load["wall_s"]
         shortest = min(load["samples_by_prompt"].values()) / SAMPLE_RATE
-        assert 0 < load["rtf"] <= load["wall_s"] / shortest  # no answer outlasts the load
+        # no answer outlasts the load (the record rounds rtf and wall_s: 1e-3 relative)
+        assert 0 < load["rtf"] <= load["wall_s"] / shortest * (1 + 1e-3)
     assert c1["samples_by_prompt"]["0"] == c4["samples_by_prompt"]["0"]
     for load in (c1, c4):  # our /metrics: every stage held the load's requests for a while
         assert set(load["stage_request_s"]) == {"0", "1", "2"}, load
