@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fair import omni_env, total_gib, used_gib  # noqa: E402
 from bench_gpu_glm import PeakMemory, Server, _keep_log_lines, _versions  # noqa: E402
 from incumbent import (  # noqa: E402
+    QWEN3_OMNI_TALKER_EXTRA_TOKENS,
     installed_stage_fields,
     qwen3_omni_one_gpu_deploy,
     reserved_share,
@@ -49,6 +50,7 @@ from omni_speech_client import (  # noqa: E402
     load,
     speech_request,
     stage_counter,
+    stage_first_outputs,
     stage_restarts,
     summarize_speech,
     summarize_text,
@@ -120,7 +122,9 @@ def server_argv(args, system: str, incumbent: dict) -> tuple[list[str], dict, di
         argv += ["--stage-overrides", json.dumps(overrides)]
         return argv, {}, ours_reserved(overrides, args.stage_config)
     argv = [str(args.model), "--omni", "--deploy-config", incumbent["deploy"]]
-    reserved = dict(incumbent["reserved"], talker_max_tokens=args.frames)
+    reserved = dict(
+        incumbent["reserved"], talker_max_tokens=args.frames + QWEN3_OMNI_TALKER_EXTRA_TOKENS
+    )
     return argv, omni_env(args), reserved
 
 
@@ -153,7 +157,9 @@ async def measure(
     out["text_c1"] = summarize_text(text)
     print(f"  text c1 {out['text_c1']}", flush=True)
     for level in levels:
-        busy_before = stage_counter(await metrics(), "busy_seconds")
+        scrape_before = await metrics()
+        busy_before = stage_counter(scrape_before, "busy_seconds")
+        first_before = stage_first_outputs(scrape_before)
         if level == 1:
             records, wall = [], 0.0
             for i in range(singles):
@@ -165,7 +171,18 @@ async def measure(
                 lambda i: speech_request(client, model, i, lengths), level, level
             )
         out[f"speech_c{level}"] = summarize_speech(records, wall, level)
-        busy_after = stage_counter(await metrics(), "busy_seconds")
+        scrape_after = await metrics()
+        busy_after = stage_counter(scrape_after, "busy_seconds")
+        first_after = stage_first_outputs(scrape_after)
+        if first_before is not None and first_after is not None:
+            # ours: each streamed stage's mean time from receiving a request to its first
+            # chunk (the stages of a request are submitted together: where the first audio's
+            # time goes)
+            means = out[f"speech_c{level}"]["stage_first_output_s"] = {}
+            for k, (total, n) in first_after.items():
+                total_before, n_before = first_before.get(k, (0.0, 0.0))
+                if n > n_before:
+                    means[k] = round((total - total_before) / (n - n_before), 4)
         if busy_before is not None and busy_after is not None:
             # ours: the request-seconds each stage spent on the load's requests (summed over
             # requests, overlapping ones included: a streamed request is in every stage for
@@ -218,11 +235,15 @@ def done_runs(results: Path) -> list[dict]:
     return [x for x in rows if x.get("phase") == "omni-speech"]
 
 
-def plan(systems: list[str], rounds: int, done: list[dict]) -> list[tuple[int, str]]:
-    """The (round, system) runs still to do, in order: every round runs the systems in the
-    given order (ours, theirs, ours, theirs, ...); runs already recorded are left out."""
+def plan(
+    systems: list[str], rounds: int, done: list[dict], offset: int = 0
+) -> list[tuple[int, str]]:
+    """The (round, system) runs still to do, in order: rounds `offset` .. `offset + rounds - 1`,
+    each running the systems in the given order (ours, theirs, ours, theirs, ...); runs already
+    recorded are left out. An offset continues the rounds of an earlier lease."""
     have = {(x["round"], x["system"]) for x in done}
-    return [(r, s) for r in range(rounds) for s in systems if (r, s) not in have]
+    rows = range(offset, offset + rounds)
+    return [(r, s) for r in rows for s in systems if (r, s) not in have]
 
 
 def estimate_s(system: str, done: list[dict], first_run_s: float) -> float:
@@ -246,7 +267,7 @@ def phase_run(args) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = args.out / "results.jsonl"
     start = time.monotonic()
-    todo = plan(systems, args.rounds, done_runs(results))
+    todo = plan(systems, args.rounds, done_runs(results), args.round_offset)
     for r, system in todo:
         left = args.budget_s - (time.monotonic() - start) if args.budget_s else None
         need = estimate_s(system, done_runs(results), args.first_run_s)
@@ -258,6 +279,9 @@ def phase_run(args) -> None:
         data = run_served(args, system, incumbent, r)
         record = build_record(system, r, device, args.lengths, time.perf_counter() - t0, data)
         record.update(singles=args.singles, levels=args.levels, versions=_versions())
+        record["started_utc"] = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - record["run_s"])
+        )
         if system == "omni":
             record["changes"] = incumbent["changes"]
         with open(results, "a") as f:
@@ -270,7 +294,8 @@ CAPS = {
     "ours": "thinker: request max_tokens + ignore_eos; talker: --stage-overrides "
     '{"1": {"default_sampling_params": {"max_tokens": FRAMES}}}',
     "omni": "thinker: request max_tokens + ignore_eos (its thinker stage takes them); talker: "
-    "stage 1 default_sampling_params.max_tokens = FRAMES in the deploy file",
+    f"stage 1 default_sampling_params.max_tokens = FRAMES + {QWEN3_OMNI_TALKER_EXTRA_TOKENS} in "
+    "the deploy file (it voices one frame fewer than its max_tokens)",
 }
 
 
@@ -314,6 +339,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/speech")))
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--round-offset", type=int, default=0, help="first round's number")
     parser.add_argument("--singles", type=int, default=3, help="requests one at a time")
     parser.add_argument("--levels", type=levels_arg, default=[1, 8, 32])
     parser.add_argument("--thinker-tokens", type=int, default=64)

@@ -149,6 +149,9 @@ def qwen_image_argv(model: str, tuned: bool, batch: int) -> tuple[list[str], lis
 # ships with). 0.9 in all.
 QWEN3_OMNI_ONE_GPU_SHARES = {0: 0.6, 1: 0.2, 2: 0.1}
 QWEN3_OMNI_TALKER = 1
+# vLLM-Omni 0.26's talker voiced max_tokens - 1 frames (243,285 samples = 127 x 1920 - 555 for
+# max_tokens 128, every answer of the first H200 round): one more token gives both sides N frames.
+QWEN3_OMNI_TALKER_EXTRA_TOKENS = 1
 
 
 def qwen3_omni_one_gpu_deploy(
@@ -156,8 +159,8 @@ def qwen3_omni_one_gpu_deploy(
 ) -> tuple[dict, list[Change]]:
     """vLLM-Omni's qwen3_omni_moe.yaml (`src`, as loaded) on GPU 0: every stage's `devices` "0",
     the memory `shares` (default QWEN3_OMNI_ONE_GPU_SHARES), and the talker's
-    `default_sampling_params.max_tokens` = `frames` (one codec frame per talker token, 80 ms of
-    audio each: the fixed audio length both systems get). The thinker's length comes with each
+    `default_sampling_params.max_tokens` = `frames` + QWEN3_OMNI_TALKER_EXTRA_TOKENS (`frames`
+    codec frames of 80 ms: the fixed audio length both systems get). The thinker's length comes with each
     request (`max_tokens` + `ignore_eos`, which vLLM-Omni applies to its thinker stage); the
     `platforms:` sections (NPU, ROCm, XPU) and everything else stay as shipped."""
     if frames < 1:
@@ -180,11 +183,14 @@ def qwen3_omni_one_gpu_deploy(
             stage["gpu_memory_utilization"] = share
     talker = _stage(cfg, QWEN3_OMNI_TALKER)
     params = talker.setdefault("default_sampling_params", {})
+    tokens = frames + QWEN3_OMNI_TALKER_EXTRA_TOKENS
     changes.append(
-        Change(f"stage {QWEN3_OMNI_TALKER} max_tokens", params.get("max_tokens"), frames,
-               "the fixed audio length: at most this many codec frames (80 ms each)")
+        Change(f"stage {QWEN3_OMNI_TALKER} max_tokens", params.get("max_tokens"), tokens,
+               f"the fixed audio length: {frames} codec frames (80 ms each); its talker's "
+               f"max_tokens counts {QWEN3_OMNI_TALKER_EXTRA_TOKENS} more than the frames it "
+               "voices (128 gave 127 frames on the H200, 2026-12-03)")
     )  # fmt: skip
-    params["max_tokens"] = frames
+    params["max_tokens"] = tokens
     return cfg, changes
 
 

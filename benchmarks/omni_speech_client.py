@@ -250,17 +250,30 @@ def summarize_text(records: list[dict]) -> dict:
     }
 
 
-def stage_counter(metrics_text: str, name: str) -> dict[str, float] | None:
-    """Our /metrics: a per-stage counter family (`omni_stage_<name>_total`) by stage id; None
-    when the server exports no such family (vLLM-Omni 0.26)."""
+def _per_stage(metrics_text: str, prefix: str) -> dict[str, float]:
+    """Our /metrics: the samples whose line starts with `prefix`, summed by stage id."""
     out: dict[str, float] = {}
-    prefix = f"omni_stage_{name}_total{{"
     for line in metrics_text.splitlines():
         if line.startswith(prefix):
             labels, _, value = line.rpartition(" ")
             stage = labels.split('stage_id="', 1)[1].split('"', 1)[0]
             out[stage] = out.get(stage, 0.0) + float(value)
-    return out or None
+    return out
+
+
+def stage_counter(metrics_text: str, name: str) -> dict[str, float] | None:
+    """Our /metrics: a per-stage counter family (`omni_stage_<name>_total`) by stage id; None
+    when the server exports no such family (vLLM-Omni 0.26)."""
+    return _per_stage(metrics_text, f"omni_stage_{name}_total{{") or None
+
+
+def stage_first_outputs(metrics_text: str) -> dict[str, tuple[float, float]] | None:
+    """Our /metrics: per stage id, (summed seconds, requests) from receiving a request to its
+    first streamed chunk (`omni_stage_time_to_first_output_seconds`); None when not exported."""
+    name = "omni_stage_time_to_first_output_seconds"
+    sums = _per_stage(metrics_text, name + "_sum{")
+    counts = _per_stage(metrics_text, name + "_count{")
+    return {k: (sums[k], counts.get(k, 0.0)) for k in sums} or None
 
 
 def stage_restarts(metrics_text: str) -> int | None:

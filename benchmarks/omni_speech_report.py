@@ -97,6 +97,19 @@ def _lengths(runs: list[dict]) -> str:
     return f"audio per answer {_stat(audio)} s; {at_cap}/{done} answers at the frame cap"
 
 
+def _first_outputs(runs: list[dict]) -> str | None:
+    """Our stages' mean time from receiving a request to its first chunk at c1 (median over
+    runs): where the first audio's time goes. None when no run recorded it."""
+    per_stage: dict[str, list[float]] = {}
+    for r in runs:
+        for stage, s in (r.get("speech_c1", {}).get("stage_first_output_s") or {}).items():
+            per_stage.setdefault(stage, []).append(s * 1000)
+    if not per_stage:
+        return None
+    parts = [f"stage {k} {_stat(v)} ms" for k, v in sorted(per_stage.items())]
+    return "first chunk out of each stage after it received the request, c1: " + ", ".join(parts)
+
+
 def table(rows: list[dict]) -> str:
     if not rows:
         return "Not measured yet.\n"
@@ -129,6 +142,9 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"- {LABELS[s]}: {_completion(by[s])}; {_lengths(by[s])}. Caps: {by[s][0]['caps']}."
         )
+        first = _first_outputs(by[s])
+        if first:
+            lines.append(f"- {LABELS[s]}: {first} (0 thinker, 1 talker, 2 Code2Wav).")
     changes = next((r.get("changes") for r in rows if r["system"] == "omni"), None)
     if changes:
         lines += [

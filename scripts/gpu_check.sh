@@ -33,9 +33,13 @@
 #   scripts/gpu_check.sh omni-speech        bench_omni_speech.py (issue 30): ours vs vLLM-Omni 0.26, rounds alternating,
 #                                           bounded by what is left of this call (CALL_LIMIT_S); runs already in
 #                                           $SPEECH_OUT are kept, so the same command continues in the next call.
-#                                           SYSTEMS ROUNDS SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
+#                                           SYSTEMS ROUNDS ROUND_OFFSET SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
 #                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
+#   scripts/gpu_check.sh omni-parity        the tiny Qwen3-Omni served here (bf16) vs transformers on this GPU (issue 30 item 3)
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
+#   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker engine's step time at full size (no
+#                                           server, ~3 min); TALKER_BASELINE=DIR (an older `talker/` package)
+#                                           and TALKER_BASELINE_LABEL time that one too
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
 set -euo pipefail
@@ -241,7 +245,7 @@ while [ $# -gt 0 ]; do
         # (a run it cuts short leaves no record and is redone in the next call).
         timeout "$left" python3 benchmarks/bench_omni_speech.py run --model "$dir" \
           --out "$SPEECH_OUT" --systems "${SYSTEMS:-ours,omni}" --rounds "${ROUNDS:-3}" \
-          --singles "${SINGLES:-3}" --levels "${SPEECH_CONCURRENCY:-1,8,32}" \
+          --round-offset "${ROUND_OFFSET:-0}" --singles "${SINGLES:-3}" --levels "${SPEECH_CONCURRENCY:-1,8,32}" \
           --thinker-tokens "${THINKER_TOKENS:-64}" --frames "${FRAMES:-128}" \
           --budget-s "$((left - 15))" --first-run-s "${FIRST_RUN_S:-300}" --omni-path /tmp/vomni \
           --stage-config "${OMNI_STAGE_CONFIG:-qwen3_omni_1gpu}" \
@@ -249,6 +253,18 @@ while [ $# -gt 0 ]; do
           2>&1 | tee -a "$SPEECH_OUT/bench.log" || true
       fi
       stop_servers
+      ;;
+    omni-parity)
+      # Issue 30 item 3: the tiny checkpoint served here (qwen3_omni_1gpu, bf16) vs transformers
+      # on this GPU: thinker ids, transcript, WAV (where they part). ~2 min.
+      timeout 420 python3 benchmarks/omni_served_parity.py --out "$OUT/omni_parity" 2>&1 \
+        | tail -5 || true
+      stop_servers
+      ;;
+    talker-step)
+      timeout 420 python3 benchmarks/bench_talker_step.py --work "${TALKER_WORK:-/dev/shm/talker-full}" \
+        --out "$OUT/talker_step" ${TALKER_BASELINE:+--baseline "$TALKER_BASELINE"} \
+        ${TALKER_BASELINE_LABEL:+--baseline-label "$TALKER_BASELINE_LABEL"} 2>&1 | tail -20 || true
       ;;
     collect-omni)
       stop_servers

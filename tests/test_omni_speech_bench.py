@@ -35,7 +35,7 @@ def test_incumbent_deploy_on_one_gpu_is_written_valid_and_otherwise_as_shipped(t
     shares = [s["gpu_memory_utilization"] for s in written["stages"]]
     assert shares == [0.6, 0.2, 0.1] and sum(shares) <= 0.95
     talker = written["stages"][1]["default_sampling_params"]
-    assert talker == {**shipped["stages"][1]["default_sampling_params"], "max_tokens": 128}
+    assert talker == {**shipped["stages"][1]["default_sampling_params"], "max_tokens": 129}
     # Everything not listed as a change is as shipped (platform sections, connectors, sampling).
     undone = copy.deepcopy(written)
     for change in info["changes"]:
@@ -97,6 +97,12 @@ def test_stage_restarts_from_metrics_text():
     assert client.stage_restarts(text) == 2
     assert client.stage_counter(text, "restarts") == {"0": 0.0, "1": 2.0}
     assert client.stage_restarts("vllm:num_requests_running 0\n") is None
+    first = (
+        'omni_stage_time_to_first_output_seconds_count{pipeline="p",stage_id="1",kind="ar"} 4.0\n'
+        'omni_stage_time_to_first_output_seconds_sum{pipeline="p",stage_id="1",kind="ar"} 0.2\n'
+    )
+    assert client.stage_first_outputs(first) == {"1": (0.2, 4.0)}
+    assert client.stage_first_outputs(text) is None
 
 
 def test_plan_alternates_and_skips_recorded_runs():
@@ -108,6 +114,8 @@ def test_plan_alternates_and_skips_recorded_runs():
     done.append({"round": 1, "system": "ours", "run_s": 100.0})  # warm caches: the latest
     assert bench.estimate_s("ours", done, 300) == 110.0
     assert bench.estimate_s("omni", done, 300) == 300
+    # A later lease continues the rounds: ROUND_OFFSET=2 ROUNDS=1 runs round 2 only.
+    assert bench.plan(systems, 1, done, offset=2) == [(2, "ours"), (2, "omni")]
 
 
 def _speech(ttfa, rtf, per_wall, completed=8):
@@ -148,7 +156,89 @@ def test_report_medians_ratios_and_goals(tmp_path):
     )
     assert "`stage 1 devices`: 1 -> 0 (one GPU)" in text
     assert "64 thinker tokens, at most 128 talker frames (10.24 s of audio)" in text
+    assert "first chunk out of each stage" not in text  # no run recorded the stages' times
+    stages = {"0": 0.025, "1": 0.06, "2": 0.09}
+    timed = [_run("ours", 0, 0.3, 60.0), _run("ours", 1, 0.4, 60.0)]
+    for run, scale in zip(timed, (1.0, 2.0), strict=True):
+        run["speech_c1"]["stage_first_output_s"] = {k: v * scale for k, v in stages.items()}
+    assert (
+        "vllm-omni-plugin: first chunk out of each stage after it received the request, c1: "
+        "stage 0 37.50 (25.00-50.00, n=2) ms, stage 1 90.00 (60.00-120.00, n=2) ms, "
+        "stage 2 135.00 (90.00-180.00, n=2) ms (0 thinker, 1 talker, 2 Code2Wav)."
+    ) in report.table(timed)
     slow = [_run("ours", 0, 0.7, 30.0), _run("omni", 0, 0.6, 40.0)]
     text = report.table(slow)
     assert "| 1.17 | <= 0.8x: NOT met |" in text and "| 0.75 | >= 1.2x: NOT met |" in text
     assert report.table([]) == "Not measured yet.\n"
+
+
+def test_served_parity_locates_where_the_waveforms_part_and_its_overrides_load():
+    import numpy as np
+    import omni_served_parity as parity
+
+    from vllm_omni_plugin.config.resolve import load_deploy_config
+
+    ref = np.zeros(5 * parity.SAMPLES_PER_FRAME, dtype=np.float32)
+    served = ref.copy()
+    assert parity.compare_waves(served, ref)["first_frame_over_bound"] is None
+    served[3 * parity.SAMPLES_PER_FRAME + 7] = 0.02  # inside frame 3
+    got = parity.compare_waves(served[:-5], ref)
+    assert got["first_frame_over_bound"] == 3 and got["max_abs"] == pytest.approx(0.02)
+    assert got["served_samples"] == len(ref) - 5
+    # The GPU file takes the tiny checkpoint's overrides (a key it refused would fail here).
+    cfg = load_deploy_config(
+        "qwen3_omni_1gpu", stage_overrides=json.dumps(parity.overrides("bfloat16", gpu=True))
+    )
+    assert cfg.stage(1).sampling.max_tokens == parity.FRAMES
+    assert cfg.stage(0).flat_dict()["gpu_memory_utilization"] == 0.2
+
+
+def test_talker_step_report_names_the_baseline_and_what_ran(tmp_path):
+    """bench_talker_step.py's table: a run's own baseline label, its graphed-vs-baseline frame
+    agreement and whether the q/k norms and rope ran as one kernel, per result file."""
+    import bench_talker_step
+
+    row = {"batch": 1, "frames": 48, "step_ms": 9.5, "step_ms_p90": 9.9, "rtf": 0.12}
+    run = {
+        "device": "NVIDIA H200",
+        "torch": "2.11.0",
+        "talker": [
+            {**row, "variant": "baseline", "step_ms": 17.4, "audio_s_per_wall_s": 4.6},
+            {**row, "variant": "graphs", "audio_s_per_wall_s": 8.4},
+        ],
+        "code2wav": [{"batch": 1, "audio_s_per_wall_s": 90.0}],
+        "labels": {"baseline": "unfused (63be752)"},
+        "load_s": {"graphs": 12.0},
+        "graphs_vs_baseline_equal_frames": {"1": "40/48"},
+        "gpu_kernels": {
+            "graphs": {"fused_qk_norm_rope": True, "fused_moe": True},
+            "baseline": None,
+        },
+    }
+    path = tmp_path / "talker_step.json"
+    path.write_text(json.dumps(run))
+    table = bench_talker_step.report_table([path])
+    assert "| unfused (63be752) | 1 | 48 | 17.4 |" in table
+    assert "| slot cache + CUDA graphs | 1 | 48 | 9.5 |" in table
+    assert "graphed frames equal to the baseline's (bf16): {'1': '40/48'}" in table
+    assert (
+        "vLLM's GPU-only kernels used: {'graphs': {'fused_qk_norm_rope': True, 'fused_moe': True}"
+        in table
+    )
+
+
+def test_talker_step_checks_the_fused_stack_against_transformers_modules(tiny_models):
+    """bench_talker_step.fused_vs_modules on the tiny checkpoint (CPU, float32): one prefill
+    through the fused stack against transformers' talker forward, relative max difference
+    (summation order only here; the GPU run reads bf16's ~1e-2 against a broken kernel's ~1)."""
+    import bench_talker_step
+
+    from vllm_omni_plugin.talker.runner import TalkerRunner, load_talker
+
+    config, talker, _ = load_talker(tiny_models("qwen3-omni"))
+    runner = TalkerRunner(config, talker, max_batch_size=1)
+    diff = bench_talker_step.fused_vs_modules(runner, length=12)
+    assert runner.gpu_kernels == {"fused_qk_norm_rope": False, "fused_moe": False}  # CPU
+    assert set(diff) == {"as run", "without GPU-only kernels"}, diff
+    assert max(diff.values()) < 1e-5, diff
+    assert runner.cache.free_slots == 1  # the slot it used is back

@@ -35,21 +35,38 @@ def test_keys_the_speech_stages_do_not_read_are_refused_by_name():
         stage_overrides=json.dumps(
             {
                 "1": {
-                    "enforce_eager": True,
+                    "block_size": 16,
                     "default_sampling_params": {"temperature": 0.7, "top_p": 0.5},
                 },
-                "2": {"memory_budget_gb": 4},
+                "2": {"memory_budget_gb": 4, "enforce_eager": True},
             }
         ),
     )
     text = "\n".join(lines)
     for field in (
-        "stage 1: enforce_eager",
+        "stage 1: block_size",
         "stage 1: default_sampling_params.top_p",
         "stage 2: memory_budget_gb",
+        "stage 2: enforce_eager",
     ):
         assert field in text and "runs its own engine" in text, (field, text)
     assert "default_sampling_params.temperature: is 0.7" in text and "only 0" in text
+    assert "stage 1: enforce_eager" not in text  # the talker's CUDA graphs: it reads the key
+
+
+def test_talker_max_model_len_bounds_speech_prompts_and_must_leave_room():
+    from vllm_omni_plugin.pipelines.qwen3_omni import speech_prompt_limit
+
+    cfg = load_deploy_config(TINY)
+    assert speech_prompt_limit(cfg.stages) == 1024 - 64 - 9  # the tiny file's talker
+    lines = problems(TINY, stage_overrides='{"1": {"max_model_len": 70}}')
+    assert len(lines) == 1 and "max_model_len leaves -3 prompt ids" in lines[0], lines
+
+
+def test_talker_enforce_eager_is_read_and_shown():
+    cfg = load_deploy_config(TINY, stage_overrides='{"1": {"enforce_eager": true}}')
+    assert cfg.stage(1).runtime.enforce_eager is True
+    assert cfg.stage(1).provenance["enforce_eager"] == "stage-overrides"
 
 
 def test_thinker_defaults_vllm_handlers_do_not_take_are_refused():

@@ -129,3 +129,37 @@ def test_shm_lease_expiry_in_producer():
     assert conn.pending() == 0 and not os.path.exists(desc.location)
     conn.close()
     gc.collect()
+
+
+def test_shm_put_looks_at_the_oldest_leases_only(tmp_path):
+    """A put notices the releases at the old end of its leases (consumers release in order)
+    and stops at the first lease still held, so its cost does not grow with the leases out; a
+    release out of order is noticed by the sweep of every lease (`full_sweep_s` apart)."""
+    producer = make_connector("shm", name="shm-sweep", shm_dir=str(tmp_path))
+    producer.full_sweep_s = 3600.0  # only the put's own sweep, until set to 0 below
+    consumer = make_connector("shm", name="shm-sweep-reader", shm_dir=str(tmp_path))
+
+    def released() -> int:
+        return producer.stats.snapshot()["roles"]["producer"]["transfers"]
+
+    def consume(desc) -> None:
+        consumer.get(desc, timeout=1)
+        consumer.release(desc)
+
+    a, b, c = (producer.put("r", 0, 1, torch.zeros(4)) for _ in range(3))
+    consume(b)  # out of order: a is still held
+    producer.put("r", 0, 1, torch.zeros(4))
+    assert released() == 0
+    consume(a)
+    producer.put("r", 0, 1, torch.zeros(4))
+    assert released() == 2  # a, then b behind it; c is held
+    d = producer.put("r", 0, 1, torch.zeros(4))
+    consume(d)
+    producer.put("r", 0, 1, torch.zeros(4))
+    assert released() == 2
+    producer.full_sweep_s = 0.0
+    producer.put("r", 0, 1, torch.zeros(4))
+    assert released() == 3
+    assert producer.pending() == 5  # c and the four puts after it but d
+    producer.close()
+    consumer.close()

@@ -8,12 +8,8 @@ import socket
 import time
 
 from vllm_omni_plugin.common.limits import RequestLimits
-from vllm_omni_plugin.common.messages import (
-    DiffusionSettings,
-    Register,
-    StageInfo,
-    StageStatus,
-)
+from vllm_omni_plugin.common.link_messages import Register, StageStatus
+from vllm_omni_plugin.common.messages import DiffusionSettings, StageInfo
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.orchestrator import remote
 from vllm_omni_plugin.orchestrator.link import Link, connect

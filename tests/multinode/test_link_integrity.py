@@ -21,7 +21,7 @@ import time
 import pytest
 from link_peers import DIT, closed_by_peer, in_thread, register, running_head, until
 
-from vllm_omni_plugin.common.messages import Heartbeat, Welcome
+from vllm_omni_plugin.common.link_messages import Heartbeat, Welcome
 from vllm_omni_plugin.orchestrator import link as link_mod
 from vllm_omni_plugin.orchestrator import remote
 from vllm_omni_plugin.orchestrator.link import MAGIC, frame_mac

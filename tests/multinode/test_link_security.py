@@ -37,14 +37,14 @@ from link_peers import (
     until,
 )
 
-from vllm_omni_plugin.common.messages import (
+from vllm_omni_plugin.common.link_messages import (
     Heartbeat,
     Register,
-    Result,
     StageStatus,
     Welcome,
     decode_link,
 )
+from vllm_omni_plugin.common.messages import Result
 from vllm_omni_plugin.common.payload import InlineTensor, Via
 from vllm_omni_plugin.connectors.base import PayloadDescriptor
 from vllm_omni_plugin.orchestrator import link as link_mod

@@ -13,24 +13,26 @@ import msgspec
 import pytest
 
 from vllm_omni_plugin.common.limits import RequestLimits
+from vllm_omni_plugin.common.link_messages import (
+    Heartbeat,
+    Ping,
+    Register,
+    Rejected,
+    StageStatus,
+    Superseded,
+    ToStage,
+    Welcome,
+)
 from vllm_omni_plugin.common.messages import (
     Abort,
     ConnectorCounters,
     DiffusionSettings,
     GenerationParams,
-    Heartbeat,
-    Ping,
     Progress,
     Pulse,
-    Register,
-    Rejected,
     Result,
     StageInfo,
-    StageStatus,
     Submit,
-    Superseded,
-    ToStage,
-    Welcome,
 )
 from vllm_omni_plugin.common.payload import Via
 from vllm_omni_plugin.config import load_deploy_config

@@ -237,7 +237,16 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-CHAT_SERVE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "float32"]
+# 4096 positions: room for a stream long enough (seconds on the CPU) that a hang-up test's
+# client reacts well before the engine could finish it.
+CHAT_MAX_MODEL_LEN = 4096
+CHAT_SERVE_ARGS = [
+    "--enforce-eager",
+    "--max-model-len",
+    str(CHAT_MAX_MODEL_LEN),
+    "--dtype",
+    "float32",
+]
 
 
 def _tiny_chat_model(root):
@@ -245,7 +254,7 @@ def _tiny_chat_model(root):
 
     from tiny_text_model import build_tiny_text_model
 
-    model = build_tiny_text_model(root / "tiny-qwen2-chat")
+    model = build_tiny_text_model(root / "tiny-qwen2-chat", max_positions=CHAT_MAX_MODEL_LEN)
     path = model / "tokenizer_config.json"
     path.write_text(
         json.dumps({**json.loads(path.read_text()), "chat_template": TINY_CHAT_TEMPLATE})

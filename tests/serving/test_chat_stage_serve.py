@@ -108,7 +108,7 @@ def test_completions_and_models_equal_stock_vllm(chat_servers):
 @pytest.mark.parametrize(
     "body",
     [
-        {"messages": [{"role": "user", "content": "x" * 600}]},  # over max_model_len 512
+        {"messages": [{"role": "user", "content": "x" * 4200}]},  # over max_model_len 4096
         {"messages": MESSAGES, "temperature": -1.0},  # vLLM's SamplingParams refuses it
     ],
 )
@@ -167,13 +167,14 @@ def _generated(server) -> float:
     return _metrics(server).get("vllm:generation_tokens_total", 0.0)
 
 
-MAX_TOKENS = 400
+MAX_TOKENS = 4000
 
 
 def test_hang_up_mid_stream_frees_the_chat_stage(chat_servers):
-    """The client closes a long greedy stream (ignore_eos, 400 tokens) after its first chunk:
-    within a few seconds the stage's vLLM engine holds no request, and the engine's own token
-    counter shows it stopped well short of the 400 tokens it would have written."""
+    """The client closes a long greedy stream (ignore_eos, 4000 tokens: about 12 s of the tiny
+    model on an idle CPU) after its first chunk: within a few seconds the stage's vLLM engine
+    holds no request, and the engine's own token counter shows it stopped well short of the
+    4000 tokens it would have written."""
     ours, _ = chat_servers
     time.sleep(2.5)  # the relayed counters catch up with the earlier tests
     before = _generated(ours)

@@ -136,14 +136,8 @@ def test_uploads_become_rgb_pngs_and_an_l_mask():
 def test_edit_params_cross_the_multinode_link():
     """GenerationParams carries the uploads as PNG bytes so they stay plain data on the
     msgpack links (the node link and a stage's socket; arrays would not encode there)."""
-    from vllm_omni_plugin.common.messages import (
-        GenerationParams,
-        Submit,
-        ToStage,
-        decode_link,
-        decode_to_stage,
-        encode,
-    )
+    from vllm_omni_plugin.common.link_messages import ToStage, decode_link
+    from vllm_omni_plugin.common.messages import GenerationParams, Submit, decode_to_stage, encode
 
     images, mask = decode_uploads([png(), png((32, 24), "RGB", (1, 2, 3))], png((32, 24), "RGBA"))
     params = GenerationParams("x", seed=3, input_images=images, mask=mask)

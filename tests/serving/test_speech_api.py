@@ -78,6 +78,21 @@ def test_valid_request_resolves_the_checkpoint_spelling_of_the_voice():
             "invalid_audio",
         ),
         ({**SPEECH, "messages": audio_message(wav_b64(6.0))}, "messages", "audio_too_long"),
+        # no assistant turn for the talker to speak
+        ({**SPEECH, "add_generation_prompt": False}, "add_generation_prompt", None),
+        (
+            {
+                **SPEECH,
+                "add_generation_prompt": False,  # vLLM requires it off to continue
+                "continue_final_message": True,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "Hel"},
+                ],
+            },
+            "add_generation_prompt",
+            None,
+        ),
     ],
 )
 def test_bad_speech_requests_are_400s_naming_the_field(fields, param, code):

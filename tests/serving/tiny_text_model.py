@@ -14,7 +14,7 @@ from vllm_omni_plugin.testing.tiny_tokenizers import byte_alphabet, byte_level_b
 EOS = "<|endoftext|>"
 
 
-def build_tiny_text_model(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_text_model(out_dir: Path, seed: int = 0, max_positions: int = 512) -> Path:
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -34,7 +34,7 @@ def build_tiny_text_model(out_dir: Path, seed: int = 0) -> Path:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         eos_token_id=vocab[EOS],
         bos_token_id=vocab[EOS],
         tie_word_embeddings=True,

@@ -105,12 +105,24 @@ async def test_consumer_overlaps_producer_chunks_in_order_and_bounded(sink_pipel
             most_files = max(most_files, len(shm_files(shm)))
             await asyncio.sleep(0.005)
 
+    def first_outputs() -> dict[int, tuple[int, float]]:
+        return {
+            s["stage_id"]: (s["first_outputs"], s["first_output_seconds"])
+            for s in orch.stage_stats()
+        }
+
+    before = first_outputs()
     watcher = asyncio.ensure_future(watch_shm())
     try:
         result = await orch.generate("r-order", params(12))
     finally:
         watcher.cancel()
     source, sink = result.metrics["stage_0"], result.metrics["stage_1"]
+    # The source's first chunk went out early in its run (/metrics' time to first output);
+    # the sink streams nothing out.
+    after = first_outputs()
+    assert after[0][0] - before[0][0] == 1 and after[1] == before[1], (before, after)
+    assert 0 < after[0][1] - before[0][1] < source["stage_s"] / 4, (before, after, source)
     assert result.outputs[1] == [expected_checksum(3, 12, 4096).encode()]  # exact, in order
     assert source["chunks"] == sink["chunks"] == 12
     # The sink read the first chunk before the source emitted its last one.

@@ -19,12 +19,12 @@ thread drives `step()`; the lock covers the bookkeeping, not the decode.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..common.request_table import RequestTable
 from .config import Code2WavEngineConfig
 from .decoder import Code2WavDecoder
 
@@ -59,12 +59,11 @@ class _Request:
         return pending + (0 if self.codes is None else self.codes.shape[1])
 
 
-class Code2WavEngine:
+class Code2WavEngine(RequestTable):
     def __init__(self, config: Code2WavEngineConfig, decoder: Code2WavDecoder | None = None):
+        super().__init__()
         self.config = config
         self.decoder = decoder or Code2WavDecoder(config.model, config.device, config.dtype)
-        self._requests: dict[str, _Request] = {}
-        self._lock = threading.Lock()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -94,25 +93,6 @@ class Code2WavEngine:
             if codes.shape[1]:
                 req.frames.append(codes)
             req.finished = finished
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._requests.pop(request_id, None)
-
-    def hold(self, request_id: str, held: bool) -> None:
-        """Pause (or resume) a request's decodes: back-pressure from its reader."""
-        with self._lock:
-            req = self._requests.get(request_id)
-            if req is not None:
-                req.held = held
-
-    def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._requests)
-
-    def num_requests(self) -> int:
-        with self._lock:
-            return len(self._requests)
 
     # ---- stepping -------------------------------------------------------------------------
 

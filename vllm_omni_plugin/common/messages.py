@@ -2,11 +2,12 @@
 
 One schema, one encoding: each message is a tagged `msgspec.Struct` encoded as msgpack, on the
 local socket pair of a stage (orchestrator/frames.py, common/channel.py) and on the node link
-(orchestrator/link.py) alike. A reader decodes against the closed union of what may arrive on
-its side (TO_STAGE, FROM_STAGE, LINK): an unknown tag, a missing field or a wrong type is a
-decode error, and decoding only ever builds these structs and plain data, never an arbitrary
-object, so a peer cannot make the other side run code. Large payloads between stages go through
-a connector; these messages carry its small descriptors (payload.py).
+(orchestrator/link.py, its own structs in link_messages.py) alike. A reader decodes against the
+closed union of what may arrive on its side (ToStageMessage, FromStageMessage, LinkMessage): an
+unknown tag, a missing field or a wrong type is a decode error, and decoding only ever builds
+these structs and plain data, never an arbitrary object, so a peer cannot make the other side
+run code. Large payloads between stages go through a connector; these messages carry its small
+descriptors (payload.py).
 
 Local stage conversation (H = API server, S = stage process):
     H -> S  StartStage                          first: the stage's typed config
@@ -14,16 +15,6 @@ Local stage conversation (H = API server, S = stage process):
     H -> S  Submit | Abort | Inspect | Shutdown
     S -> H  Result | Progress | Pulse | Inspection | EngineMetrics
     S -> H -> S  Chunk, ChunkDone -> Credit     streamed edges (stages/streams.py)
-
-Node link (N = node, H = head), after link.py's handshake:
-    N -> H  Register(node, host, pid, stages)   the stages it runs and their status
-    H -> N  Welcome(head) | Rejected(reason)
-    H -> N  ToStage(stage_id, Submit | Abort)
-    N -> H  Result | Unavailable(request_id)    Unavailable: the node's stage is down (503)
-    N -> H  Progress | Pulse                    relayed from the node's stages as they come
-    N -> H  Heartbeat(stages)                   every HEARTBEAT_S; the head answers Ping
-    H -> N  Superseded(reason)                  a newer node took the stage after this one did
-                                                not answer for TAKEOVER_PROBE_S: exit
 """
 
 from __future__ import annotations
@@ -324,6 +315,7 @@ class Result(msgspec.Struct, tag=True):
     error: str | None = None
     error_field: str | None = None  # set for request validation errors (-> HTTP 400)
     stage_s: float = 0.0  # time the stage spent on this request, from receipt to reply
+    first_output_s: float | None = None  # a streamed output: from receipt to its first chunk
     metrics: StageMetrics = {}
     connector_stats: ConnectorCounters | None = None  # this process's counters (stats_relay)
 
@@ -364,82 +356,15 @@ class EngineMetrics(msgspec.Struct, tag=True):
 ENGINE_METRICS_INTERVAL_S = 2.0
 
 
-# ---- node link -----------------------------------------------------------------------------
-class StageStatus(msgspec.Struct):
-    """One stage on a node, as the node sees it."""
-
-    kind: str
-    ready: bool
-    info: StageInfo | None = None  # what the stage announced when it became ready
-    restarts: int = 0
-    deaths: int = 0
-    pid: int | None = None
-
-
-class Register(msgspec.Struct, tag=True):
-    node: str  # unique per node process, e.g. "host:pid"
-    host: str
-    pid: int
-    stages: dict[int, StageStatus]
-
-
-class Welcome(msgspec.Struct, tag=True):
-    head: str
-
-
-class Rejected(msgspec.Struct, tag=True):
-    reason: str
-
-
-class Superseded(msgspec.Struct, tag=True):
-    reason: str
-
-
-class Heartbeat(msgspec.Struct, tag=True):
-    stages: dict[int, StageStatus]
-
-
-class Ping(msgspec.Struct, tag=True):
-    pass
-
-
-class ToStage(msgspec.Struct, tag=True):
-    """A Submit or Abort for one of the node's stages."""
-
-    stage_id: int
-    msg: Submit | Abort
-
-
-class Unavailable(msgspec.Struct, tag=True):
-    """The node could not run the request because its stage is down (HTTP 503)."""
-
-    request_id: str
-    message: str
-
-
 # ---- the unions each reader accepts, and the codec -------------------------------------------
 ToStageMessage = StartStage | Submit | Abort | Inspect | Shutdown | Chunk | Credit | GenerateText
 FromStageMessage = (
     Ready | Result | Progress | Pulse | Inspection | EngineMetrics | Chunk | ChunkDone | TextOutput
 )
-LinkMessage = (
-    Register
-    | Welcome
-    | Rejected
-    | Superseded
-    | Heartbeat
-    | Ping
-    | ToStage
-    | Result
-    | Unavailable
-    | Progress
-    | Pulse
-)
 
 _encoder = msgspec.msgpack.Encoder()
 _to_stage = msgspec.msgpack.Decoder(ToStageMessage)
 _from_stage = msgspec.msgpack.Decoder(FromStageMessage)
-_link = msgspec.msgpack.Decoder(LinkMessage)
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
 
@@ -457,8 +382,3 @@ def decode_to_stage(data: bytes | memoryview) -> ToStageMessage:
 def decode_from_stage(data: bytes | memoryview) -> FromStageMessage:
     """A message from a stage process (DecodeError for anything else)."""
     return _from_stage.decode(data)
-
-
-def decode_link(data: bytes | memoryview) -> LinkMessage:
-    """A message on the node link (DecodeError for anything else)."""
-    return _link.decode(data)

@@ -26,6 +26,7 @@ from vllm_omni_plugin.config.sections import (
 )
 from vllm_omni_plugin.config.stage_build import build_stage
 from vllm_omni_plugin.config.stage_keys import flatten_stage, route
+from vllm_omni_plugin.pipelines import PipelineTopology
 
 # Top-level fields applied to every stage they concern (precedence layer "pipeline").
 PIPELINE_WIDE = (
@@ -173,6 +174,7 @@ def load_deploy_config(
         if stage is not None:
             stages.append(stage)
     check_replicas(stages, runtime, sink)
+    _check_speech_room(topo, stages, sink)
     sink.raise_if_any()
     connectors = parse_connectors(top.get("connectors"), sink, warnings, topo.audio_output)
     edges = assign_edges(topo, top.get("edges"), stages, connectors, sink)
@@ -295,3 +297,18 @@ def _env_paths(files: list[LoadedFile], sid: int) -> dict[str, list[str]]:
                     ]
                     out[".".join(map(str, rest))] = names
     return out
+
+
+def _check_speech_room(topo: PipelineTopology, stages: list[Any], sink: ProblemSink) -> None:
+    """A speaking pipeline whose stage settings leave no room for a speech prompt is refused."""
+    if topo.speech_prompt_limit is None or len(stages) != len(topo.stages):
+        return  # (a stage that failed to build has its own problem already)
+    room = topo.speech_prompt_limit(stages)
+    if room < 1:
+        sink.add(
+            None,
+            "max_model_len",
+            f"the speech stages' max_model_len leaves {room} prompt ids for a speech answer "
+            "after their frame cap (default_sampling_params.max_tokens) and head: raise "
+            "max_model_len or lower max_tokens",
+        )

@@ -13,6 +13,10 @@ from vllm_omni_plugin.pipelines import StageSpec
 
 _NO_SHARE = "it reserves no share of the GPU's memory: it allocates what its weights and batch need"
 _NO_SCHEDULER = "it has no vLLM scheduler"
+_GRAPH_SIZES = (
+    "it takes no CUDA graph sizes (a talker captures every batch size 1, 2, 4, ... up to its "
+    "max_num_seqs; Code2Wav captures none)"
+)
 
 # Top-level stage key -> the reason.
 BY_KEY = {
@@ -25,13 +29,19 @@ BY_KEY = {
     "async_scheduling": _NO_SCHEDULER,
     "scheduler_cls": _NO_SCHEDULER,
     "enforce_eager": "it has no CUDA graphs yet: it always runs eagerly",
-    "compilation_config": "it is not compiled yet (no torch.compile, no CUDA graphs)",
-    "max_cudagraph_capture_size": "it has no CUDA graphs yet",
-    "cudagraph_capture_sizes": "it has no CUDA graphs yet",
+    # The talker reads enforce_eager (its CUDA graphs); it takes none of vLLM's graph settings.
+    "compilation_config": (
+        "it is not compiled (no torch.compile; a talker's CUDA graphs follow enforce_eager)"
+    ),
+    "max_cudagraph_capture_size": _GRAPH_SIZES,
+    "cudagraph_capture_sizes": _GRAPH_SIZES,
     "block_size": "it has no paged KV cache",
     "kv_cache_dtype": "its KV cache is in the stage's dtype",
     "quantization": "it runs the checkpoint's weights as they are (no quantization)",
-    "moe_backend": "its layers are its own torch code, not vLLM's kernels",
+    "moe_backend": (
+        "it has no vLLM MoE layer to configure (a talker picks its MoE kernel at load: vLLM's "
+        "fused_experts on a GPU where it agrees with transformers' experts)"
+    ),
     "trust_remote_code": "it runs no code from the checkpoint",
     "hf_overrides": "it reads the checkpoint's config.json as it is",
     "tensor_parallel_size": "it runs on one device",

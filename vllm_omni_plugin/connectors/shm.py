@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -51,6 +52,8 @@ def _pid_alive(pid: int) -> bool:
 
 class ShmConnector(StageConnector):
     kind = "shm"
+    #: seconds between two sweeps of every lease (a put sweeps only the oldest ones)
+    full_sweep_s = 1.0
 
     def __init__(
         self,
@@ -63,9 +66,9 @@ class ShmConnector(StageConnector):
         self.dir = shm_dir or _default_dir()
         self.device = torch.device(device)
         self._lock = threading.Lock()
-        self._owned: dict[
-            str, tuple[str, int, float, float]
-        ] = {}  # key -> (path, nbytes, t0, until)
+        # key -> (path, nbytes, t0, until), oldest first
+        self._owned: OrderedDict[str, tuple[str, int, float, float]] = OrderedDict()
+        self._full_sweep_at = 0.0
         self._closed = False
         self._remove_orphans()
 
@@ -105,9 +108,16 @@ class ShmConnector(StageConnector):
         finally:
             os.close(fd)
 
-    def _sweep(self, now: float) -> None:
-        """Drop leases the consumer released (file gone) and unlink expired ones."""
-        for key, (path, nbytes, t0, until) in list(self._owned.items()):
+    def _sweep(self, now: float, full: bool = False) -> None:
+        """Drop leases the consumer released (file gone) and unlink expired ones. A put looks
+        at the oldest leases only, up to the first one still held (consumers release mostly in
+        order), so its cost does not grow with the leases out (a streamed edge has a window of
+        chunks out per request, each a lease); every lease is looked at every `full_sweep_s`."""
+        full = full or now - self._full_sweep_at >= self.full_sweep_s
+        if full:
+            self._full_sweep_at = now
+        for key in list(self._owned) if full else _oldest_first(self._owned):
+            path, nbytes, t0, until = self._owned[key]
             if not os.path.exists(path):
                 del self._owned[key]
                 self.stats.record_transfer("producer", nbytes, now - t0)
@@ -115,6 +125,8 @@ class ShmConnector(StageConnector):
                 del self._owned[key]
                 _unlink(path)
                 self.stats.record_expired()
+            elif not full:
+                return
 
     def _remove_orphans(self) -> None:
         try:
@@ -187,7 +199,7 @@ class ShmConnector(StageConnector):
     def pending(self) -> int:
         """Payloads this producer still holds (for tests and leak checks)."""
         with self._lock:
-            self._sweep(time.monotonic())
+            self._sweep(time.monotonic(), full=True)
             return len(self._owned)
 
     def health(self) -> bool:
@@ -199,6 +211,12 @@ class ShmConnector(StageConnector):
             for path, *_ in self._owned.values():
                 _unlink(path)
             self._owned.clear()
+
+
+def _oldest_first(owned: OrderedDict):
+    """The keys of `owned` from its oldest, while the caller deletes the ones it yielded."""
+    while owned:
+        yield next(iter(owned))
 
 
 def _unlink(path: str) -> None:

@@ -54,6 +54,9 @@ class StageStats:
     node: str = ""  # where it runs, when not in this process's host: a node's peer, a Ray IP
     # Diffusion step caching: request steps whose transformer call was skipped, per policy.
     cache_skipped: dict[str, int] = field(default_factory=dict)
+    # Streamed outputs: summed seconds from receipt to the first chunk, over `first_outputs`.
+    first_output_s: float = 0.0
+    first_outputs: int = 0
 
 
 def pending_stats(
@@ -71,6 +74,8 @@ def pending_stats(
         pending.busy_s,
         node,
         dict(pending.cache_skipped),
+        pending.first_output_s,
+        pending.first_outputs,
     )
 
 

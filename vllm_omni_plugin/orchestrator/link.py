@@ -41,7 +41,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..common.messages import DecodeError, decode_link
+from ..common.link_messages import decode_link
+from ..common.messages import DecodeError
 from ..common.messages import encode as encode_message
 from .node_protocol import AUTHKEY_ENV
 

@@ -27,22 +27,18 @@ import threading
 import time
 from typing import Any
 
-from ..common.messages import (
-    Abort,
+from ..common.link_messages import (
     Heartbeat,
     Ping,
-    Progress,
-    Pulse,
     Register,
     Rejected,
-    Result,
     StageStatus,
-    Submit,
     Superseded,
     ToStage,
     Unavailable,
     Welcome,
 )
+from ..common.messages import Abort, Progress, Pulse, Result, Submit
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect

@@ -339,6 +339,8 @@ class Orchestrator:
                     "in_flight": st.in_flight,
                     "busy_seconds": st.busy_s,
                     "cache_skipped": dict(st.cache_skipped),
+                    "first_output_seconds": st.first_output_s,
+                    "first_outputs": st.first_outputs,
                 }
             )
         return out

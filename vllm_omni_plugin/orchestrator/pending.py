@@ -51,6 +51,10 @@ class PendingRequests:
         self.failed = 0
         self.busy_s = 0.0
         self.cache_skipped: Counter[str] = Counter()  # diffusion step caching, per policy
+        # Streamed outputs: the summed time from a stage's receipt to its first chunk, and
+        # how many requests it covers.
+        self.first_output_s = 0.0
+        self.first_outputs = 0
 
     def __len__(self) -> int:
         return len(self.futures)
@@ -97,6 +101,9 @@ class PendingRequests:
         finally:
             self._forget(request_id)
         self.busy_s += result.stage_s
+        if result.first_output_s is not None:
+            self.first_output_s += result.first_output_s
+            self.first_outputs += 1
         policy = result.metrics.get("cache_policy") if result.metrics else None
         if policy:
             self.cache_skipped[policy] += int(result.metrics.get("cache_skipped", 0))

@@ -14,6 +14,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from ..common.private_dir import NotPrivateError, make_private_dir
+
 
 class PrivateFileError(RuntimeError):
     """A secret's folder or file is not private to this user (the message says why)."""
@@ -23,22 +25,10 @@ def private_dir() -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME")
     root = Path(base) if base else Path.home() / ".cache"
     path = root / "vllm-omni"
-    root.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise PrivateFileError(f"{path} is not a folder (or is a link): {exc}") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise PrivateFileError(f"{path} belongs to another user (uid {st.st_uid})")
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
+        make_private_dir(path)
+    except NotPrivateError as exc:
+        raise PrivateFileError(str(exc)) from None
     return path
 
 

@@ -25,18 +25,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..common.messages import (
+from ..common.link_messages import (
     Heartbeat,
     Ping,
-    Progress,
-    Pulse,
     Register,
     Rejected,
-    Result,
     Superseded,
     Unavailable,
     Welcome,
 )
+from ..common.messages import Progress, Pulse, Result
 from ..config.stage_init import StageInit
 from .link import Link, accept
 from .node_protocol import (

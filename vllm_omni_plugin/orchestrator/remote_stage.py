@@ -19,16 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..common.limits import RequestLimits
-from ..common.messages import (
-    Abort,
-    Progress,
-    Result,
-    StageInfo,
-    StageStatus,
-    Submit,
-    ToStage,
-    Unavailable,
-)
+from ..common.link_messages import StageStatus, ToStage, Unavailable
+from ..common.messages import Abort, Progress, Result, StageInfo, Submit
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats, refuse_streams

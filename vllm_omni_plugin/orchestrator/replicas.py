@@ -94,6 +94,8 @@ class ReplicaSet:
             sum(s.in_flight for s in each),
             sum(s.busy_s for s in each),
             cache_skipped=dict(sum((Counter(s.cache_skipped) for s in each), Counter())),
+            first_output_s=sum(s.first_output_s for s in each),
+            first_outputs=sum(s.first_outputs for s in each),
         )
 
     def replica_stats(self) -> list[ReplicaStats]:

@@ -8,9 +8,34 @@ A chat request without `modalities: ["audio"]` runs the thinker alone (`chat_sta
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
 
 _STAGES = "vllm_omni_plugin.stages.qwen3_omni"
+TALKER = 1
+# The talker's defaults where its deploy settings give none. Its KV cache holds, per request, the
+# prompt's positions, a short assistant head and one position per frame; it grows with the
+# longest request up to max_model_len positions in each of max_num_seqs slots.
+DEFAULT_MAX_FRAMES = 4096  # frames per answer (80 ms each: 5.5 min of audio)
+DEFAULT_TALKER_MAX_MODEL_LEN = 8192  # prompt ids + head + frames
+TALKER_HEAD_POSITIONS = 9  # the assistant head the talker adds after the prompt
+
+
+def talker_lengths(talker: Any) -> tuple[int, int]:
+    """(max_model_len, frame cap) of the talker stage's resolved config, defaults filled in."""
+    return (
+        talker.model.max_model_len or DEFAULT_TALKER_MAX_MODEL_LEN,
+        talker.sampling.max_tokens or DEFAULT_MAX_FRAMES,
+    )
+
+
+def speech_prompt_limit(stages: list[Any]) -> int:
+    """Most prompt ids a speech request may have: the talker's max_model_len less its frame cap
+    and head (`stages`: the deploy config's resolved stages)."""
+    length, frames = talker_lengths(next(s for s in stages if s.stage_id == TALKER))
+    return length - frames - TALKER_HEAD_POSITIONS
+
 
 QWEN3_OMNI = PipelineTopology(
     key="qwen3_omni",
@@ -39,6 +64,8 @@ QWEN3_OMNI = PipelineTopology(
             settings=(
                 "dtype",
                 "max_num_seqs",
+                "max_model_len",
+                "enforce_eager",
                 "default_sampling_params.max_tokens",
                 "default_sampling_params.temperature=0",
             ),
@@ -60,5 +87,6 @@ QWEN3_OMNI = PipelineTopology(
     hf_architectures=("Qwen3OmniMoeForConditionalGeneration",),
     chat_stage=0,
     audio_output=True,
+    speech_prompt_limit=speech_prompt_limit,
     description="Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav, streamed",
 )

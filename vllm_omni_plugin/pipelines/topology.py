@@ -5,8 +5,9 @@ A topology is code, not YAML: a deploy file tunes stages but never rewires them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 StageKind = Literal["ar", "diffusion"]
 
@@ -89,6 +90,9 @@ class PipelineTopology:
     audio_output: bool = False
     """Whether a chat request may ask for speech (`modalities: ["text", "audio"]`): the whole
     pipeline runs and the last stage's waveform is the answer's audio."""
+    speech_prompt_limit: Callable[[list[Any]], int] | None = None
+    """The resolved stages -> the most prompt ids a speech request may have (a 400 above it,
+    before any stage runs; below 1 is refused at load); None: the chat stage's bound only."""
     description: str = ""
 
     def stage(self, stage_id: int) -> StageSpec:

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from PIL import Image
 
 from ..pipelines import get_pipeline
-from .admission import ReleasingStream
 from .bodies import read_form
 from .edit_urls import fetch_url
 from .edits import (
@@ -31,19 +28,11 @@ from .edits import (
     with_uploads,
 )
 from .errors import APIError, invalid, unavailable
-from .handlers import ClientDisconnected, ImageService, answer
-from .owners import owner_of
+from .handlers import ImageService
 from .protocol import ValidRequest
-from .routes import EDITS_BODY
+from .routes import EDITS_BODY, serve_image_request
 
 router = APIRouter()
-
-
-def _service(request: Request) -> ImageService:
-    service = getattr(request.app.state, "omni_images", None)
-    if service is None:
-        raise APIError(503, "the image pipeline is not initialised", code="not_ready")
-    return service
 
 
 async def check_edit(request: Request, service: ImageService) -> ValidRequest:
@@ -87,53 +76,6 @@ async def check_edit(request: Request, service: ImageService) -> ValidRequest:
     return with_uploads(service.with_lora(valid), images, mask_png, size)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 @router.post("/v1/images/edits", openapi_extra=EDITS_BODY)
 async def edit_image(request: Request) -> Response:
-    service = ticket = None
-    streaming = False
-    try:
-        t0 = time.perf_counter()
-        service = _service(request)
-        # Admitted before the uploads are read or decoded: they count against the same bound.
-        ticket = service.admission.admit()
-        valid = await check_edit(request, service)
-        if valid.stream:
-            request_id = f"img-{uuid.uuid4().hex}"
-            streaming = True
-            return ReleasingStream(
-                service.stream(valid, request_id, ticket),
-                media_type="text/event-stream",
-                headers={
-                    "cache-control": "no-cache",
-                    "x-accel-buffering": "no",
-                    "x-omni-request-id": request_id,
-                },
-                release=ticket.release,
-            )
-        data, headers = await service.respond(
-            valid,
-            t0,
-            str(request.base_url),
-            lambda: _wait_disconnect(request),
-            ticket,
-            owner_of(request),
-        )
-    except APIError as exc:
-        if service is not None:
-            service.outcomes[str(exc.status)] += 1
-        return exc.response()
-    except ClientDisconnected:
-        service.outcomes["499"] += 1
-        return Response(status_code=499)
-    finally:
-        if ticket is not None and not streaming:
-            ticket.release()
-    service.outcomes["200"] += 1
-    return answer(data, headers)
+    return await serve_image_request(request, lambda service: check_edit(request, service))

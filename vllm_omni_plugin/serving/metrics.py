@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 
 _STAGE_METRICS = (
     # (name, stats key, help, counter?)
@@ -86,6 +91,15 @@ class OmniCollector:
             for policy, count in sorted(s.get("cache_skipped", {}).items()):
                 skipped.add_metric([self.pipeline, str(s["stage_id"]), policy], float(count))
         yield skipped
+        first = SummaryMetricFamily(
+            "omni_stage_time_to_first_output_seconds",
+            "Streamed stages: from receiving a request to sending its first output chunk",
+            labels=["pipeline", "stage_id", "kind"],
+        )
+        for s in stats:
+            labels = [self.pipeline, str(s["stage_id"]), s["kind"]]
+            first.add_metric(labels, s["first_outputs"], s["first_output_seconds"])
+        yield first
         timer = getattr(self.service, "timer", None)  # speech: time to first audio, RTF
         if timer is not None:
             yield from timer.families(self.pipeline)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -18,6 +19,7 @@ from .bodies import read_body, refuse_body
 from .errors import APIError
 from .handlers import ClientDisconnected, ImageService, answer
 from .owners import owner_of
+from .protocol import ValidRequest
 from .request_fields import EDITS, GENERATIONS, body_schema
 from .validation import MAX_BODY_BYTES
 
@@ -61,14 +63,25 @@ EDITS_BODY = openapi_body(EDITS, "multipart/form-data")
 
 @router.post("/v1/images/generations", openapi_extra=_GENERATIONS_BODY)
 async def create_image(request: Request) -> Response:
+    async def check(service: ImageService) -> ValidRequest:
+        return service.check(await read_body(request, MAX_BODY_BYTES))
+
+    return await serve_image_request(request, check)
+
+
+async def serve_image_request(
+    request: Request, check: Callable[[ImageService], Awaitable[ValidRequest]]
+) -> Response:
+    """An image route's answer: admitted before `check(service)` reads and validates the body
+    (a 429 costs nothing, uploads count against the same bound), then streamed or answered
+    whole, each outcome counted."""
     service = ticket = None
     streaming = False
     try:
         t0 = time.perf_counter()
         service = _service(request)
-        ticket = service.admission.admit()  # before the body is read: 429 costs nothing
-        body = await read_body(request, MAX_BODY_BYTES)
-        valid = service.check(body)
+        ticket = service.admission.admit()
+        valid = await check(service)
         if valid.stream:
             request_id = f"img-{uuid.uuid4().hex}"
             streaming = True

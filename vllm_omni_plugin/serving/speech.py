@@ -46,6 +46,7 @@ class SpeechService:
         max_input_audio_s: float,
         pipeline: str,
         healthy: Any,  # () -> bool
+        max_prompt_ids: int | None = None,  # the speech stages' room for a prompt
     ):
         self.text = text
         self.source = source
@@ -53,6 +54,7 @@ class SpeechService:
         self.max_input_audio_s = max_input_audio_s
         self.pipeline = pipeline
         self.healthy = healthy
+        self.max_prompt_ids = max_prompt_ids
         self.outcomes: Counter[str] = Counter()  # status code -> count, for /metrics
         self.timer = SpeechTimer()
 
@@ -85,10 +87,12 @@ class SpeechService:
             engine_request, prompt_text = self._engine_request(
                 chat, request, engine_inputs[0], request_id
             )
-        except ValueError as exc:  # vLLM's own request validation (InputProcessor)
-            self.outcomes["400"] += 1
-            err = APIError(400, str(exc), code="invalid_value")
-            return JSONResponse(err.body(), status_code=400)
+        except (ValueError, APIError) as exc:  # vLLM's request validation (InputProcessor), ours
+            err = (
+                exc if isinstance(exc, APIError) else APIError(400, str(exc), code="invalid_value")
+            )
+            self.outcomes[str(err.status)] += 1
+            return JSONResponse(err.body(), status_code=err.status)
         model = request.model or self.text.model_config.served_model_name
         assert self.source is not None
         events = self.source.speak(request_id, engine_request, prompt_text, speech.voice)
@@ -118,6 +122,15 @@ class SpeechService:
         from vllm.sampling_params import RequestOutputKind
 
         prompt_text, prompt_ids, _ = extract_prompt_components(self.text.model_config, engine_input)
+        n = len(prompt_ids or [])
+        if self.max_prompt_ids is not None and n > self.max_prompt_ids:
+            raise APIError(
+                400,
+                f"the prompt has {n} tokens; a speech answer takes at most {self.max_prompt_ids} "
+                "(the speech stages' max_model_len less their frame cap)",
+                param="messages",
+                code="context_length_exceeded",
+            )
         max_tokens = get_max_tokens(
             self.text.model_config.max_model_len,
             request.max_completion_tokens

@@ -101,6 +101,12 @@ def check_speech_request(
         )
     if (getattr(request, "n", 1) or 1) > 1:
         raise invalid("n > 1 is not supported with audio output", "n")
+    # The talker speaks the assistant turn the generation prompt opens: without it there is no
+    # turn to speak (and a continued final message is not the thinker's answer alone).
+    if getattr(request, "add_generation_prompt", True) is False:
+        raise invalid("audio output needs add_generation_prompt: true", "add_generation_prompt")
+    if getattr(request, "continue_final_message", False):
+        raise invalid("audio output does not continue a final message", "continue_final_message")
     for seconds in input_audio_durations(getattr(request, "messages", [])):
         if seconds > max_input_audio_s:
             raise invalid(

@@ -25,11 +25,13 @@ def speech_source(client: OmniEngineClient) -> Any:
 
 def init_speech_service(client: OmniEngineClient, state: Any, args: argparse.Namespace) -> None:
     serving = getattr(client.cfg, "serving", None)
+    prompt_limit = get_pipeline(client.cfg.pipeline).speech_prompt_limit
     service = SpeechService(
         text=client.text,
         source=speech_source(client),
         voices=checkpoint_voices(client.cfg.model),
         max_input_audio_s=float(serving.max_input_audio_s),
+        max_prompt_ids=prompt_limit(client.cfg.stages) if prompt_limit else None,
         pipeline=client.cfg.pipeline,
         healthy=client.orchestrator.healthy,
     )

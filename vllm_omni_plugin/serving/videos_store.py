@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..common.private_dir import NotPrivateError, make_private_dir
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -53,28 +55,10 @@ class StoreError(RuntimeError):
 
 
 def private_dir(path: Path) -> None:
-    """`path` as a folder only this user can enter (0700): created if missing (its parents with
-    the usual modes), refused if it is a link, not a folder, or owned by another user."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise StoreError(f"video store {path} is not a folder (or is a link): {exc}") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise StoreError(
-                f"video store {path} is owned by uid {st.st_uid}, not this user "
-                f"({os.geteuid()}); choose another videos.store_dir"
-            )
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
+        make_private_dir(path)
+    except NotPrivateError as exc:
+        raise StoreError(f"video store: {exc}; choose another videos.store_dir") from None
 
 
 def private_file(path: Path, *, exclusive: bool) -> int:

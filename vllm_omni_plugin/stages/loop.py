@@ -278,8 +278,10 @@ class AsyncStageLoop(StageLoop):
                     return
         finally:
             self.tasks.pop(rid, None)
-            self.streams.finish(rid)
+            first_at = self.streams.finish(rid)
         result.stage_s = time.perf_counter() - t0
+        if first_at is not None:
+            result.first_output_s = first_at - t0
         self.reply(result)
 
     # ---- streamed edges (stages/streams.py) -------------------------------------------------

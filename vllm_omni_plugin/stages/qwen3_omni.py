@@ -9,6 +9,8 @@ stage in one batch per step) while one asyncio task per request feeds the engine
 on the request's input stream and emits what the engine wrote for it. A request's reader that
 falls behind (its emitted chunks not consumed: the edge's credit window) holds that request in
 the engine (`hold`), so no request buffers more than `_MAX_WAITING` outputs, and the others go on.
+Outputs that queued up meanwhile leave as one chunk (`merge`): under load a request's frames
+and samples cross the edge in fewer, larger chunks; alone, each leaves as soon as it is made.
 
 The talker reads the prompt ids from the request's own chat request (vLLM's EngineCoreRequest,
 rendered by the API server's chat template) and its voice; it reads the thinker's stream to
@@ -22,9 +24,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..common.messages import Result, RunnerSettings, StageInfo, Submit
+from ..pipelines.qwen3_omni import talker_lengths
 from .loop import AsyncStageLoop, RequestRefused
 
 logger = logging.getLogger("vllm_omni_plugin.stages.qwen3_omni")
@@ -32,7 +36,6 @@ logger = logging.getLogger("vllm_omni_plugin.stages.qwen3_omni")
 _RUNNERS = "vllm_omni_plugin.stages.qwen3_omni"
 _MAX_WAITING = 4  # engine outputs of one request waiting for its reader before it is held
 _IDLE_WAIT_S = 0.05  # nothing was ready: wait this long for news before stepping again
-DEFAULT_MAX_FRAMES = 4096  # the talker's frame cap when default_sampling_params sets none
 
 
 def _device() -> str:
@@ -85,16 +88,23 @@ class _BatchedEngineStage(AsyncStageLoop):
                     pass
 
     async def next_output(self, request_id: str) -> Any:
+        """The request's next output: every one waiting, merged (at least one)."""
         queue = self.outputs[request_id]
-        out = await queue.get()
-        if queue.qsize() < _MAX_WAITING:
-            self.engine.hold(request_id, False)
-            self.news.set()
-        return out
+        outs = [await queue.get()]
+        while not queue.empty():
+            outs.append(queue.get_nowait())
+        self.engine.hold(request_id, False)
+        self.news.set()
+        return outs[0] if len(outs) == 1 else self.merge(outs)
+
+    def merge(self, outs: list) -> Any:
+        """One output holding `outs` (consecutive outputs of one request), in order."""
+        raise NotImplementedError
 
     async def serve_request(self, msg: Submit, feed, emit) -> int:
         """Run `feed()` (input stream -> engine) beside a loop emitting the request's outputs
-        with `emit(out)` until its last; returns how many outputs were emitted."""
+        with `emit(out)` (which returns what it counts of them) until its last; returns the
+        sum of those counts."""
         rid = msg.request_id
         self.outputs[rid] = asyncio.Queue()
         feeder = asyncio.ensure_future(feed())
@@ -110,7 +120,7 @@ class _BatchedEngineStage(AsyncStageLoop):
                         raise feeder.exception()
                     await getting
                 out = getting.result()
-                emitted += int(await emit(out))
+                emitted += await emit(out)
                 if out.finished:
                     break
             await feeder  # the input stream to its end (and its errors)
@@ -137,13 +147,15 @@ class TalkerStage(_BatchedEngineStage):
 
         stage = init.stage
         dtype = stage.model.dtype if stage.model.dtype not in (None, "auto") else None
-        self.max_frames = stage.sampling.max_tokens or DEFAULT_MAX_FRAMES
+        max_model_len, self.max_frames = talker_lengths(stage)
         device = _device()
         self.engine = TalkerEngine(
             stage.model_path,
             device,
             dtype or ("bfloat16" if device == "cuda" else "float32"),
             max_batch_size=stage.scheduler.max_num_seqs or 64,
+            enforce_eager=bool(stage.runtime.enforce_eager),
+            max_model_len=max_model_len,
         )
 
     async def run_request(self, msg: Submit) -> Result:
@@ -154,10 +166,14 @@ class TalkerStage(_BatchedEngineStage):
         if not msg.params.chat_request or len(msg.stream_inputs) != 1:
             raise RequestRefused("the talker takes a chat request on a streamed edge")
         request = MsgpackDecoder(EngineCoreRequest).decode(msg.params.chat_request)
+        from ..talker import TalkerPromptError
+
         try:
             self.engine.add_request(
                 rid, list(request.prompt_token_ids or []), msg.params.voice or "", self.max_frames
             )
+        except TalkerPromptError as exc:
+            raise RequestRefused(str(exc), "messages") from None
         except ValueError as exc:
             raise RequestRefused(str(exc), "audio.voice") from None
         (source,) = msg.stream_inputs
@@ -172,14 +188,20 @@ class TalkerStage(_BatchedEngineStage):
                 self.engine.add_text(rid, [], finished=True)
                 self.news.set()
 
-        async def emit(out: Any) -> bool:
+        async def emit(out: Any) -> int:
             if out.codes.shape[1] == 0:
-                return False
+                return 0
             await self.emit_chunk(msg, out.codes.contiguous())
-            return True
+            return out.codes.shape[1]
 
         frames = await self.serve_request(msg, feed, emit)
         return Result(rid, metrics={"codec_frames": frames})
+
+    def merge(self, outs: list) -> Any:
+        from ..talker import TalkerOutput
+
+        codes = torch.cat([o.codes for o in outs], dim=1)
+        return TalkerOutput(outs[0].request_id, codes, outs[-1].finished)
 
 
 class Code2WavStage(_BatchedEngineStage):
@@ -216,15 +238,21 @@ class Code2WavStage(_BatchedEngineStage):
             self.engine.add_frames(rid, torch.zeros(self.groups, 0, dtype=torch.long), True)
             self.news.set()
 
-        async def emit(out: Any) -> bool:
+        async def emit(out: Any) -> int:
             if len(out.samples) == 0:
-                return False
+                return 0
             samples[0] += len(out.samples)
             await self.emit_chunk(msg, torch.from_numpy(out.samples))
-            return True
+            return 1
 
         chunks = await self.serve_request(msg, feed, emit)
         return Result(rid, metrics={"audio_chunks": chunks, "audio_samples": samples[0]})
+
+    def merge(self, outs: list) -> Any:
+        from ..code2wav import AudioChunk
+
+        samples = np.concatenate([o.samples for o in outs])
+        return AudioChunk(outs[0].request_id, samples, outs[-1].finished)
 
 
 TALKER_RUNNER = f"{_RUNNERS}:TalkerStage"

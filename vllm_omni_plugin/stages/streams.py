@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class _Output:
     next_seq: int = 0
     unacked: dict[int, Any] = field(default_factory=dict)  # seq -> what was sent (to release)
     credit: asyncio.Event | None = None
+    first_at: float | None = None  # perf_counter() when its first chunk went out
 
 
 @dataclass
@@ -110,12 +112,14 @@ class StageStreams:
         if out.credit is not None:
             out.credit.set()
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str) -> float | None:
         """The request's run ended. Chunks it emitted stay the consumer's to release; chunks
-        it did not read are released here."""
-        self.outputs.pop(request_id, None)
+        it did not read are released here. Returns when its first chunk went out (None: it
+        emitted none)."""
+        out = self.outputs.pop(request_id, None)
         for key in [k for k in self.inputs if k[0] == request_id]:
             self._release_input(self.inputs.pop(key))
+        return None if out is None else out.first_at
 
     def drop(self, request_id: str) -> None:
         """Abort: release everything the request holds, emitted or received."""
@@ -157,6 +161,8 @@ class StageStreams:
         )
         seq = out.next_seq
         out.next_seq += 1
+        if out.first_at is None:
+            out.first_at = time.perf_counter()
         out.unacked[seq] = value
         stage.reply(Chunk(msg.request_id, stage.stage_id, seq, value))
         return seq

@@ -52,6 +52,36 @@ class TalkerConditioner:
     def project_text(self, ids: torch.Tensor) -> torch.Tensor:
         return self.talker.text_projection(self.embed(ids))
 
+    def check_prompt(self, prompt_ids: list[int], has_hidden: bool) -> None:
+        """ValueError for a prompt the talker cannot condition on: no assistant turn to speak
+        (e.g. rendered without the generation prompt), or media in a user turn without the
+        thinker's hidden states. Checked when a request arrives, so none reaches a step."""
+        self._assistant_start(prompt_ids)
+        if not has_hidden:
+            ids = torch.tensor(prompt_ids)
+            if bool((self._user_mask(ids) & torch.isin(ids, self.mm_ids.cpu())).any()):
+                raise ValueError("the prompt has audio/image/video: prompt_hidden is required")
+
+    def prefill_length(self, prompt_ids: list[int]) -> int:
+        """Positions `prefill` makes of a prompt: its user-turn ids and the 9-entry assistant
+        head (3 head ids, 4 pads, text bos, the first generated token)."""
+        return int(self._user_mask(torch.tensor(prompt_ids)).sum()) + 9
+
+    def _assistant_start(self, prompt_ids: list[int]) -> int:
+        """Index of the last `<|im_start|>assistant\\n` head (its 3 ids open the speech)."""
+        cfg = self.config
+        starts = [
+            i
+            for i in range(len(prompt_ids) - 1)
+            if prompt_ids[i] == cfg.im_start_token_id
+            and prompt_ids[i + 1] == cfg.assistant_token_id
+        ]
+        if not starts:
+            raise ValueError("the prompt has no '<|im_start|>assistant' turn")
+        if len(prompt_ids) - starts[-1] < 3:
+            raise ValueError("the assistant turn must open with '<|im_start|>assistant\\n'")
+        return starts[-1]
+
     @torch.inference_mode()
     def prefill(
         self,
@@ -60,13 +90,10 @@ class TalkerConditioner:
         speaker_id: int,
         prompt_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`[L, talker_hidden]` prefill embeddings of one request."""
-        cfg = self.config
+        """`[L, talker_hidden]` prefill embeddings of one request (check_prompt passed)."""
         ids = torch.tensor(prompt_ids, device=self.device)
         user = self._user_mask(ids)
         mm = torch.isin(ids, self.mm_ids.to(ids.device))
-        if bool((user & mm).any()) and prompt_hidden is None:
-            raise ValueError("the prompt has audio/image/video: prompt_hidden is required")
         user_text = self.project_text(ids[user & ~mm])
         user_part = torch.empty(
             int(user.sum()), user_text.shape[-1], device=self.device, dtype=user_text.dtype
@@ -76,18 +103,8 @@ class TalkerConditioner:
         if bool(sel_mm.any()):
             hidden = prompt_hidden.to(self.device, user_text.dtype)[user & mm]
             user_part[sel_mm] = self.talker.hidden_projection(hidden)
-        starts = [
-            i
-            for i in range(len(prompt_ids) - 1)
-            if prompt_ids[i] == cfg.im_start_token_id
-            and prompt_ids[i + 1] == cfg.assistant_token_id
-        ]
-        if not starts:
-            raise ValueError("the prompt has no '<|im_start|>assistant' turn")
-        a = starts[-1]
+        a = self._assistant_start(prompt_ids)
         head_ids = torch.tensor(prompt_ids[a : a + 3] + [first_token], device=self.device)
-        if len(head_ids) != 4:
-            raise ValueError("the assistant turn must open with '<|im_start|>assistant\\n'")
         head = self.project_text(head_ids)
         text = torch.cat(
             [head[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], head[3:4]], dim=0

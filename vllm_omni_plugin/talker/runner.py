@@ -1,18 +1,21 @@
-"""The Qwen3-Omni talker's forward passes, batched across requests (torch only).
+"""The Qwen3-Omni talker's forward passes, batched across requests.
 
 Weights are transformers' own modules (`Qwen3OmniMoeTalkerForConditionalGeneration`, loaded
-from the checkpoint's talker.* tensors, and the thinker's token embedding); this module only
-drives them: every projection, norm, MoE block and the code predictor run on the whole batch,
-attention runs per request over that request's own KV cache (requests have different lengths).
+from the checkpoint's talker.* tensors, and the thinker's token embedding); this module runs
+them on the whole batch, each decoder layer with as few kernels as it allows (layers.py).
 Text-only prompts: the three 3-D rope position components are equal, which is plain 1-D rope.
 
 One decode step for a batch (transformers does the same in `prepare_inputs_for_generation`):
   1. the code predictor completes the frame of each request's last first-group code: greedy,
      `num_code_groups - 1` sub-steps over [last hidden, embed(code0)], batched (all requests
-     are at the same sub-step);
+     are at the same sub-step, so its small KV cache is one fixed-size tensor per layer);
   2. the talker's input: the sum of the frame's code embeddings + the trailing text entry;
-  3. one talker forward (all requests, one position each) -> codec head -> the next first-group
-     code (greedy, with the codec specials suppressed as transformers' generate does).
+  3. one talker forward (all requests, one position each, keys in their cache slots:
+     cache.py) -> codec head -> the next first-group code (greedy, with the codec specials
+     suppressed as transformers' generate does).
+A decode step has fixed shapes for a batch size and cache allocation and never waits on the
+host, so graphs.py can capture it whole in a CUDA graph. Prefill runs eagerly, the prompts that
+arrived together in one padded batch.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from .cache import SlotKVCache
+from .layers import Layer, add_rms, rms, rope_table, sdpa
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,37 +90,12 @@ def _shards(model_dir: Path) -> list[Path]:
     return [model_dir / "model.safetensors"]
 
 
-class KVCache:
-    """One request's keys and values per layer, `[kv_heads, T, head_dim]` each."""
-
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=1)
-        return self.keys[layer], self.values[layer]
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[1]
-
-
 class TalkerRunner:
-    def __init__(self, config, talker):
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            apply_rotary_pos_emb,
-        )
-
+    def __init__(self, config, talker, max_batch_size: int = 64, max_len: int | None = None):
         self.config = config
         self.talker = talker
         self.model = talker.model
         self.predictor = talker.code_predictor
-        self._rope = apply_rotary_pos_emb
         tcfg = config.talker_config
         self.num_groups = tcfg.num_code_groups
         self.eos = tcfg.codec_eos_token_id
@@ -123,21 +103,97 @@ class TalkerRunner:
         suppress = torch.zeros(vocab, dtype=torch.bool)
         suppress[max(0, vocab - 1024) :] = True  # transformers' generate: all but EOS
         suppress[self.eos] = False
-        self.suppress = suppress
+        self.suppress = suppress.to(self.device)
+        self.talker_layers = [Layer(layer) for layer in self.model.layers]
+        self.predictor_layers = [Layer(layer) for layer in self.predictor.model.layers]
+        # A frame's input is the sum of its code embeddings: the first group's from the talker's
+        # table, the others' from the predictor's, gathered at once from one stacked tensor.
+        tables = self.predictor.model.codec_embedding
+        self._codec_tables = torch.stack([t.weight.data for t in tables])
+        for i, table in enumerate(tables):
+            table.weight.data = self._codec_tables[i]
+        weight = talker.codec_head.weight
+        attn = self.model.layers[0].self_attn
+        self.cache = SlotKVCache(
+            len(self.model.layers),
+            max_batch_size,
+            attn.k_proj.out_features // attn.head_dim,
+            attn.head_dim,
+            weight.dtype,
+            weight.device,
+            limit=max_len,
+        )
+        # Sub-step j of the code predictor reads positions up to j + 1.
+        self._predictor_rope = rope_table(
+            self.predictor.model.rotary_emb, self.num_groups + 1, 1, weight
+        )
+        self._talker_rope = rope_table(self.model.rotary_emb, self.cache.capacity, 3, weight)
+        for layer in self.talker_layers:
+            layer.check_gpu_kernels(self._talker_rope)
+        for layer in self.predictor_layers:
+            layer.check_gpu_kernels(self._predictor_rope)
+
+    @property
+    def gpu_kernels(self) -> dict[str, bool]:
+        """Whether every layer runs vLLM's GPU-only kernels (layers.Layer.check_gpu_kernels)."""
+        layers = self.talker_layers + self.predictor_layers
+        moe = [layer for layer in layers if layer.router_weight is not None]
+        return {
+            "fused_qk_norm_rope": all(layer.fused_qk_norm_rope for layer in layers),
+            "fused_moe": bool(moe) and all(layer.fused_moe for layer in moe),
+        }
 
     @property
     def device(self) -> torch.device:
         return self.talker.codec_head.weight.device
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.model.layers))
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions per request (the cache, and its rope table with it)."""
+        self.cache.reserve(length)
+        if self._talker_rope.shape[0] < self.cache.capacity:
+            self._talker_rope = rope_table(
+                self.model.rotary_emb, self.cache.capacity, 3, self._talker_rope
+            )
 
     @torch.inference_mode()
-    def prefill(self, embeds: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, int]:
-        """One request's prompt `[L, H]` -> (last hidden `[H]`, first code0)."""
-        positions = torch.arange(embeds.shape[0], device=self.device)
-        hidden = self._forward(embeds[None], positions[None], [cache])[0, -1]
-        return hidden, int(self._first_codes(hidden[None])[0])
+    def prefill(
+        self, prompts: list[torch.Tensor], slots: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Prompts `[L_i, H]` into their cache slots (from position 0), as one right-padded
+        batch -> (last hidden `[B, H]`, each one's first code0). Padding keys are masked; they
+        land in the slots past each prompt, where decode steps overwrite them before any row
+        can see them."""
+        lengths = [p.shape[0] for p in prompts]
+        longest, b = max(lengths), len(prompts)
+        self.reserve(longest)
+        x = prompts[0].new_zeros(b, longest, prompts[0].shape[1])
+        for row, prompt in enumerate(prompts):
+            x[row, : prompt.shape[0]] = prompt
+        positions = torch.arange(longest, device=self.device)
+        mask = None  # one prompt: plain causal attention
+        if b > 1:
+            ends = torch.tensor(lengths, device=self.device)
+            causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+            mask = (causal[None] & (positions[None] < ends[:, None])[:, None, :])[:, None]
+        rows = torch.tensor(slots, device=self.device)
+
+        def attend(i, attn, q, k, v):
+            self.cache.keys[i, rows, :, :longest] = k
+            self.cache.values[i, rows, :, :longest] = v
+            return sdpa(q, k, v, attn.scaling, mask, causal=mask is None)
+
+        h = self._stack(
+            self.talker_layers,
+            x.view(b * longest, -1),
+            positions.repeat(b),
+            self._talker_rope,
+            attend,
+            (b, longest),
+            self.model.norm,
+        )
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        hidden = h.view(b, longest, -1)[torch.arange(b, device=self.device), last]
+        return hidden, self._first_codes(hidden).tolist()
 
     @torch.inference_mode()
     def decode(
@@ -145,73 +201,108 @@ class TalkerRunner:
         last_hidden: torch.Tensor,
         code0: torch.Tensor,
         text: torch.Tensor,
-        caches: list[KVCache],
+        slots: torch.Tensor,
+        positions: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step for B requests: `last_hidden` `[B, H]`, `code0` `[B]` (their last first-group
-        codes), `text` `[B, H]` (their trailing text entries) -> (frames `[B, G]` completed by
-        this step, new last hidden `[B, H]`, next code0 `[B]`)."""
+        codes), `text` `[B, H]` (their trailing text entries), `slots` `[B]` (their cache slots)
+        and `positions` `[B]` (their lengths so far: where this step writes) -> (frames
+        `[B, G]` completed by this step, new last hidden `[B, H]`, next code0 `[B]`). The caller
+        reserves room for position max(positions) first (`reserve`)."""
         residual = self._predict_residuals(last_hidden, code0)  # [B, G - 1]
         frames = torch.cat([code0[:, None], residual], dim=1)
-        embeds = self.model.get_input_embeddings()(code0)
-        for j in range(1, self.num_groups):
-            embeds = embeds + self.predictor.model.codec_embedding[j - 1](residual[:, j - 1])
-        embeds = embeds + text
-        positions = torch.tensor([c.length for c in caches], device=self.device)[:, None]
-        hidden = self._forward(embeds[:, None], positions, caches)[:, -1]
+        groups = torch.arange(self.num_groups - 1, device=code0.device)
+        embeds = torch.cat(
+            [
+                self.model.get_input_embeddings()(code0)[:, None],
+                self._codec_tables[groups, residual],
+            ],
+            dim=1,
+        )
+        x = embeds.sum(dim=1) + text
+        # Each row sees its own positions 0..position: later ones belong to nothing yet.
+        visible = torch.arange(self.cache.capacity, device=x.device)[None] <= positions[:, None]
+        mask = visible[:, None, None]
+
+        def attend(i, attn, q, k, v):
+            keys, values = self.cache.keys[i], self.cache.values[i]
+            keys[slots, :, positions] = k[:, :, 0]
+            values[slots, :, positions] = v[:, :, 0]
+            return sdpa(q, keys[slots], values[slots], attn.scaling, mask)
+
+        hidden = self._stack(
+            self.talker_layers,
+            x,
+            positions,
+            self._talker_rope,
+            attend,
+            (x.shape[0], 1),
+            self.model.norm,
+        )
         return frames, hidden, self._first_codes(hidden)
 
     def _first_codes(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.talker.codec_head(hidden).float()
-        logits[:, self.suppress.to(logits.device)] = float("-inf")
-        return logits.argmax(-1)
+        # argmax in the logits' own dtype: a float32 copy ranks them the same.
+        logits = self.talker.codec_head(hidden)
+        return logits.masked_fill(self.suppress, float("-inf")).argmax(-1)
 
     def _predict_residuals(self, last_hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
-        """Greedy code predictor, batched: the code groups 1.. of each request's frame."""
+        """Greedy code predictor, batched: the code groups 1.. of each request's frame.
+        Sub-step 0 reads positions 0-1 ([last hidden, embed(code0)]), sub-step j position j + 1."""
         pred = self.predictor.model
+        attn0 = pred.layers[0].self_attn
+        b, device = last_hidden.shape[0], last_hidden.device
+        shape = (len(pred.layers), b, attn0.k_proj.out_features // attn0.head_dim)
+        shape += (self.num_groups, attn0.head_dim)
+        keys = last_hidden.new_zeros(shape)
+        values = last_hidden.new_zeros(shape)
         x = torch.stack([last_hidden, self.model.get_input_embeddings()(code0)], dim=1)
+        x = x.view(2 * b, -1)
         codes = []
-        caches = [KVCache(len(pred.layers)) for _ in range(x.shape[0])]
-        pos = torch.arange(2, device=self.device)[None].expand(x.shape[0], -1)
         for j in range(self.num_groups - 1):
-            h = self._forward(x, pos, caches, stack=pred, rotary_3d=False)[:, -1]
-            code = self.predictor.lm_head[j](h).float().argmax(-1)
+            if j == 0:
+                start, t = 0, 2
+                positions = torch.arange(2, device=device).repeat(b)
+            else:
+                start, t = j + 1, 1
+                positions = torch.full((b,), start, device=device)
+            end = start + t
+
+            def attend(i, attn, q, k, v, start=start, end=end, causal=j == 0):
+                keys[i, :, :, start:end] = k
+                values[i, :, :, start:end] = v
+                return sdpa(
+                    q, keys[i, :, :, :end], values[i, :, :, :end], attn.scaling, causal=causal
+                )
+
+            h = self._stack(
+                self.predictor_layers,
+                x,
+                positions,
+                self._predictor_rope,
+                attend,
+                (b, t),
+                pred.norm,
+            )
+            code = self.predictor.lm_head[j](h.view(b, t, -1)[:, -1]).argmax(-1)
             codes.append(code)
-            x = pred.codec_embedding[j](code)[:, None]
-            pos = pos[:, -1:] + 1
+            x = pred.codec_embedding[j](code)
         return torch.stack(codes, dim=1)
 
-    def _forward(self, x, positions, caches, stack=None, rotary_3d=True) -> torch.Tensor:
-        """Decoder stack over `x` `[B, T, H]` at `positions` `[B, T]`, appending to each
-        request's cache; returns the final-norm hidden states `[B, T, H]`."""
-        stack = stack or self.model
-        pos = positions[None].expand(3, -1, -1) if rotary_3d else positions
-        cos, sin = stack.rotary_emb(x, pos)
-        for i, layer in enumerate(stack.layers):
-            h = layer.input_layernorm(x)
-            h = self._attention(layer.self_attn, h, cos, sin, caches, i)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return stack.norm(x)
-
-    def _attention(self, attn, h, cos, sin, caches, layer_idx) -> torch.Tensor:
-        b, t, _ = h.shape
-        shape = (b, t, -1, attn.head_dim)
-        q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        q, k = self._rope(q, k, cos, sin)
-        out = []
-        for r, cache in enumerate(caches):
-            keys, values = cache.append(layer_idx, k[r], v[r])
-            groups = q.shape[1] // keys.shape[0]
-            keys = keys.repeat_interleave(groups, dim=0)
-            values = values.repeat_interleave(groups, dim=0)
-            past = keys.shape[1] - t
-            mask = torch.ones(t, keys.shape[1], dtype=torch.bool, device=h.device).tril(past)
-            out.append(
-                F.scaled_dot_product_attention(
-                    q[r : r + 1], keys[None], values[None], attn_mask=mask, scale=attn.scaling
-                )
-            )
-        o = torch.cat(out, dim=0).transpose(1, 2).reshape(b, t, -1)
-        return attn.o_proj(o)
+    def _stack(self, layers, x, positions, rope, attend, shape, final_norm) -> torch.Tensor:
+        """Tokens `x` `[N, H]` (N = B x T, overwritten: the residual stream) at `positions`
+        `[N]` through `layers`, then `final_norm` -> `[N, H]`. `attend(i, attn, q, k, v)`:
+        layer i's attention output `[B, heads, T, D]` for q `[B, heads, T, D]` and this step's
+        k, v `[B, kv_heads, T, D]` (it stores them where its cache wants them)."""
+        residual = x
+        x = rms(layers[0].input_norm, x)
+        for i, layer in enumerate(layers):
+            if i:
+                add_rms(x, residual, layer.input_norm)
+            q, k, v = layer.qkv(x, positions, rope, shape)
+            o = attend(i, layer.attn, q, k, v)
+            x = layer.attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], -1))
+            add_rms(x, residual, layer.post_norm)
+            x = layer.feed_forward(x)
+        add_rms(x, residual, final_norm)
+        return x

@@ -388,13 +388,17 @@ def make_audible(code2wav, seed: int, target_std: float = 0.2) -> None:
                 fan_in = mod.weight.shape[0] * mod.weight.shape[2] // mod.stride[0]
             else:
                 continue
-            mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) / math.sqrt(fan_in))
+            mod.weight.copy_(
+                torch.randn(mod.weight.shape, generator=gen, device="cpu") / math.sqrt(fan_in)
+            )
         emb = code2wav.code_embedding.weight
-        emb.copy_(torch.randn(emb.shape, generator=gen))
+        emb.copy_(torch.randn(emb.shape, generator=gen, device="cpu"))
         last = code2wav.decoder[-1].conv
         last.bias.zero_()
         cfg = code2wav.config
-        codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 32), generator=gen)
+        codes = torch.randint(
+            0, cfg.codebook_size, (1, cfg.num_quantizers, 32), generator=gen, device="cpu"
+        ).to(emb.device)
         hidden = code2wav.code_embedding(codes + code2wav.code_offset).mean(1)
         hidden = code2wav.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
         for blocks in code2wav.upsample:
