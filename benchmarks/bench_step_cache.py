@@ -1,4 +1,4 @@
-"""Step caching (issue 33): seconds per image, throughput at concurrency N, skipped fraction and
+"""Step caching: seconds per image, throughput at concurrency N, skipped fraction and
 distance to the uncached image, per policy and threshold, on the diffusion engine; then the same
 pipeline under diffusers' own cache hooks and cache-dit, where they run.
 

@@ -1,4 +1,4 @@
-"""GLM-Image on two GPUs of one host (issue 19): the AR stage on a head, the DiT on a headless node.
+"""GLM-Image on two GPUs of one host: the AR stage on a head, the DiT on a headless node.
 
     python benchmarks/bench_two_gpu_glm.py headless --model DIR --out OUT [--size 1024 --steps 50]
     # CPU check: the tiny model, NIXL over lo, a long request (256x256, 200 steps) to kill

@@ -344,7 +344,7 @@ def install_serve_patches() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Patch 5: `vllm.entrypoints.cli.serve.run_headless` (team G, multi-node stages).
+# Patch 5: `vllm.entrypoints.cli.serve.run_headless` (headless stage nodes, docs/multi-node.md).
 # Why: `vllm serve --headless` is vLLM's data-parallel headless mode; `ServeSubcommand.cmd`
 # calls `run_headless(args)` (a module global looked up at call time) instead of starting the
 # API server. With --stage-config the user asks for a headless *stage node* instead: run its

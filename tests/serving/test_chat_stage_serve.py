@@ -1,5 +1,5 @@
 """A pipeline's chat stage answers /v1/chat/completions and /v1/completions as stock `vllm serve`
-of the same model does (issue 29: vLLM's own chat machinery, not a copy).
+of the same model does (vLLM's own chat machinery, not a copy).
 
 Two real servers of one tiny model (conftest.py `chat_servers`): stock vLLM, and our plugin
 serving a one-stage pipeline whose chat stage is that model. Greedy requests through the official
