@@ -45,7 +45,7 @@ from bench_gpu_glm import (
 
 # As tests/multinode/test_headless_loopback.py: head and node share one host, so UCX (NIXL
 # configs) runs over lo; a small CPU KV cache. VLLM_OMNI_AUTHKEY is required off loopback only
-# (README "Several nodes"); a real key runs the handshake as two hosts would. Caller's env wins.
+# (docs/multi-node.md); a real key runs the handshake as two hosts would. Caller's env wins.
 for key, value in {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "UCX_NET_DEVICES": "lo",

@@ -72,7 +72,7 @@ CHECKED_VLLM_MINORS = tuple(SERVE_SEAMS)
 ALLOW_UNTESTED_ENV = "VLLM_OMNI_ALLOW_UNTESTED_VLLM"
 
 # The endpoint plugin's entry-point name (pyproject.toml) and the general plugin's; users
-# who set VLLM_PLUGINS list both (see README).
+# who set VLLM_PLUGINS list both (see docs/serving.md).
 GENERAL_PLUGIN_NAME = "omni"
 ENDPOINT_PLUGIN_NAME = "omni_images"
 
