@@ -12,13 +12,14 @@ kit=${1:-.gpukit}; shift || true
 cache=${GPU_KIT_CACHE:-/tmp/gpu-kit-wheels}
 mkdir -p "$cache" "$kit"
 python3 -m pip install -q packaging 2>/dev/null || true
+# The resolver prints the wheels this kit needs; the cache may hold other versions from earlier kits.
 python3 "$here/resolve_kit.py" "$cache" vllm==0.26.0 diffusers==0.42.1 transformers==5.19.0 omegaconf==2.4.0 \
-  antlr4-python3-runtime==4.13.2 importlib_metadata pydantic pycountry "$@" >/dev/null
+  antlr4-python3-runtime==4.13.2 importlib_metadata pydantic pycountry "$@" | sort -u >"$kit/wheels.txt"
 rm -f "$kit"/part_*
-tar cf - -C "$cache" . | split -b 58M -d - "$kit/part_"
+tar cf - -C "$cache" -T "$kit/wheels.txt" | split -b 58M -d - "$kit/part_"
 # In a git worktree .git is a file: ask git where its exclude file lives.
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx "/$(basename "$kit")/" "$exclude" 2>/dev/null || echo "/$(basename "$kit")/" >> "$exclude"
 ls -la "$kit"
-echo "$(ls "$kit" | wc -l) parts: copy each to /tmp/kit on the GPU machine, then run scripts/gpu_check.sh install there"
+echo "$(ls "$kit"/part_* | wc -l) parts: copy each to /tmp/kit on the GPU machine, then run scripts/gpu_check.sh install there"

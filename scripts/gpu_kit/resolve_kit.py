@@ -5,18 +5,23 @@
 
 Walks each requirement's Requires-Dist (one `pip download --no-deps` per package), leaving out what the
 GPU image already has (device-packages.txt beside this file), the CUDA stack that comes with its torch,
-and kernels that vLLM only imports for models and features we do not use. Prints what it fetched.
+and kernels that vLLM only imports for models and features we do not use. Prints the file name of
+every wheel the kit needs, one a line, whether downloaded now or found in OUT_DIR from an earlier
+run (OUT_DIR is a cache: it may hold other versions, which the kit must leave out). A package that cannot be fetched after a few tries fails the run (exit 1, naming it): a kit missing
+one dependency installs without complaint and breaks only when that import runs on the GPU machine.
 """
 
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from collections import deque
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as cn
+from packaging.utils import parse_wheel_filename
 
 HERE = Path(__file__).resolve().parent
 IMAGE = {cn(x) for x in (HERE / "device-packages.txt").read_text().split()}
@@ -86,6 +91,7 @@ def main() -> None:
     queue = deque(Requirement(r) for r in roots)
     root_names = {cn(r.name) for r in queue}
     seen: set[str] = set()
+    failed: list[str] = []
     while queue:
         req = queue.popleft()
         name = cn(req.name)
@@ -93,49 +99,57 @@ def main() -> None:
             continue
         seen.add(name)
         spec = PINS.get(name, str(req).split(";")[0])
-        before = set(os.listdir(out))
+        error = fetch(spec, plat, out)
+        wheel = None if error else cached_wheel(Requirement(spec), out)
+        if wheel is None:
+            print("could not fetch", spec, error or "(no matching wheel)", file=sys.stderr)
+            failed.append(spec)
+            continue
+        print(wheel)
+        # The dependencies of a wheel found in the cache are walked too: a dependency that
+        # failed to download in an earlier run is fetched now, not skipped with its parent.
+        with zipfile.ZipFile(out / wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = z.read(meta).decode().splitlines()
+        for line in lines:
+            if line.startswith("Requires-Dist:"):
+                dep = Requirement(line.split(":", 1)[1].strip())
+                extras = [""] + list(req.extras)
+                if dep.marker is None or any(
+                    dep.marker.evaluate(dict(ENV, extra=e)) for e in extras
+                ):
+                    queue.append(dep)
+    if failed:
+        sys.exit(f"the kit is incomplete, not fetched: {', '.join(failed)}")
+
+
+def cached_wheel(req: Requirement, out: Path) -> str | None:
+    """The newest wheel in `out` of the required project that satisfies its version range."""
+    found = []
+    for f in os.listdir(out):
+        if not f.endswith(".whl"):
+            continue
+        name, version, _, _ = parse_wheel_filename(f)
+        if cn(name) == cn(req.name) and req.specifier.contains(version, prereleases=True):
+            found.append((version, f))
+    return max(found)[1] if found else None
+
+
+def fetch(spec: str, plat: list[str], out: Path, tries: int = 3) -> str | None:
+    """Download one wheel; None when it came, else pip's last error line after `tries` attempts
+    (an index answering slowly or dropping a connection is the usual cause, and passes)."""
+    for attempt in range(tries):
         p = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--python-version",
-                "3.12",
-                "--implementation",
-                "cp",
-                *plat,
-                "-d",
-                str(out),
-                spec,
-            ],
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+            + ["--python-version", "3.12", "--implementation", "cp", *plat, "-d", str(out), spec],
             capture_output=True,
             text=True,
         )
-        if p.returncode:
-            print(
-                "could not fetch",
-                spec,
-                (p.stderr.strip().splitlines() or [""])[-1],
-                file=sys.stderr,
-            )
-            continue
-        for f in set(os.listdir(out)) - before:
-            print(f)
-            with zipfile.ZipFile(out / f) as z:
-                meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-                lines = z.read(meta).decode().splitlines()
-            for line in lines:
-                if line.startswith("Requires-Dist:"):
-                    dep = Requirement(line.split(":", 1)[1].strip())
-                    extras = [""] + list(req.extras)
-                    if dep.marker is None or any(
-                        dep.marker.evaluate(dict(ENV, extra=e)) for e in extras
-                    ):
-                        queue.append(dep)
+        if p.returncode == 0:
+            return None
+        if attempt + 1 < tries:
+            time.sleep(2 * (attempt + 1))
+    return (p.stderr.strip().splitlines() or [""])[-1]
 
 
 if __name__ == "__main__":
