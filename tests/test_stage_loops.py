@@ -12,6 +12,10 @@ from vllm_omni_plugin.stages.loops import loop_class, own_loop_names
 
 
 def test_every_named_loop_of_the_packages_pipelines_resolves():
+    """The package's own loops go by name, never by a "vllm_omni_plugin...:Class" string
+    (which the layering test could not follow), and each name maps to a StageLoop."""
+    runners = [s.runner for k in available_pipelines() for s in get_pipeline(k).stages]
+    assert not [r for r in runners if r and r.startswith("vllm_omni_plugin")], runners
     named = {
         spec.runner
         for key in available_pipelines()
