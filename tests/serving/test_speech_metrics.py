@@ -77,13 +77,18 @@ def test_a_second_timer_starts_empty():
 
 def test_multiprocess_mode_reaches_vllms_registry(tmp_path):
     """With PROMETHEUS_MULTIPROC_DIR set, vLLM's /metrics registry reads only the folder; the
-    histograms (observed in this process) are there, with their names and label."""
+    histograms (observed in this process) are there, with their names and label. The stage
+    collector, which that registry cannot carry, is not registered, and the log says so."""
     code = textwrap.dedent(
         """
+        import logging
         from prometheus_client import generate_latest
         from vllm.v1.metrics.prometheus import get_prometheus_registry
+        from vllm_omni_plugin.serving.metrics import OmniCollector, register
         from vllm_omni_plugin.serving.speech_metrics import SpeechTimer
 
+        logging.basicConfig()
+        register(OmniCollector(orchestrator=None, service=None, pipeline="qwen3_omni"))
         timing = SpeechTimer("qwen3_omni").start(sample_rate=1000)
         timing.audio(1000)
         timing.finish()
@@ -91,10 +96,12 @@ def test_multiprocess_mode_reaches_vllms_registry(tmp_path):
         """
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    out = subprocess.run(
+    run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    got = samples(out)
+    )
+    assert "PROMETHEUS_MULTIPROC_DIR is set: /metrics shows no omni_stage_* families" in run.stderr
+    got = samples(run.stdout)
+    assert not [name for name, _ in got if name.startswith("omni_stage")]
     for name in (TTFA, RTF):
         assert got[(f"{name}_count", (("pipeline", "qwen3_omni"),))] == 1
         assert got[(f"{name}_bucket", (("le", "+Inf"), ("pipeline", "qwen3_omni")))] == 1

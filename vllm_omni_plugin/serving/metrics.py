@@ -165,8 +165,9 @@ def register(collector: OmniCollector) -> None:
 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         logger.warning(
-            "PROMETHEUS_MULTIPROC_DIR is set: /metrics shows no omni_stage_* families (only "
-            "the speech histograms); unset it to see them"
+            "PROMETHEUS_MULTIPROC_DIR is set: /metrics shows no omni_stage_* families (nor "
+            "the request, cache, replica and stage-engine ones), only the speech histograms; "
+            "unset it to see them"
         )
         return
     registry = get_prometheus_registry()
