@@ -1,7 +1,6 @@
 """Streamed edges on CPU, end to end through real stage processes (no model: seconds).
 
-The test-only pipeline (vllm_omni_plugin/stages/stream_test_stages.py, deploy file
-tests/streaming/stream_test.yaml): a source stage emits float32 tensor chunks through shared
+The test-only pipeline (stream_stages.py beside this file, deploy file stream_test.yaml): a source stage emits float32 tensor chunks through shared
 memory to a sink stage that reads them slower than they come and returns their SHA-256. The
 orchestrator is the one `vllm serve` runs; one per topology, shared by the module's tests.
 
@@ -27,17 +26,17 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from stream_stages import chunk_tensor, expected_checksum
 
 from vllm_omni_plugin.common.messages import GenerationParams
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError
 from vllm_omni_plugin.orchestrator.streaming import OutputChunk
-from vllm_omni_plugin.stages.stream_test_stages import chunk_tensor, expected_checksum
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 HERE = Path(__file__).parent
-WINDOW = 2  # stream_test_stages' topologies
+WINDOW = 2  # stream_stages' topologies
 STALL_TIMEOUT_S = 3.0  # stream_test.yaml
 # Death: the control socket's EOF (at once) + the exit-code wait; a stall: the deadline + the
 # supervisor's 0.5 s round; both + slack for a loaded 2-core box.
@@ -51,10 +50,14 @@ def shm_files(root: Path) -> list[str]:
 async def start(pipeline: str, shm: Path) -> Orchestrator:
     os.environ["OMNI_TEST_SHM_DIR"] = str(shm)
     os.environ["OMNI_TEST_PIPELINE"] = pipeline
+    # The stage processes import stream_stages (their loops) from this folder.
+    stages_path = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    os.environ["OMNI_TEST_STAGES_PATH"] = os.pathsep.join(stages_path)
     try:
         cfg = load_deploy_config(HERE / "stream_test.yaml", model="/unused")
     finally:
-        del os.environ["OMNI_TEST_PIPELINE"], os.environ["OMNI_TEST_SHM_DIR"]
+        for name in ("OMNI_TEST_PIPELINE", "OMNI_TEST_SHM_DIR", "OMNI_TEST_STAGES_PATH"):
+            del os.environ[name]
     orch = Orchestrator(cfg, startup_timeout_s=120)
     await orch.start()
     # The first Result loads /metrics' exporter (imports vLLM, seconds with the loop blocked,

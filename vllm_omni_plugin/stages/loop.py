@@ -17,8 +17,9 @@ drives its engine, in one of two shapes:
   beside the requests (an engine watchdog, a metrics timer).
 
 A new kind is a small subclass: its `__init__` builds the engine, `info()` says what it runs,
-and the request hooks drive it (stream_test_stages.py is a complete example: two stages in ~90 lines).
-The worker (worker.py) picks the subclass from the topology: `StageSpec.runner`, else the kind.
+and the request hooks drive it (tests/streaming/stream_stages.py is a complete example: two
+stages in ~90 lines). The worker (worker.py) picks the subclass from the topology through
+loops.py: `StageSpec.runner`, else the kind.
 """
 
 from __future__ import annotations

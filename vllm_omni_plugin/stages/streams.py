@@ -35,14 +35,25 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..common.messages import Chunk, ChunkDone, Credit, Submit
 
 if TYPE_CHECKING:
-    from .loop import StageLoop
+    from .payloads import StagePayloads
 
 logger = logging.getLogger("vllm_omni_plugin.stages.streams")
+
+
+class StreamingStage(Protocol):
+    """What the streams use of their stage (loop.StageLoop, which imports this module): its
+    id, its payload transports and its control socket."""
+
+    stage_id: int
+    payloads: StagePayloads
+
+    def reply(self, msg: Any) -> None: ...
+
 
 # Chunks of one request a producer may have out, unconsumed, when the topology does not say.
 DEFAULT_STREAM_WINDOW = 4
@@ -74,7 +85,7 @@ class _Input:
 class StageStreams:
     """A stage process's streamed outputs and inputs, per request."""
 
-    def __init__(self, stage: StageLoop):
+    def __init__(self, stage: StreamingStage):
         self.stage = stage
         self.outputs: dict[str, _Output] = {}
         self.inputs: dict[tuple[str, int], _Input] = {}

@@ -20,6 +20,7 @@ import msgspec
 from ..common.channel import MessageChannel
 from ..common.messages import Ready, StartStage
 from ..config.stage_init import StageInit
+from .loops import loop_class
 from .stats_relay import StatsRelay
 
 
@@ -41,20 +42,7 @@ def _set_title(init: StageInit) -> None:
 
 def make_runner(init: StageInit, conn: MessageChannel):
     """The stage's loop (loop.StageLoop): the topology's `runner`, else its kind's."""
-    if init.spec.runner is not None:
-        import importlib
-
-        module, _, name = init.spec.runner.partition(":")
-        return getattr(importlib.import_module(module), name)(init, conn)
-    if init.spec.kind == "diffusion":
-        from .diffusion_stage import DiffusionStageRunner
-
-        return DiffusionStageRunner(init, conn)
-    if init.spec.kind == "ar":
-        from .ar_stage import ARStageRunner
-
-        return ARStageRunner(init, conn)
-    raise ValueError(f"unknown stage kind {init.spec.kind!r}")
+    return loop_class(init.spec)(init, conn)
 
 
 def main(argv: list[str] | None = None) -> int:
