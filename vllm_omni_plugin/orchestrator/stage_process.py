@@ -40,6 +40,14 @@ logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
 LOG_TAIL_LINES = 40
 
+# How long a stage gets to stop by itself after Shutdown before its process group is killed.
+# An AR stage stops its vLLM engine core, whose multiprocess executor waits up to 5 s for its
+# idle workers (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, then SIGTERM): from vLLM 0.27 they notice
+# the shutdown only at their next 5 s recheck of the shared-memory queue
+# (shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS), in 0.26 at that SIGTERM. 5 s here would
+# cut that short and kill the stage mid-teardown; 7 s still has the API server gone in 10 s.
+STOP_WAIT_S = 7.0
+
 
 # The API server's own variables its stages must see wherever they run: the plugin's settings
 # (VLLM_OMNI_*, OMNI_*), among them VLLM_OMNI_STAGE_PIPELINE, which the server sets for its
@@ -275,7 +283,7 @@ class StageProcess:
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def shutdown(self, timeout_s: float = STOP_WAIT_S) -> None:
         """Ask politely, then SIGTERM, then SIGKILL the whole process group."""
         self._closing = True
         if self.proc is None:

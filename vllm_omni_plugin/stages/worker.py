@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EOFError, OSError):
         log.info("control connection closed; exiting")
     finally:
+        t0 = time.monotonic()
         runner.close()
+        log.info("stopped in %.1f s", time.monotonic() - t0)
     return 0
 
 
