@@ -8,7 +8,9 @@ it (`start_reading`, see frames.py for why), and the asyncio side lives in stage
   (and as its process title), in a new session: killing the process group also takes down
   anything the stage started (a vLLM EngineCore, its workers), so nothing is orphaned.
 * Control messages (common/messages.py, msgpack in multiprocessing.connection framing) go over
-  a socket pair. When this process dies, the child reads EOF and exits, so a SIGKILLed API server does not leave stages behind either.
+  a socket pair. When this process dies, the child reads EOF and exits; and it watches this
+  process (common/parent_watch.py, whatever it is busy with, start-up included), so a SIGKILLed
+  API server does not leave stages behind either.
 * stdout/stderr are pumped into our stderr (prefixed) and a ring buffer whose tail goes into
   start-up errors.
 """
@@ -132,6 +134,7 @@ class StageProcess:
             "-m",
             "vllm_omni_plugin.stages.worker",
             f"--fd={child_sock.fileno()}",
+            f"--parent-pid={os.getpid()}",  # the stage exits when this process dies
             self.name,
         ]
         try:
@@ -284,11 +287,12 @@ class StageProcess:
         return None if self.proc is None else self.proc.poll()
 
     def shutdown(self, timeout_s: float = STOP_WAIT_S) -> None:
-        """Ask politely, then SIGTERM, then SIGKILL the whole process group."""
+        """Ask politely, then SIGTERM, then SIGKILL the whole process group. A stage still
+        starting reads no Shutdown (it loads its model): it is killed at once."""
         self._closing = True
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self.info is not None:
             try:
                 self.send(Shutdown())
             except OSError:
