@@ -142,7 +142,9 @@ class HeadlessNode:
                     await self._serve(link)
             return 0
         finally:
-            shutdown_concurrently(list(self.stages.values()))
+            # In a thread: the loop must keep running meanwhile, it writes each stage its
+            # Shutdown (a blocked loop left every stage to be killed after its stop wait).
+            await asyncio.to_thread(shutdown_concurrently, list(self.stages.values()))
 
     def _parent_gone(self, parent: int) -> None:
         # The watch thread: stop as on SIGTERM, and make sure it does not take longer.
