@@ -69,18 +69,20 @@ def _wait(parent: int, pidfd: int | None, on_death: Callable[[int], None]) -> No
 
 
 def end_process_tree() -> None:
-    """SIGKILL this process and everything it started: its process group when it leads one
-    (a stage process does: its vLLM engine core and workers are in it), else its descendants
-    and itself."""
+    """SIGKILL everything this process started, then its process group when it leads one (a
+    stage process does: its vLLM engine core and workers are in it, even one started since),
+    then itself."""
+    try:
+        import psutil  # a vLLM dependency
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:  # the group and the children's own watches still end them
+        children = []
+    for child in children:
+        try:
+            child.kill()
+        except Exception:  # gone already
+            pass
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
-    try:
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-    finally:
-        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
