@@ -42,8 +42,8 @@ FORBIDDEN = (
     "output_handler failed",
     "GeneratorExit",
 )
-# Enough frames that the speech request is still streaming when the signal comes (the tiny
-# talker writes about a hundred frames a second here), within the talker's max_model_len.
+# The talker's frame cap raised from 64 to 768 (within its max_model_len), so that the speech
+# request still streams when the signal comes (the test checks it had not ended).
 SPEECH_OVERRIDES = '{"1": {"default_sampling_params": {"max_tokens": 768}}}'
 
 
