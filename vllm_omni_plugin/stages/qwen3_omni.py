@@ -132,9 +132,9 @@ class _BatchedEngineStage(AsyncStageLoop):
             self.news.set()
         return emitted
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        super().close()
+    async def close_engine(self) -> None:
+        # `_drive` is cancelled by now; a step it started may still run in the thread.
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 class TalkerStage(_BatchedEngineStage):
