@@ -1,0 +1,33 @@
+"""Qwen3-Omni's talker as a vLLM model: the dotted names vLLM's registry and the talker stage
+refer to without importing the model, and the config override that makes vLLM build the
+talker out of the full checkpoint. Nothing here imports vLLM or torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TALKER_ARCH = "Qwen3OmniTalkerForCodecGeneration"
+TALKER_CLASS = "vllm_omni_plugin.models.qwen3_omni.talker:Qwen3OmniTalkerForCodecGeneration"
+
+# Rope keys of the talker's 3-D (interleaved M-RoPE) scheme. For text-only prompts the three
+# position components are equal, where M-RoPE is plain 1-D rope: vLLM then needs no 3-D
+# positions (its runners assert SupportsMRoPE for M-RoPE configs).
+_MROPE_KEYS = ("mrope_section", "mrope_interleaved", "interleaved")
+
+
+def talker_hf_config(config: Any) -> Any:
+    """vLLM's `hf_overrides` callable for the talker stage: the checkpoint's
+    `Qwen3OmniMoeConfig` -> its `talker_config`, with our architecture and 1-D rope.
+
+    A module-level function so the engine config pickles into vLLM's engine-core process.
+    A config without a talker (vLLM probes the callable with a bare config) passes through."""
+    talker = getattr(config, "talker_config", None)
+    if talker is None:
+        return config
+    talker.architectures = [TALKER_ARCH]
+    text = talker.text_config
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    for key in _MROPE_KEYS:
+        rope.pop(key, None)
+    text.rope_parameters = rope
+    return talker
