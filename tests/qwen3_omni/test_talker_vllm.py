@@ -1,5 +1,5 @@
-"""The talker as a vLLM model (models/qwen3_omni/talker.py), run by vLLM's own engine on the CPU
-against transformers' talker on the tiny checkpoint's weights."""
+"""The talker as a vLLM model (models/qwen3_omni/talker.py, talker_runner.py), run by vLLM's own
+engine on the CPU against transformers' `generate` on the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -7,31 +7,51 @@ import pytest
 import torch
 
 from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
-from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids
+from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = ["Say hello.", "What is two plus two?"]
-FIRST_TOKEN = 300  # the thinker's first generated id, any text id
+PROMPTS = ["Say hello.", "What is two plus two?", "Hi"]
+MAX_FRAMES = 10
 
 
 @pytest.fixture(scope="module")
-def hf_talker(omni_dir):
-    """(config, transformers' talker, conditioner) from the checkpoint, float32."""
+def conditioner(omni_dir):
+    """Builds the prefill conditioning as the talker stage does (talker/prompt.py)."""
     from vllm_omni_plugin.talker.prompt import TalkerConditioner
     from vllm_omni_plugin.talker.runner import load_talker
 
     config, talker, embed = load_talker(omni_dir)
-    return config, talker, TalkerConditioner(config, embed, talker)
+    return TalkerConditioner(config, embed, talker)
+
+
+@pytest.fixture(scope="module")
+def talker_config(omni_dir):
+    from transformers import Qwen3OmniMoeConfig
+
+    return talker_hf_config(Qwen3OmniMoeConfig.from_pretrained(omni_dir))
+
+
+@pytest.fixture(scope="module")
+def references(omni_model, omni_dir):
+    out = {}
+    for p in PROMPTS:
+        ids = chat_input_ids(omni_dir, p)
+        ref = reference_generate(omni_model, ids, thinker_max_new_tokens=6, max_frames=MAX_FRAMES)
+        out[p] = (ids[0].tolist(), ref)
+    return out
 
 
 @pytest.fixture(scope="module")
 def llm(omni_dir):
     from vllm import LLM
 
+    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_worker_cls
+
     engine = LLM(
         model=str(omni_dir),
         hf_overrides=talker_hf_config,
+        worker_cls=talker_worker_cls(),
         skip_tokenizer_init=True,
         enable_prompt_embeds=True,
         enforce_eager=True,
@@ -46,42 +66,47 @@ def llm(omni_dir):
     del engine
 
 
-def _prefill(hf_talker, omni_dir, prompt: str) -> torch.Tensor:
-    config, _, conditioner = hf_talker
-    ids = chat_input_ids(omni_dir, prompt)[0].tolist()
-    speaker = config.talker_config.speaker_id["ethan"]
-    return conditioner.prefill(ids, FIRST_TOKEN, speaker)
+def _generate(llm, conditioner, talker_config, requests, **sampling) -> list[torch.Tensor]:
+    """requests: [(prompt ids, thinker text ids)] in one batch -> each one's frames [G, n]."""
+    from vllm_omni_plugin.models.qwen3_omni.talker_runner import (
+        frame_sampling_params,
+        frames_from_logprobs,
+    )
+
+    speaker = talker_config.speaker_id["ethan"]
+    prompts = [{"prompt_embeds": conditioner.prefill(i, t[0], speaker)} for i, t in requests]
+    params = [frame_sampling_params(talker_config, t, MAX_FRAMES, **sampling) for _, t in requests]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    text = talker_config.text_config
+    frames = []
+    for out in outs:
+        f = frames_from_logprobs(
+            out.outputs[0].logprobs,
+            text.vocab_size,
+            talker_config.code_predictor_config.vocab_size,
+            talker_config.num_code_groups,
+        )
+        assert f.shape[1] == len(out.outputs[0].token_ids)
+        if f.shape[1] and int(f[0, -1]) == talker_config.codec_eos_token_id:
+            f = f[:, :-1]  # the codec EOS ends the speech: no frame
+        frames.append(f)
+    return frames
 
 
-@torch.no_grad()
-def _transformers_code0(hf_talker, prefill: torch.Tensor, steps: int) -> list[int]:
-    """transformers' talker decoder + codec head, greedy with the codec specials suppressed,
-    each step's input the codec embedding of the last code (the decoder alone, no frame)."""
-    config, talker, _ = hf_talker
-    from vllm_omni_plugin.models.qwen3_omni.talker import suppressed_codec_ids
-
-    tcfg = config.talker_config
-    suppressed = suppressed_codec_ids(tcfg.text_config.vocab_size, tcfg.codec_eos_token_id)
-    x, codes = prefill, []
-    for _ in range(steps):
-        positions = torch.arange(x.shape[0])[None].expand(3, 1, -1)
-        out = talker.model(inputs_embeds=x[None], position_ids=positions, use_cache=False)
-        logits = talker.codec_head(out.last_hidden_state[0, -1])
-        code = int(logits.masked_fill(suppressed, float("-inf")).argmax())
-        codes.append(code)
-        x = torch.cat([x, talker.get_input_embeddings()(torch.tensor([code]))])
-    return codes
+def test_vllm_talker_frames_equal_transformers(llm, conditioner, talker_config, references):
+    """vLLM's engine (paged attention, fused MoE, its sampler at temperature 0), the code
+    predictor inside its step: every code group of every frame equals transformers' greedy
+    `generate` on the same weights, exactly (argmax margins far above float32 noise)."""
+    ids, ref = references[PROMPTS[0]]
+    (frames,) = _generate(llm, conditioner, talker_config, [(ids, ref.text_ids)], temperature=0)
+    assert frames.shape == ref.codes.shape and ref.codes.shape[1] > 1
+    assert torch.equal(frames, ref.codes)
 
 
-def test_vllm_talker_code0_equals_transformers(llm, hf_talker, omni_dir):
-    """vLLM's engine (paged attention, fused MoE, its sampler at temperature 0) on two prompts
-    in one batch, prefill conditioning as prompt_embeds: the greedy first-group codes equal
-    transformers' talker on the same weights, 8 steps each (EOS ignored)."""
-    from vllm import SamplingParams
-
-    steps = 8
-    prefills = [_prefill(hf_talker, omni_dir, p) for p in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_embeds": p} for p in prefills], params, use_tqdm=False)
-    for prefill, out in zip(prefills, outs, strict=True):
-        assert list(out.outputs[0].token_ids) == _transformers_code0(hf_talker, prefill, steps)
+def test_vllm_talker_batched_equals_alone(llm, conditioner, talker_config, references):
+    """Three requests of different prompt and text lengths in one engine step each: each one's
+    frames equal transformers' for it alone."""
+    requests = [(ids, ref.text_ids) for ids, ref in references.values()]
+    got = _generate(llm, conditioner, talker_config, requests, temperature=0)
+    for frames, (_, ref) in zip(got, references.values(), strict=True):
+        assert torch.equal(frames, ref.codes)

@@ -25,6 +25,11 @@ def talker_hf_config(config: Any) -> Any:
     if talker is None:
         return config
     talker.architectures = [TALKER_ARCH]
+    # What the talker reads of the rest of the checkpoint: the thinker's vocabulary (its trailing
+    # text arrives as thinker ids) and the tts marker ids among them.
+    talker.thinker_vocab_size = config.thinker_config.text_config.vocab_size
+    for name in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id"):
+        setattr(talker, name, getattr(config, name))
     text = talker.text_config
     rope = dict(getattr(text, "rope_parameters", None) or {})
     for key in _MROPE_KEYS:
