@@ -158,7 +158,9 @@ def check_fixed_kv_cache_skips_profiling(r: Report) -> None:
 def check_talker_runner(r: Report) -> None:
     """models/qwen3_omni/talker_runner.py: the talker's worker builds vLLM's V1 model runner in
     `init_device` and mixes `TalkerRunnerMixin` into it, which overrides `_preprocess`,
-    `_sample` and `execute_model`, reads `input_batch.req_ids`, `requests` (their
+    `_sample`, `_update_states` and `execute_model`, marks prompt-embeds rows of the input
+    batch's token table and sampling metadata, samples the code predictor with vLLM's top-k /
+    top-p / random-sample ops, reads `input_batch.req_ids`, `requests` (their
     `num_computed_tokens`, `num_prompt_tokens`, `sampling_params`) and `get_model()`, and
     hands the frames out as the step's `LogprobsTensors`, which the scheduler slices per
     request (`slice_request`) for requests that asked for logprobs."""
@@ -192,6 +194,7 @@ def check_talker_runner(r: Report) -> None:
             "_sample": ["logits", "spec_decode_metadata"],
             "execute_model": ["scheduler_output"],
             "get_model": [],
+            "_update_states": ["scheduler_output"],
         }
         for name, args in want.items():
             m = class_method(runner, name)
@@ -207,6 +210,42 @@ def check_talker_runner(r: Report) -> None:
         text = ast.unparse(state)
         for attr in ("num_computed_tokens", "self.num_prompt_tokens", "sampling_params"):
             r.check(attr in text, f"talker: CachedRequestState has no {attr}")
+    batch = _fn(r, "vllm.v1.worker.gpu_input_batch", "InputBatch", "talker")
+    if isinstance(batch, ast.ClassDef):
+        text = ast.unparse(batch)
+        for attr in (
+            "self.token_ids_cpu",
+            "self.num_prompt_tokens",
+            "self.vocab_size",
+            "self.req_id_to_index",
+            "self.sampling_metadata",
+            "self._make_prompt_token_ids_cpu_tensor()",
+        ):
+            r.check(attr in text, f"talker: InputBatch no longer has {attr}")
+    meta = _fn(r, "vllm.v1.sample.metadata", "SamplingMetadata", "talker")
+    if isinstance(meta, ast.ClassDef):
+        want = {"all_greedy", "temperature", "generators", "prompt_token_ids"}
+        r.check(
+            want <= set(class_fields(meta)),
+            f"talker: SamplingMetadata lost one of {sorted(want)}",
+        )
+    new_req = _fn(r, "vllm.v1.core.sched.output", "NewRequestData", "talker")
+    if isinstance(new_req, ast.ClassDef):
+        r.check(
+            {"req_id", "prompt_embeds"} <= set(class_fields(new_req)),
+            "talker: NewRequestData lost req_id/prompt_embeds",
+        )
+    ops = "vllm.v1.sample.ops.topk_topp_sampler"
+    for name, args in (
+        ("apply_top_k_top_p", ["logits", "k", "p"]),
+        ("random_sample", ["probs", "generators"]),
+    ):
+        fn = _fn(r, ops, name, "talker")
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            r.check(
+                params(fn).positional[: len(args)] == args,
+                f"talker: {ops}.{name}({', '.join(args)}) changed",
+            )
     lp = _fn(r, "vllm.v1.outputs", "LogprobsTensors", "talker")
     if isinstance(lp, ast.ClassDef):
         r.check(

@@ -12,6 +12,8 @@ from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, refere
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["Say hello.", "What is two plus two?", "Hi"]
+# The reference's settings (testing/qwen3_omni_reference.py): greedy, no repetition penalty.
+GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0}
 MAX_FRAMES = 10
 
 
@@ -98,7 +100,7 @@ def test_vllm_talker_frames_equal_transformers(llm, conditioner, talker_config, 
     predictor inside its step: every code group of every frame equals transformers' greedy
     `generate` on the same weights, exactly (argmax margins far above float32 noise)."""
     ids, ref = references[PROMPTS[0]]
-    (frames,) = _generate(llm, conditioner, talker_config, [(ids, ref.text_ids)], temperature=0)
+    (frames,) = _generate(llm, conditioner, talker_config, [(ids, ref.text_ids)], **GREEDY)
     assert frames.shape == ref.codes.shape and ref.codes.shape[1] > 1
     assert torch.equal(frames, ref.codes)
 
@@ -107,6 +109,28 @@ def test_vllm_talker_batched_equals_alone(llm, conditioner, talker_config, refer
     """Three requests of different prompt and text lengths in one engine step each: each one's
     frames equal transformers' for it alone."""
     requests = [(ids, ref.text_ids) for ids, ref in references.values()]
-    got = _generate(llm, conditioner, talker_config, requests, temperature=0)
+    got = _generate(llm, conditioner, talker_config, requests, **GREEDY)
     for frames, (_, ref) in zip(got, references.values(), strict=True):
         assert torch.equal(frames, ref.codes)
+
+
+def test_vllm_talker_seeded_sampling(llm, conditioner, talker_config, references):
+    """The checkpoint's sampling (talker top-k 50, temperature 0.9, repetition penalty; code
+    predictor top-k 50, top-p 0.8), here with repetition penalty 2.0 so that anything the
+    penalty miscounts shows: the same seed gives the same frames, also after another request
+    wrote its codes into the engine's batch row; another seed gives other frames."""
+    long_ids, long_ref = references[PROMPTS[1]]
+    short_ids, short_ref = references[PROMPTS[2]]
+    request = [(long_ids, long_ref.text_ids)]
+
+    def run(seed: int, req=request) -> torch.Tensor:
+        (frames,) = _generate(
+            llm, conditioner, talker_config, req, seed=seed, repetition_penalty=2.0
+        )
+        return frames
+
+    first = run(7)
+    run(1, [(short_ids, short_ref.text_ids)])  # a shorter prompt in the same batch row
+    assert first.shape[1] > 1
+    assert torch.equal(run(7), first)
+    assert not torch.equal(run(8), first)

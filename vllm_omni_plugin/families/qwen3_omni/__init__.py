@@ -9,6 +9,13 @@ from typing import Any
 TALKER_ARCH = "Qwen3OmniTalkerForCodecGeneration"
 TALKER_CLASS = "vllm_omni_plugin.models.qwen3_omni.talker:Qwen3OmniTalkerForCodecGeneration"
 
+# How the checkpoint samples (transformers' `Qwen3OmniMoeForConditionalGeneration.generate`):
+# the talker's first code group with these defaults; the code predictor's groups with top-k 50,
+# top-p 0.8 at its own generation config's temperature (1.0) and no repetition penalty,
+# sampling whenever the talker samples (greedy when it is greedy).
+TALKER_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
+PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+
 # Rope keys of the talker's 3-D (interleaved M-RoPE) scheme. For text-only prompts the three
 # position components are equal, where M-RoPE is plain 1-D rope: vLLM then needs no 3-D
 # positions (its runners assert SupportsMRoPE for M-RoPE configs).

@@ -20,6 +20,12 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   `tts_pad` (talker/prompt.py), from the thinker ids the request carries in
   `SamplingParams.extra_args[TEXT_IDS]`.
 
+- sampling: the first code through vLLM's sampler with the request's settings (the
+  checkpoint's by default: `frame_sampling_params`); the predictor's codes through vLLM's
+  top-k/top-p and sampling ops with the checkpoint's sub-talker settings, from the request's
+  seeded generator, greedy where the request is (temperature 0). A prompt given as embeddings
+  has no codec ids for the repetition penalty to count (`_update_states`).
+
 Per-request frame state lives in the runner, keyed by request id, and ends with the request.
 Synchronous scheduling only: the step reads the previous step's codes on the host.
 """
@@ -33,6 +39,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors
 
 TEXT_IDS = "talker_text_ids"
+_SAMPLING_EPS = 1e-5  # vLLM's sampler: a temperature below this is greedy
 
 
 @dataclass
@@ -90,7 +97,9 @@ class TalkerRunnerMixin:
         for req_id in [r for r in states if r not in self.requests]:
             del states[req_id]  # finished or aborted
         code0 = out.sampled_token_ids[:, 0].to(torch.long)
-        residual = model.predict_residuals(model.sampled_hidden, code0)
+        residual = model.predict_residuals(
+            model.sampled_hidden, code0, _predictor_sampler(self.input_batch.sampling_metadata)
+        )
         embeds = model.residual_embedding(residual)
         for i, req_id in enumerate(self.input_batch.req_ids):
             req = self.requests[req_id]
@@ -106,12 +115,56 @@ class TalkerRunnerMixin:
         out.logprobs_tensors = _frame_logprobs(model, code0, residual)
         return out
 
+    def _update_states(self, scheduler_output):
+        out = super()._update_states(scheduler_output)
+        # A prompt given as embeddings leaves its rows of the batch's token table unwritten
+        # (stale ids of an earlier request): vLLM's repetition penalty would count them as the
+        # prompt's. The talker's prompt has no codec ids (transformers' generate penalizes the
+        # generated codes only): mark its positions with vLLM's "no token" id, vocab_size.
+        # The table feeds the sampling metadata vLLM builds when its batch changes; the one it
+        # built in this step already holds the stale ids, so its prompt tensor is marked too.
+        batch = self.input_batch
+        prompts = batch.sampling_metadata.prompt_token_ids  # None: no request has penalties
+        for new in scheduler_output.scheduled_new_reqs:
+            index = batch.req_id_to_index.get(new.req_id)
+            if new.prompt_embeds is not None and index is not None:
+                n = int(batch.num_prompt_tokens[index])
+                batch.token_ids_cpu[index, :n] = batch.vocab_size
+                if prompts is not None:
+                    prompts[index, :n] = batch.vocab_size
+        return out
+
     def _num_scheduled(self, req_id: str) -> int:
         return int(self._talker_scheduled.get(req_id, 0))
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._talker_scheduled = scheduler_output.num_scheduled_tokens
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+def _predictor_sampler(metadata):
+    """`sample(j, logits)` for the code predictor's sub-step j: the rows the talker sampled
+    greedily (temperature 0) take the argmax, the others a draw with the predictor's own
+    settings (families.qwen3_omni.PREDICTOR_SAMPLING) through vLLM's top-k/top-p and sampling
+    ops, from each request's own generator where it has a seed (so a seed fixes whole frames).
+    None when every row is greedy."""
+    if metadata.all_greedy:
+        return None
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
+
+    from vllm_omni_plugin.families.qwen3_omni import PREDICTOR_SAMPLING as cfg
+
+    greedy = metadata.temperature < _SAMPLING_EPS
+
+    def sample(j: int, logits: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        k = torch.full((rows,), cfg["top_k"], dtype=torch.long, device=logits.device)
+        p = torch.full((rows,), cfg["top_p"], dtype=torch.float32, device=logits.device)
+        scaled = apply_top_k_top_p(logits.float() / cfg["temperature"], k, p)
+        drawn = random_sample(scaled.softmax(dim=-1), metadata.generators)
+        return torch.where(greedy[:rows], logits.argmax(dim=-1), drawn.to(torch.long))
+
+    return sample
 
 
 def _frame_logprobs(model, code0: torch.Tensor, residual: torch.Tensor) -> LogprobsTensors:
@@ -145,10 +198,14 @@ def frames_from_logprobs(
 
 def frame_sampling_params(config, text_ids: list[int], max_frames: int, **kwargs):
     """vLLM `SamplingParams` for one talker request: `config` the talker's (hf_overrides'd)
-    config, `text_ids` the thinker's generated ids, at most `max_frames` frames; the rest
-    (temperature, top_k, seed, ...) as given."""
+    config, `text_ids` the thinker's generated ids, at most `max_frames` frames; sampling as
+    the checkpoint samples (families.qwen3_omni.TALKER_SAMPLING) unless `kwargs` say otherwise
+    (temperature=0: greedy, the code predictor too; seed=...: reproducible frames)."""
     from vllm import SamplingParams
 
+    from vllm_omni_plugin.families.qwen3_omni import TALKER_SAMPLING
+
+    kwargs = {**TALKER_SAMPLING, **kwargs}
     return SamplingParams(
         max_tokens=max_frames,
         stop_token_ids=[config.codec_eos_token_id],
