@@ -96,16 +96,19 @@ class TalkerRunnerMixin:
         model, states = self.get_model(), self._frame_states()
         for req_id in [r for r in states if r not in self.requests]:
             del states[req_id]  # finished or aborted
-        code0 = out.sampled_token_ids[:, 0].to(torch.long)
-        residual = model.predict_residuals(
-            model.sampled_hidden, code0, _predictor_sampler(self.input_batch.sampling_metadata)
-        )
-        embeds = model.residual_embedding(residual)
-        for i, req_id in enumerate(self.input_batch.req_ids):
+        req_ids = self.input_batch.req_ids
+        chunks = set()  # rows of a prefill chunk: vLLM discards their sample
+        for i, req_id in enumerate(req_ids):
             req = self.requests[req_id]
-            scheduled = self._num_scheduled(req_id)
-            if req.num_computed_tokens + scheduled < req.num_prompt_tokens:
-                continue  # a prefill chunk: vLLM discards its sample
+            if req.num_computed_tokens + self._num_scheduled(req_id) < req.num_prompt_tokens:
+                chunks.add(i)
+        code0 = out.sampled_token_ids[:, 0].to(torch.long)
+        sample = _predictor_sampler(self.input_batch.sampling_metadata, chunks)
+        residual = model.predict_residuals(model.sampled_hidden, code0, sample)
+        embeds = model.residual_embedding(residual)
+        for i, req_id in enumerate(req_ids):
+            if i in chunks:
+                continue
             state = states.get(req_id)
             if state is None:
                 extra = req.sampling_params.extra_args or {}
@@ -142,12 +145,13 @@ class TalkerRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
 
-def _predictor_sampler(metadata):
+def _predictor_sampler(metadata, discarded: set[int]):
     """`sample(j, logits)` for the code predictor's sub-step j: the rows the talker sampled
     greedily (temperature 0) take the argmax, the others a draw with the predictor's own
     settings (families.qwen3_omni.PREDICTOR_SAMPLING) through vLLM's top-k/top-p and sampling
     ops, from each request's own generator where it has a seed (so a seed fixes whole frames).
-    None when every row is greedy."""
+    The `discarded` rows (prefill chunks) draw from the global generator: a request's seeded
+    draws do not depend on how its prefill was chunked. None when every row is greedy."""
     if metadata.all_greedy:
         return None
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
@@ -155,13 +159,14 @@ def _predictor_sampler(metadata):
     from vllm_omni_plugin.families.qwen3_omni import PREDICTOR_SAMPLING as cfg
 
     greedy = metadata.temperature < _SAMPLING_EPS
+    generators = {i: g for i, g in metadata.generators.items() if i not in discarded}
 
     def sample(j: int, logits: torch.Tensor) -> torch.Tensor:
         rows = logits.shape[0]
         k = torch.full((rows,), cfg["top_k"], dtype=torch.long, device=logits.device)
         p = torch.full((rows,), cfg["top_p"], dtype=torch.float32, device=logits.device)
         scaled = apply_top_k_top_p(logits.float() / cfg["temperature"], k, p)
-        drawn = random_sample(scaled.softmax(dim=-1), metadata.generators)
+        drawn = random_sample(scaled.softmax(dim=-1), generators)
         return torch.where(greedy[:rows], logits.argmax(dim=-1), drawn.to(torch.long))
 
     return sample
