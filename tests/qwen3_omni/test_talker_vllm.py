@@ -102,6 +102,11 @@ def llm(omni_dir):
         dtype="float32",
         max_model_len=512,
         max_num_seqs=4,
+        # Prefills of 16-34 positions: all but the shortest prompt prefill in chunks, in steps
+        # shared with other requests' chunks and decode steps. (The shortest one prefills in
+        # one step: vLLM's CPU runner cannot rewind a seeded CPU generator after a chunk.)
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
         enable_prefix_caching=False,
         generation_config="vllm",  # the checkpoint's generation config is the thinker's
         seed=0,
