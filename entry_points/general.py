@@ -24,11 +24,14 @@ def register() -> None:
 def _register_models() -> None:
     from vllm import ModelRegistry
 
+    from vllm_omni_plugin.families.qwen3_omni import TALKER_ARCH, TALKER_CLASS
     from vllm_omni_plugin.models.glm_image import MODEL_ARCH, MODEL_CLASS
 
     # Lazy "module:Class" form: the model module (torch kernels) loads only when used.
-    if MODEL_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(MODEL_ARCH, MODEL_CLASS)
+    supported = ModelRegistry.get_supported_archs()
+    for arch, cls in ((MODEL_ARCH, MODEL_CLASS), (TALKER_ARCH, TALKER_CLASS)):
+        if arch not in supported:
+            ModelRegistry.register_model(arch, cls)
 
 
 def _install_cli_flags() -> None:

@@ -32,6 +32,9 @@ the source declares (its dist-info or vllm/_version.py):
   and its ready-EngineCoreRequest path, `EngineCoreRequest` fields, `RequestOutput.add`,
   `OpenAIServingChat.render_chat_request` / `default_sampling_params`,
   `ChatCompletionRequest.to_sampling_params`, vLLM's chat route's parameters;
+* the talker's V1 model-runner seams (`check_talker_runner`): the worker builds its runner in
+  `init_device`; `_preprocess` / `_sample` / `execute_model` / `get_model`, the request state
+  fields, `LogprobsTensors` / `SamplerOutput`, per-request logprobs slicing;
 * `engine_fields(minor)` equals the wheel's EngineArgs/AsyncEngineArgs fields, both ways, with
   matching coarse types where the annotation is a plain type.
 
@@ -53,6 +56,7 @@ from vllm_seams.chat import check_chat_seams, check_talker_kernels  # noqa: E402
 from vllm_seams.engine import (  # noqa: E402
     check_fixed_kv_cache_skips_profiling,
     check_registration,
+    check_talker_runner,
     check_worker_title,
 )
 from vllm_seams.project import (  # noqa: E402
@@ -78,6 +82,7 @@ CHECKS = (
     check_engine_fields,
     check_chat_seams,
     check_talker_kernels,
+    check_talker_runner,
 )
 
 

@@ -153,3 +153,113 @@ def check_fixed_kv_cache_skips_profiling(r: Report) -> None:
         "memory: determine_available_memory no longer returns before memory_profiling when "
         "kv_cache_memory_bytes is set",
     )
+
+
+def check_talker_runner(r: Report) -> None:
+    """models/qwen3_omni/talker_runner.py: the talker's worker builds vLLM's V1 model runner in
+    `init_device` and mixes `TalkerRunnerMixin` into it, which overrides `_preprocess`,
+    `_sample`, `_update_states` and `execute_model`, marks prompt-embeds rows of the input
+    batch's token table and sampling metadata, samples the code predictor with vLLM's top-k /
+    top-p / random-sample ops, reads `input_batch.req_ids`, `requests` (their
+    `num_computed_tokens`, `num_prompt_tokens`, `sampling_params`) and `get_model()`, and
+    hands the frames out as the step's `LogprobsTensors`, which the scheduler slices per
+    request (`slice_request`) for requests that asked for logprobs."""
+    src = r.src
+    for module, name in (
+        ("vllm.v1.worker.gpu_worker", "Worker"),
+        ("vllm.v1.worker.cpu_worker", "CPUWorker"),
+    ):
+        worker = _fn(r, module, name, "talker")
+        if isinstance(worker, ast.ClassDef):
+            init = class_method(worker, "init_device")
+            # init_device itself, or a method of the worker it calls (0.32: a helper).
+            bodies = [init] if init is not None else []
+            for node in ast.walk(init) if init is not None else ():
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "self"
+                ):
+                    helper = class_method(worker, node.func.attr)
+                    bodies += [helper] if helper is not None else []
+            r.check(
+                any("self.model_runner" in ast.unparse(b) for b in bodies),
+                f"talker: {name}.init_device no longer builds self.model_runner",
+            )
+    runner = _fn(r, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "talker")
+    if isinstance(runner, ast.ClassDef):
+        want = {
+            "_preprocess": ["scheduler_output", "num_input_tokens", "intermediate_tensors"],
+            "_sample": ["logits", "spec_decode_metadata"],
+            "execute_model": ["scheduler_output"],
+            "get_model": [],
+            "_update_states": ["scheduler_output"],
+        }
+        for name, args in want.items():
+            m = class_method(runner, name)
+            r.check(
+                m is not None and params(m, True).positional[: len(args)] == args,
+                f"talker: GPUModelRunner.{name}({', '.join(args)}) changed",
+            )
+        text = ast.unparse(runner)
+        for attr in ("self.input_batch.req_ids", "self.requests", "self.sampler("):
+            r.check(attr in text, f"talker: GPUModelRunner no longer uses {attr}")
+    state = _fn(r, "vllm.v1.worker.gpu_input_batch", "CachedRequestState", "talker")
+    if isinstance(state, ast.ClassDef):
+        text = ast.unparse(state)
+        for attr in ("num_computed_tokens", "self.num_prompt_tokens", "sampling_params"):
+            r.check(attr in text, f"talker: CachedRequestState has no {attr}")
+    batch = _fn(r, "vllm.v1.worker.gpu_input_batch", "InputBatch", "talker")
+    if isinstance(batch, ast.ClassDef):
+        text = ast.unparse(batch)
+        for attr in (
+            "self.token_ids_cpu",
+            "self.num_prompt_tokens",
+            "self.vocab_size",
+            "self.req_id_to_index",
+            "self.sampling_metadata",
+            "self._make_prompt_token_ids_cpu_tensor()",
+        ):
+            r.check(attr in text, f"talker: InputBatch no longer has {attr}")
+    meta = _fn(r, "vllm.v1.sample.metadata", "SamplingMetadata", "talker")
+    if isinstance(meta, ast.ClassDef):
+        want = {"all_greedy", "temperature", "generators", "prompt_token_ids"}
+        r.check(
+            want <= set(class_fields(meta)),
+            f"talker: SamplingMetadata lost one of {sorted(want)}",
+        )
+    new_req = _fn(r, "vllm.v1.core.sched.output", "NewRequestData", "talker")
+    if isinstance(new_req, ast.ClassDef):
+        r.check(
+            {"req_id", "prompt_embeds"} <= set(class_fields(new_req)),
+            "talker: NewRequestData lost req_id/prompt_embeds",
+        )
+    ops = "vllm.v1.sample.ops.topk_topp_sampler"
+    for name, args in (
+        ("apply_top_k_top_p", ["logits", "k", "p"]),
+        ("random_sample", ["probs", "generators"]),
+    ):
+        fn = _fn(r, ops, name, "talker")
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            r.check(
+                params(fn).positional[: len(args)] == args,
+                f"talker: {ops}.{name}({', '.join(args)}) changed",
+            )
+    lp = _fn(r, "vllm.v1.outputs", "LogprobsTensors", "talker")
+    if isinstance(lp, ast.ClassDef):
+        r.check(
+            list(class_fields(lp))[:3] == ["logprob_token_ids", "logprobs", "selected_token_ranks"],
+            "talker: LogprobsTensors' first fields changed",
+        )
+    so = _fn(r, "vllm.v1.outputs", "SamplerOutput", "talker")
+    if isinstance(so, ast.ClassDef):
+        r.check(
+            {"sampled_token_ids", "logprobs_tensors"} <= set(class_fields(so)),
+            "talker: SamplerOutput lost sampled_token_ids/logprobs_tensors",
+        )
+    sched = src.module("vllm.v1.core.sched.scheduler")
+    r.check(
+        sched is not None and "slice_request" in ast.unparse(sched),
+        "talker: the scheduler no longer slices sample logprobs per request",
+    )

@@ -14,6 +14,7 @@ def test_register_is_idempotent_and_lazy():
     register()
     register()
     assert "GlmImageForConditionalGeneration" in ModelRegistry.get_supported_archs()
+    assert "Qwen3OmniTalkerForCodecGeneration" in ModelRegistry.get_supported_archs()
     # The grid logits processor goes to the GLM-Image AR engine only, never through vLLM's
     # entry-point group (whose presence alone turns off vLLM 0.26-0.30's model runner V2 for
     # every engine, e.g. a plain `vllm serve` of another model).

