@@ -262,6 +262,7 @@ _CLASS_BY_STRING = re.compile(r"vllm_omni_plugin((?:\.\w+)+):\w+")
 _FOR_VLLM = {
     "vllm_omni_plugin.models.glm_image.model:GlmImageForConditionalGeneration",
     "vllm_omni_plugin.models.glm_image.logits:ImageGridLogitsProcessor",
+    "vllm_omni_plugin.models.qwen3_omni.talker:Qwen3OmniTalkerForCodecGeneration",
 }
 
 
