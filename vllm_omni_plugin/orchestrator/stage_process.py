@@ -93,6 +93,12 @@ class StageProcess:
         self._writer: FrameWriter | None = None
         self._closing = False
         self._log_thread: threading.Thread | None = None
+        self._reader: FrameReader | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process read from the stage's control socket since it started serving."""
+        return self._reader.bytes_read if self._reader is not None else 0
 
     @property
     def name(self) -> str:
@@ -221,7 +227,7 @@ class StageProcess:
         fd = self.conn.fileno()
         os.set_blocking(fd, False)  # the loop reads what is there and writes what fits
         self._writer = FrameWriter(loop, fd)
-        reader = FrameReader(fd)
+        reader = self._reader = FrameReader(fd)
         loop.add_reader(fd, self._on_readable, reader)
 
     def _on_readable(self, reader: FrameReader) -> None:
