@@ -1,18 +1,22 @@
 """Streamed edges on CPU, end to end through real stage processes (no model: seconds).
 
 The test-only pipeline (vllm_omni_plugin/stages/stream_test_stages.py, deploy file
-tests/streaming/stream_test.yaml): a source stage emits float32 tensor chunks through shared
-memory to a sink stage that reads them slower than they come and returns their SHA-256. The
-orchestrator is the one `vllm serve` runs; one per topology, shared by the module's tests.
+tests/streaming/stream_test.yaml): a source stage emits float32 tensor chunks to a sink stage
+that reads them slower than they come and returns their SHA-256; the edge names a
+shared-memory connector, which a streamed edge does not use: its chunks go over the edge's own
+channel, stage to stage. The orchestrator is the one `vllm serve` runs; one per topology,
+shared by the module's tests.
 
 Checked: the consumer starts before the producer finishes (the stages' own timestamps); the
-chunks arrive complete and in order (checksum equal to the one computed here, exactly); a slow
-consumer holds at most the window (2) of chunks and never more than 2 shared-memory files
-exist; a final stage's chunks reach the caller as an async iterator while the source still
-runs; cancelling mid-stream frees both stages and every buffer; killing either stage
-mid-stream fails the request (503) within the watchdog bound, frees every buffer, and the
-stage comes back; a stopped consumer is caught by the stall watchdog while its throttled
-producer is not, and a long stream that keeps moving is never flagged.
+chunks arrive complete and in order (checksum equal to the one computed here, exactly); they
+never pass through the API server's process (the bytes it read from the source's control
+socket stay below one chunk) and no file is created per chunk; a slow consumer holds at most
+the window (2) of chunks and the producer never has more out; a final stage's chunks reach
+the caller as an async iterator while the source still runs; cancelling mid-stream frees both
+stages, every channel and descriptor; killing either stage mid-stream fails the request (503)
+within the watchdog bound, the survivor drops the request and its channel, and the stage
+comes back; a stopped consumer is caught by the stall watchdog while its throttled producer
+is not, and a long stream that keeps moving is never flagged.
 """
 
 from __future__ import annotations
@@ -46,6 +50,23 @@ FAIL_WITHIN_S = STALL_TIMEOUT_S + 2.5
 
 def shm_files(root: Path) -> list[str]:
     return [p.name for p in root.iterdir() if p.name.startswith("omni-shm-")]
+
+
+def sockets(pid: int) -> int:
+    """Open socket descriptors of a process (its control socket, its listener, channels)."""
+    fds = Path(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
+def api_bytes(orch: Orchestrator, sid: int) -> int:
+    """Bytes this (the API server's) process read from the stage's control socket so far."""
+    return orch.stages[sid].proc.bytes_read
 
 
 async def start(pipeline: str, shm: Path) -> Orchestrator:
@@ -95,6 +116,32 @@ async def held(orch: Orchestrator) -> list[dict]:
     return [(await s.inspect())["requests"] for s in orch.stages.values()]
 
 
+async def until_streaming(orch: Orchestrator, rid: str, read: int = 2) -> None:
+    """Until the sink read `read` chunks of `rid` (the stages' own counts, mid-stream)."""
+    t0 = time.monotonic()
+    while True:
+        found = await orch.stages[1].inspect()
+        if found and found["requests"].get(rid, {}).get("in_0", 0) >= read:
+            return
+        assert time.monotonic() - t0 < 10, f"{rid} not streaming within 10 s"
+        await asyncio.sleep(0.02)
+
+
+async def until_freed(orch: Orchestrator, idle_sockets: dict[int, int], timeout: float) -> None:
+    """Until no stage holds any request or channel, and each is back to its idle sockets."""
+    t0 = time.monotonic()
+    while True:
+        now = {sid: sockets(s.pid) for sid, s in orch.stages.items() if sid in idle_sockets}
+        if now == idle_sockets and await held(orch) == [{}, {}]:
+            return
+        assert time.monotonic() - t0 < timeout, (now, idle_sockets, await held(orch))
+        await asyncio.sleep(0.05)
+
+
+def idle(orch: Orchestrator) -> dict[int, int]:
+    return {sid: sockets(s.pid) for sid, s in orch.stages.items()}
+
+
 async def test_consumer_overlaps_producer_chunks_in_order_and_bounded(sink_pipeline):
     orch, shm = sink_pipeline
     most_files = 0
@@ -112,11 +159,13 @@ async def test_consumer_overlaps_producer_chunks_in_order_and_bounded(sink_pipel
         }
 
     before = first_outputs()
+    through_api = api_bytes(orch, 0)
     watcher = asyncio.ensure_future(watch_shm())
     try:
         result = await orch.generate("r-order", params(12))
     finally:
         watcher.cancel()
+    through_api = api_bytes(orch, 0) - through_api
     source, sink = result.metrics["stage_0"], result.metrics["stage_1"]
     # The source's first chunk went out early in its run (/metrics' time to first output);
     # the sink streams nothing out.
@@ -127,8 +176,13 @@ async def test_consumer_overlaps_producer_chunks_in_order_and_bounded(sink_pipel
     assert source["chunks"] == sink["chunks"] == 12
     # The sink read the first chunk before the source emitted its last one.
     assert sink["first_chunk_at"] < source["last_chunk_at"], (sink, source)
-    # The slow sink (40 ms a chunk vs 5 ms) never held more than the window, nor did shm.
-    assert sink["max_waiting"] <= WINDOW and 1 <= most_files <= WINDOW, (sink, most_files)
+    # Stage to stage: 12 chunks of 16 KiB reached the sink, but the API server read less than
+    # one chunk from the source (its Result, pulses), and no chunk became a file.
+    assert through_api < 4096 * 4, through_api
+    assert most_files == 0, most_files
+    # The slow sink (40 ms a chunk vs 5 ms) never held more than the window, and the source
+    # never had more out unacknowledged: back-pressure.
+    assert sink["max_waiting"] <= WINDOW and source["max_unacked"] == WINDOW, (sink, source)
     # Throttled, not buffered: the source finished only a window's reads before the sink.
     assert sink["last_chunk_at"] - source["last_chunk_at"] < (WINDOW + 1) * 0.04 + 0.3
     assert shm_files(shm) == []
@@ -139,6 +193,8 @@ async def test_final_stage_chunks_stream_to_the_caller_in_order(chain_pipeline):
     got: list[tuple[int, float]] = []
     final = None
     first_at = None
+    idle_sockets = idle(orch)
+    through_api = api_bytes(orch, 0)
     async for event in orch.stream("r-client", params(10, seed=5, values=256)):
         if isinstance(event, OutputChunk):
             first_at = first_at or time.time()
@@ -156,6 +212,8 @@ async def test_final_stage_chunks_stream_to_the_caller_in_order(chain_pipeline):
     assert [s for _, s in got] == sums  # exact: the same float64 sums, bytes or tensor
     assert first_at < final.metrics["stage_0"]["last_chunk_at"]  # before the source ended
     assert shm_files(shm) == []
+    # The source's 10 chunks of 1 KiB went to the relay, not through this process.
+    assert api_bytes(orch, 0) - through_api < 1024, api_bytes(orch, 0) - through_api
 
     # The caller hangs up after two chunks: both stages drop the request, every buffer goes.
     events = orch.stream("r-hangup", params(200, values=256))
@@ -164,19 +222,20 @@ async def test_final_stage_chunks_stream_to_the_caller_in_order(chain_pipeline):
             break
     await events.aclose()
     await until(lambda: all(s.load == 0 for s in orch.stages.values()), 2, "stages freed")
-    assert await held(orch) == [{}, {}]
-    await until(lambda: not shm_files(shm), 2, "every shm buffer released")
+    await until_freed(orch, idle_sockets, 2)
 
 
 async def test_cancel_mid_stream_frees_both_stages_and_every_buffer(sink_pipeline):
     orch, shm = sink_pipeline
+    idle_sockets = idle(orch)
     task = asyncio.ensure_future(orch.generate("r-cancel", params(200)))
-    await until(lambda: shm_files(shm), 10, "a chunk in shared memory")
+    await until_streaming(orch, "r-cancel")
+    assert all(sockets(s.pid) > idle_sockets[sid] for sid, s in orch.stages.items())  # a channel
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: not shm_files(shm), 2, "every shm buffer released")
-    assert await held(orch) == [{}, {}]  # neither stage holds the request any more
+    # Neither stage holds the request, its channel or a descriptor of it any more.
+    await until_freed(orch, idle_sockets, 2)
     assert all(s.load == 0 for s in orch.stages.values())
 
 
@@ -184,14 +243,24 @@ async def test_cancel_mid_stream_frees_both_stages_and_every_buffer(sink_pipelin
 async def test_a_stage_killed_mid_stream_fails_the_request_and_frees_buffers(sink_pipeline, victim):
     orch, shm = sink_pipeline
     stage = orch.stages[victim]
+    survivor = 1 - victim
+    idle_sockets = {survivor: sockets(orch.stages[survivor].pid)}
     task = asyncio.ensure_future(orch.generate(f"r-kill-{victim}", params(200)))
-    await until(lambda: shm_files(shm), 10, "a chunk in shared memory")
+    await until_streaming(orch, f"r-kill-{victim}")
     t0 = time.monotonic()
     os.kill(stage.pid, signal.SIGKILL)
     with pytest.raises(StageUnavailableError, match=f"stage {victim} .* died"):
         await task
     assert time.monotonic() - t0 < FAIL_WITHIN_S
-    await until(lambda: not shm_files(shm), 5, "every shm buffer released")
+    # The survivor dropped the request and closed its end of the channel.
+    t0 = time.monotonic()
+    while (found := await orch.stages[survivor].inspect()) is None or found["requests"]:
+        assert time.monotonic() - t0 < 2, found
+        await asyncio.sleep(0.05)
+    await until(
+        lambda: sockets(orch.stages[survivor].pid) == idle_sockets[survivor], 2, "channel closed"
+    )
+    assert shm_files(shm) == []
     await until(lambda: stage.ready, 120, "the killed stage restarted")
     result = await orch.generate(f"r-after-{victim}", params(4))
     assert result.outputs[1] == [expected_checksum(3, 4, 4096).encode()]
@@ -209,13 +278,14 @@ async def test_watchdog_acts_per_chunk(sink_pipeline):
 
     # A stopped sink: its chunks stop moving; it is flagged, the throttled source is not.
     sink = orch.stages[1]
+    idle_source = sockets(orch.stages[0].pid)
     task = asyncio.ensure_future(orch.generate("r-stop", params(200)))
-    await until(lambda: shm_files(shm), 10, "a chunk in shared memory")
+    await until_streaming(orch, "r-stop")
     os.kill(sink.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(StageUnavailableError, match="stage 1 .* made no progress"):
         await task
     assert time.monotonic() - t0 < FAIL_WITHIN_S
     assert [s.stats().stalls for s in orch.stages.values()] == [stalls[0], stalls[1] + 1]
-    await until(lambda: not shm_files(shm), 5, "every shm buffer released")
     await until(lambda: sink.ready, 120, "the stalled stage restarted")
+    await until_freed(orch, idle(orch) | {0: idle_source}, 5)

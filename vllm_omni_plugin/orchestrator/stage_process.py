@@ -87,6 +87,7 @@ class StageProcess:
         self.proc: subprocess.Popen | None = None
         self.conn: MessageChannel | None = None
         self.info: StageInfo | None = None
+        self.edge_address: str | None = None  # its Ready's (stages/edge_streams.py)
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -217,6 +218,7 @@ class StageProcess:
             return False
         if isinstance(msg, Ready):
             self.info = msg.info
+            self.edge_address = msg.edge_address or None
             return True
         return False
 

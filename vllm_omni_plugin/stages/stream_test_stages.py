@@ -8,8 +8,9 @@ GenerationParams, reused for the test), chunk i filled from `seed` and i, waitin
 OMNI_TEST_EMIT_DELAY_MS between chunks; the sink reads them, waiting OMNI_TEST_READ_DELAY_MS
 per chunk (a slow consumer), and returns the SHA-256 of the chunks' bytes in order. Both are
 small subclasses of stages.loop.AsyncStageLoop: the shape a new kind of stage takes. Each Result
-carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`) and the most chunks the
-sink ever had waiting (`max_waiting`), so tests can check overlap and the bound.
+carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`), the most chunks the
+sink ever had waiting (`max_waiting`) and the most the source ever had out unacknowledged
+(`max_unacked`), so tests can check overlap and the bound.
 
 Importing this module registers both topologies (their stages are "diffusion" to the config
 loader, which only sets their devices, env and watchdog: the deploy file
@@ -66,8 +67,10 @@ class SourceStage(AsyncStageLoop):
             raise RequestRefused("num_frames must be at least 1", "num_frames")
         delay = _delay(EMIT_DELAY_ENV)
         first = last = 0.0
+        most = 0
         for i in range(chunks):
             await self.emit_chunk(msg, chunk_tensor(p.seed or 0, i, values))
+            most = max(most, len(self.streams.outputs[msg.request_id].unacked))
             last = time.time()
             first = first or last
             self.pulse()
@@ -75,7 +78,12 @@ class SourceStage(AsyncStageLoop):
                 await asyncio.sleep(delay)
         return Result(
             msg.request_id,
-            metrics={"chunks": chunks, "first_chunk_at": first, "last_chunk_at": last},
+            metrics={
+                "chunks": chunks,
+                "first_chunk_at": first,
+                "last_chunk_at": last,
+                "max_unacked": most,
+            },
         )
 
 
