@@ -16,7 +16,8 @@ the caller as an async iterator while the source still runs; cancelling mid-stre
 stages, every channel and descriptor; killing either stage mid-stream fails the request (503)
 within the watchdog bound, the survivor drops the request and its channel, and the stage
 comes back; a stopped consumer is caught by the stall watchdog while its throttled producer
-is not, and a long stream that keeps moving is never flagged.
+is not, and neither a long stream that keeps moving nor a consumer waiting longer than its
+deadline on a slow producer is flagged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import struct
 import time
 from pathlib import Path
@@ -32,10 +34,19 @@ import pytest
 import pytest_asyncio
 import torch
 
-from vllm_omni_plugin.common.messages import GenerationParams
+from vllm_omni_plugin.common.messages import GenerationParams, Submit
 from vllm_omni_plugin.config import load_deploy_config
+from vllm_omni_plugin.connectors.edge_channel import (
+    EdgeChunk,
+    EdgeCredit,
+    EdgeHello,
+    decode_frame,
+    encode_frame,
+)
+from vllm_omni_plugin.connectors.edge_channel import connect as edge_connect
 from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError
 from vllm_omni_plugin.orchestrator.streaming import OutputChunk
+from vllm_omni_plugin.stages.payloads import inline
 from vllm_omni_plugin.stages.stream_test_stages import chunk_tensor, expected_checksum
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
@@ -276,6 +287,15 @@ async def test_watchdog_acts_per_chunk(sink_pipeline):
     assert result.metrics["stage_1"]["chunks"] == int(4 * STALL_TIMEOUT_S / 0.04)
     stalls = [s.stats().stalls for s in orch.stages.values()]
 
+    # A slow source (a chunk per 1.5 deadlines, working meanwhile): the sink waits longer than
+    # its deadline for each chunk and is not flagged either (it says it waits on the source).
+    slow = GenerationParams(
+        "chunks", seed=3, num_frames=3, width=16, height=int(1500 * STALL_TIMEOUT_S)
+    )
+    result = await orch.generate("r-slow", slow)
+    assert result.outputs[1] == [expected_checksum(3, 3, 16).encode()]
+    assert [s.stats().stalls for s in orch.stages.values()] == stalls
+
     # A stopped sink: its chunks stop moving; it is flagged, the throttled source is not.
     sink = orch.stages[1]
     idle_source = sockets(orch.stages[0].pid)
@@ -289,3 +309,93 @@ async def test_watchdog_acts_per_chunk(sink_pipeline):
     assert [s.stats().stalls for s in orch.stages.values()] == [stalls[0], stalls[1] + 1]
     await until(lambda: sink.ready, 120, "the stalled stage restarted")
     await until_freed(orch, idle(orch) | {0: idle_source}, 5)
+
+
+class Producer:
+    """This test as a stage's producer: a plain blocking socket speaking the edge's frames."""
+
+    def __init__(self, address: str, rid: str, token: str, window: int = WINDOW):
+        self.sock = edge_connect(address)
+        self.sock.setblocking(True)
+        self.sock.settimeout(5)
+        self.send(EdgeHello(rid, 0, 1, token, window))
+
+    def send(self, msg) -> None:
+        self.sock.sendall(encode_frame(msg))
+
+    def chunk(self, seq: int, values: int = 4096) -> None:
+        self.send(EdgeChunk(seq, inline(chunk_tensor(3, seq, values))))
+
+    def recv(self):
+        """The consumer's next message; None once it closed the channel."""
+        head = self.sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        (size,) = struct.unpack("!I", head)
+        return decode_frame(self.sock.recv(size, socket.MSG_WAITALL))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def sink_submit(orch: Orchestrator, rid: str, token: str) -> asyncio.Future:
+    msg = Submit(rid, params(4), stream_inputs=[0], stream_tokens={0: token}, stream_window=WINDOW)
+    return asyncio.ensure_future(orch.stages[1].submit(msg))
+
+
+async def test_the_consumer_holds_a_producer_to_the_edge_contract(sink_pipeline):
+    """A producer that is this test, against the real sink stage: a channel that arrives before
+    its Submit is claimed by it; credits come back per chunk consumed and the end marker
+    completes the request; a wrong token is refused; a gap in the sequence and chunks past the
+    window fail the request, naming what went wrong."""
+    orch, _ = sink_pipeline
+    address = orch.stages[1].edge_address
+    idle_sockets = idle(orch)
+
+    # Before its Submit: parked, then claimed; credits, then the end marker.
+    good = Producer(address, "r-edge-ok", "a" * 32)
+    good.chunk(0)
+    good.chunk(1)
+    t0 = time.monotonic()  # the channel and the inspection are separate sockets: no order
+    while (found := (await orch.stages[1].inspect())["requests"]) != {
+        "r-edge-ok": {"unclaimed_0": 1}
+    }:
+        assert time.monotonic() - t0 < 2, found
+        await asyncio.sleep(0.02)
+    task = sink_submit(orch, "r-edge-ok", "a" * 32)
+    got = [await asyncio.to_thread(good.recv) for _ in range(2)]
+    assert got == [EdgeCredit(0), EdgeCredit(1)], got
+    good.send(EdgeChunk(2, end=True))
+    result = await task
+    assert result.error is None and result.output == [expected_checksum(3, 2, 4096).encode()]
+    good.close()
+
+    # A wrong token: the sink closes that channel; the request still takes the right one.
+    task = sink_submit(orch, "r-edge-token", "b" * 32)
+    forged = Producer(address, "r-edge-token", "c" * 32)
+    assert await asyncio.to_thread(forged.recv) is None  # closed on us
+    right = Producer(address, "r-edge-token", "b" * 32)
+    right.send(EdgeChunk(0, end=True))
+    result = await task
+    assert result.error is None and result.metrics["chunks"] == 0, result
+    forged.close()
+    right.close()
+
+    # A gap: chunk 2 after chunk 0.
+    task = sink_submit(orch, "r-edge-gap", "d" * 32)
+    gap = Producer(address, "r-edge-gap", "d" * 32)
+    gap.chunk(0)
+    gap.chunk(2)
+    result = await task
+    assert "chunk 2 from stage 0, expected 1" in (result.error or ""), result
+    gap.close()
+
+    # Past the window: the sink reads one chunk per 40 ms; 6 at once overflow its 2 (+1).
+    task = sink_submit(orch, "r-edge-flood", "e" * 32)
+    flood = Producer(address, "r-edge-flood", "e" * 32)
+    for seq in range(6):
+        flood.chunk(seq)
+    result = await task
+    assert f"sent past its window of {WINDOW}" in (result.error or ""), result
+    flood.close()
+    await until_freed(orch, idle_sockets, 2)

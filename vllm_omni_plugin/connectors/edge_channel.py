@@ -84,6 +84,18 @@ class EdgeChannelError(RuntimeError):
     """The peer broke the channel's framing or schema."""
 
 
+def encode_frame(msg: EdgeMessage) -> bytes:
+    """One message as it goes on the wire: its length (4 bytes, big-endian), then msgpack."""
+    data = _encoder.encode(msg)
+    return struct.pack("!I", len(data)) + data
+
+
+def decode_frame(data: bytes | memoryview) -> EdgeMessage:
+    """The message of one frame's body (msgspec's DecodeError / ValidationError if it is
+    outside the schema)."""
+    return _decoder.decode(data)
+
+
 class EdgeLink:
     """One end of a connected channel, on an asyncio loop that it never blocks.
 
@@ -118,8 +130,7 @@ class EdgeLink:
         peer stopped reading for MAX_UNSENT_BYTES."""
         if self.closed or self._close_when_flushed:
             raise EdgeChannelError("the channel is closed")
-        data = _encoder.encode(msg)
-        frame = struct.pack("!I", len(data)) + data
+        frame = encode_frame(msg)
         self.bytes_sent += len(frame)
         if self._unsent:
             if len(self._unsent) + len(frame) > MAX_UNSENT_BYTES:
@@ -196,7 +207,7 @@ class EdgeLink:
                 raise EdgeChannelError(f"a {size}-byte frame (at most {MAX_FRAME_BYTES})")
             if len(buf) < 4 + size:
                 break
-            out.append(_decoder.decode(memoryview(buf)[4 : 4 + size]))
+            out.append(decode_frame(memoryview(buf)[4 : 4 + size]))
             del buf[: 4 + size]
         return out
 

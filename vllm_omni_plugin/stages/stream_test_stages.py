@@ -5,7 +5,7 @@
 
 The source emits `num_frames` float32 tensor chunks of `width` values each (the request's
 GenerationParams, reused for the test), chunk i filled from `seed` and i, waiting
-OMNI_TEST_EMIT_DELAY_MS between chunks; the sink reads them, waiting OMNI_TEST_READ_DELAY_MS
+OMNI_TEST_EMIT_DELAY_MS (or the request's `height`, in ms) between chunks, pulsing meanwhile; the sink reads them, waiting OMNI_TEST_READ_DELAY_MS
 per chunk (a slow consumer), and returns the SHA-256 of the chunks' bytes in order. Both are
 small subclasses of stages.loop.AsyncStageLoop: the shape a new kind of stage takes. Each Result
 carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`), the most chunks the
@@ -65,7 +65,8 @@ class SourceStage(AsyncStageLoop):
         chunks, values = p.num_frames or DEFAULT_CHUNKS, p.width or DEFAULT_VALUES
         if chunks < 1:
             raise RequestRefused("num_frames must be at least 1", "num_frames")
-        delay = _delay(EMIT_DELAY_ENV)
+        # `height`, when set: this request's delay in ms (a slow producer, still working).
+        delay = p.height / 1000.0 if p.height else _delay(EMIT_DELAY_ENV)
         first = last = 0.0
         most = 0
         for i in range(chunks):
@@ -75,7 +76,7 @@ class SourceStage(AsyncStageLoop):
             first = first or last
             self.pulse()
             if delay and i + 1 < chunks:
-                await asyncio.sleep(delay)
+                await self._work(delay)
         return Result(
             msg.request_id,
             metrics={
@@ -85,6 +86,13 @@ class SourceStage(AsyncStageLoop):
                 "max_unacked": most,
             },
         )
+
+    async def _work(self, seconds: float) -> None:
+        """Wait `seconds` as an engine busy on the next chunk would: pulsing as it goes."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+            self.pulse()
 
 
 class SinkStage(AsyncStageLoop):
