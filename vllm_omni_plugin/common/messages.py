@@ -210,14 +210,14 @@ class Abort(msgspec.Struct, tag=True):
 class Chunk(msgspec.Struct, tag=True):
     """One ordered piece of a final stage's output towards the API server (stages/streams.py).
 
-    `payload` is the value inline (raw bytes or an inline tensor). Between two stages chunks
-    do not travel as messages: they go over the edge's own channel."""
+    `payload` is the value inline (raw bytes or an inline tensor); the stage's Result ends the
+    stream. Between two stages chunks do not travel as messages: they go over the edge's own
+    channel."""
 
     request_id: str
     from_stage: int
     seq: int
     payload: StageOutput = None
-    end: bool = False
 
 
 class StreamWait(msgspec.Struct, tag=True):

@@ -19,12 +19,23 @@ second copy through a connector.
 The local form is a Unix stream socket in Linux's abstract namespace (`unix:@name`): nothing on
 disk to leak when a stage is killed, and the kernel closes it with the process, so each side
 reads EOF at once when the other dies. The listener accepts only peers of this user
-(SO_PEERCRED) and the consumer checks each connection's token against its Submit. Why a socket
-rather than a shared-memory ring: chunks here are tens of bytes to tens of KiB, so a chunk's
-cost is its wake-up, not its copy; a ring still needs a wake-up (eventfd, futex) and its own
-death detection and cleanup, which a socket gives for free, and an asyncio loop waits on a
-socket directly. The same frames cross nodes unchanged over a TCP link (`tcp:host:port`): only
-`listen` and `connect` know the address kind, `EdgeLink` does not.
+(SO_PEERCRED) and the consumer checks each connection's token against its Submit.
+
+Why a socket rather than a shared-memory ring: chunks here are tens of bytes to tens of KiB,
+so a chunk's cost is waking the other process, not copying it. Measured on a 2-core CPU box
+(benchmarks/bench_edge_transport.py), a 64-byte round trip takes ~9-10 us over a Unix socket
+and ~5 us through shared memory woken by an eventfd; a chunk and its credit are one round trip,
+while a chunk costs ~55-85 us end to end between two stage loops (benchmarks/
+bench_stream_edges.py): the ring would save under a tenth. It would cost what the socket gives
+for free: EOF the moment the peer dies (a ring needs a heartbeat or a pidfd), nothing left
+behind by a SIGKILL (a ring's segment and eventfds need cleanup and a way to pass them between
+unrelated processes), and per-request lifetime by close().
+
+The remote form keeps these frames and changes only the address: `tcp:host:port` (or a NIXL
+transfer for large payloads, the frame then carrying its descriptor) behind `EdgeListener` and
+`connect`; `EdgeLink` does not know the address kind. Over TCP the producer must then shut
+down its write side and drain credits before closing (a close with unread data resets a TCP
+connection, where a Unix socket still delivers what was sent).
 """
 
 from __future__ import annotations
