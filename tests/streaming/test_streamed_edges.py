@@ -250,6 +250,20 @@ async def test_cancel_mid_stream_frees_both_stages_and_every_buffer(sink_pipelin
     assert all(s.load == 0 for s in orch.stages.values())
 
 
+async def test_a_consumer_that_stops_reading_early_releases_its_producer(sink_pipeline):
+    orch, _ = sink_pipeline
+    idle_sockets = idle(orch)
+    early = GenerationParams("chunks", seed=3, num_frames=40, width=4096, num_inference_steps=3)
+    t0 = time.monotonic()
+    result = await orch.generate("r-early", early)
+    # The sink read 3 chunks and returned; the source was told and finished its 40 without
+    # waiting for credits that would never come (40 x 5 ms, far from the stall deadline).
+    assert result.outputs[1] == [expected_checksum(3, 3, 4096).encode()]
+    assert (result.metrics["stage_0"]["chunks"], result.metrics["stage_1"]["chunks"]) == (40, 3)
+    assert time.monotonic() - t0 < STALL_TIMEOUT_S
+    await until_freed(orch, idle_sockets, 2)
+
+
 @pytest.mark.parametrize("victim", [0, 1], ids=["producer", "consumer"])
 async def test_a_stage_killed_mid_stream_fails_the_request_and_frees_buffers(sink_pipeline, victim):
     orch, shm = sink_pipeline

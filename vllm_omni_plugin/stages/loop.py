@@ -199,8 +199,6 @@ class AsyncStageLoop(StageLoop):
         self.loop = asyncio.new_event_loop()
         self.tasks: dict[str, asyncio.Task] = {}
         self._done: asyncio.Future | None = None
-        # Listening before Ready: the address goes out in it.
-        self.streams.hub = EdgeHub(self, f"stage{self.stage_id}")
 
     @abstractmethod
     async def run_request(self, msg: Submit) -> Result:
@@ -226,6 +224,7 @@ class AsyncStageLoop(StageLoop):
     # ---- the loop ------------------------------------------------------------------------
     def serve(self) -> None:
         self._done = self.loop.create_future()
+        self.edge_address()
         assert self.streams.hub is not None
         self.streams.hub.start(self.loop)
         fd = self.conn.fileno()
@@ -269,6 +268,13 @@ class AsyncStageLoop(StageLoop):
         task = self.tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
+
+    def edge_address(self) -> str:
+        # Listening from the Ready on (its address goes out in it), once the engine is built:
+        # an engine process forked earlier does not inherit the listening socket.
+        if self.streams.hub is None:
+            self.streams.hub = EdgeHub(self, f"stage{self.stage_id}")
+        return self.streams.hub.address
 
     def held(self) -> dict[str, dict[str, int]]:
         """Its running requests, and any request whose streams or channels it still holds

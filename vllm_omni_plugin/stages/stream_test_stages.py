@@ -108,6 +108,9 @@ class SinkStage(AsyncStageLoop):
         delay = _delay(READ_DELAY_ENV)
         digest = hashlib.sha256()
         count, first, most = 0, 0.0, 0
+        # `num_inference_steps`, when set: read that many chunks, then return (the rest of
+        # the source's output goes nowhere).
+        stop_after = msg.params.num_inference_steps
         async for tensor in self.chunks(msg, src):
             first = first or time.time()
             most = max(most, len(self.streams.inputs[(msg.request_id, src)].queue) + 1)
@@ -119,6 +122,8 @@ class SinkStage(AsyncStageLoop):
                 piece = struct.pack("<d", float(total)) if count % 2 else total.reshape(1)
                 await self.emit_chunk(msg, piece)
             self.pulse()
+            if count == stop_after:
+                break
             if delay:
                 await asyncio.sleep(delay)
         return Result(

@@ -115,7 +115,11 @@ class StageStreams:
             else:
                 out.drop()
         for key in [k for k in self.inputs if k[0] == request_id]:
-            self.inputs.pop(key).finish()
+            inp = self.inputs.pop(key)
+            if ended:
+                inp.finish()  # its producer may finish too, emitting into nothing
+            else:
+                inp.close()  # its producer waits for the abort that follows our error
         return None if out is None else out.first_at
 
     def drop(self, request_id: str) -> None:
