@@ -353,7 +353,13 @@ class Producer:
 
 
 def sink_submit(orch: Orchestrator, rid: str, token: str) -> asyncio.Future:
-    msg = Submit(rid, params(4), stream_inputs=[0], stream_tokens={0: token}, stream_window=WINDOW)
+    msg = Submit(
+        rid,
+        params(4),
+        stream_inputs=[0],
+        stream_tokens={0: token},
+        stream_input_windows={0: WINDOW},
+    )
     return asyncio.ensure_future(orch.stages[1].submit(msg))
 
 
@@ -404,9 +410,10 @@ async def test_the_consumer_holds_a_producer_to_the_edge_contract(sink_pipeline)
     assert "chunk 2 from stage 0, expected 1" in (result.error or ""), result
     gap.close()
 
-    # Past the window: the sink reads one chunk per 40 ms; 6 at once overflow its 2 (+1).
+    # Past the window: the sink reads one chunk per 40 ms; 6 at once overflow its 2 (+1). The
+    # window is the orchestrator's (the Submit's), not the one the producer claims.
     task = sink_submit(orch, "r-edge-flood", "e" * 32)
-    flood = Producer(address, "r-edge-flood", "e" * 32)
+    flood = Producer(address, "r-edge-flood", "e" * 32, window=8)
     for seq in range(6):
         flood.chunk(seq)
     result = await task

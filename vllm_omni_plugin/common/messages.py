@@ -201,6 +201,8 @@ class Submit(msgspec.Struct, tag=True):
     stream_to: str | None = None
     stream_token: str = ""
     stream_tokens: dict[int, str] = {}
+    # Per streamed input: its producer's `stream_window` (the most chunks it may have out).
+    stream_input_windows: dict[int, int] = {}
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -172,6 +172,9 @@ class StreamedRun:
             stream_to=stream_to,
             stream_token=self.edges.get(edge, ""),
             stream_tokens={src: self.edges[(src, sid)] for src in streamed},
+            stream_input_windows={
+                src: orch.cfg.topology.stage(src).stream_window for src in streamed
+            },
         )
         result = await orch.stages[sid].submit(
             msg,

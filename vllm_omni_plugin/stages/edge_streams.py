@@ -60,6 +60,7 @@ PEER_LOST_GRACE_S = 30.0
 # Connections whose request this stage does not know yet (its Submit is on the way), and how
 # long one may stay silent before saying which request it carries.
 MAX_UNCLAIMED = 256
+MAX_UNCLAIMED_WINDOW = 64  # chunks one such connection may deliver before its Submit came
 HELLO_TIMEOUT_S = 30.0
 
 
@@ -377,7 +378,8 @@ class EdgeHub:
         if key in self.unclaimed or len(self.unclaimed) >= MAX_UNCLAIMED:
             link.close()
             return
-        inp = DirectInput(self, hello.request_id, hello.from_stage, hello.window, hello.token)
+        window = min(max(hello.window, 1), MAX_UNCLAIMED_WINDOW)  # until its Submit says
+        inp = DirectInput(self, hello.request_id, hello.from_stage, window, hello.token)
         inp.attach(link)
         self.unclaimed[key] = inp
 
@@ -391,6 +393,8 @@ class EdgeHub:
             inp = DirectInput(self, request_id, from_stage, window, token)
         inp.claimed = True
         inp.window = window
+        if len(inp.queue) > window + 1:
+            inp._fail(f"stage {from_stage} sent past its window of {window}")
         return inp
 
     def forget_unclaimed(self, inp: DirectInput) -> None:

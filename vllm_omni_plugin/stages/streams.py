@@ -93,7 +93,8 @@ class StageStreams:
         for src in msg.stream_inputs:
             assert self.hub is not None
             token = msg.stream_tokens.get(src, "")
-            self.inputs[(rid, src)] = self.hub.claim(rid, src, window, token)
+            in_window = msg.stream_input_windows.get(src) or DEFAULT_STREAM_WINDOW
+            self.inputs[(rid, src)] = self.hub.claim(rid, src, in_window, token)
 
     def on_credit(self, credit: Credit) -> None:
         """The API server's Credit for a final stage's chunk."""
