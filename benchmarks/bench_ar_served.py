@@ -334,7 +334,7 @@ def report(rows: list[dict], devices: tuple[str, ...] = ("NVIDIA H200",)) -> str
                 f"| {ttft['ours']} | {ttft['stock']} |"
             )
         if not mine:
-            lines += ["", "Not run yet: `scripts/gpu_check.sh ar-served` (README).", ""]
+            lines += ["", "Not run yet: `scripts/gpu_check.sh ar-served` (docs/benchmarks.md).", ""]
             continue
         reqs = sorted({r["requests"] for r in mine})
         steps = sorted({r["steps"] for r in mine if r["steps"] is not None})

@@ -1,4 +1,4 @@
-"""Attention kernels at the DiTs' served shapes (issue 16): is there a faster kernel than the one
+"""Attention kernels at the DiTs' served shapes: is there a faster kernel than the one
 torch picks, and what would fp8 attention cost in accuracy?
 
     python benchmarks/bench_attention_gpu.py [--out DIR]     # H200: ~30 s, random inputs

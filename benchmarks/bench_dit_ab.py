@@ -1,4 +1,4 @@
-"""Interleaved A/B of the FLUX.1-dev-size step (issue 16): which lossless option helps, with
+"""Interleaved A/B of the FLUX.1-dev-size step: which lossless option helps, with
 the GPU's clock in the picture, and how far the step is from its own GEMMs + attention.
 
     python benchmarks/bench_dit_ab.py --out DIR      # H200: full size, ~4 minutes

@@ -1,4 +1,4 @@
-"""DiT speed on one GPU (issue 16): step variants, GLM-Image CFG step, the served-shape finding,
+"""DiT speed on one GPU: step variants, GLM-Image CFG step, the served-shape finding,
 end-to-end images. One script, one time budget; prints a markdown table and a JSON line.
 
     python benchmarks/bench_dit_gpu.py --out DIR            # H200: full sizes, ~8 minutes
@@ -17,7 +17,7 @@ budget left is smaller):
   2. GLM-Image DiT at its real size (testing/full_glm_image.py: 30 layers, 32 x 128) with CFG
      at 1024x1024: diffusers (two passes, as its pipeline) vs ours (both rows in one forward)
      eager, compiled, compiled + graphs.
-  3. The served-shape sequence of issue 10's finding: the first requests' transformer calls as
+  3. The served-shape sequence (why the first served requests were slow): their transformer calls as
      the GLM adapter makes them (CFG rows of equal glyph length share a forward; a quoted text
      makes the cond row longer, so cond and uncond run apart at batch 1), under the old policy
      (regional compile, torch's automatic dynamic shapes, diffusers' forward with its host

@@ -1,4 +1,4 @@
-"""Multi-rank DiT scaling (issue 17): 1 vs 2 vs 4 ranks per image, step time and end to end.
+"""Multi-rank DiT scaling: 1 vs 2 vs 4 ranks per image, step time and end to end.
 
     python benchmarks/bench_dit_parallel.py --out DIR            # 4 GPUs: full sizes
     python benchmarks/bench_dit_parallel.py --tiny --out DIR     # CPU (gloo): checks the code

@@ -1,5 +1,5 @@
 """LoRA per request: step time and steady throughput with 0, 1 and N distinct adapters in the
-batch (issue 35 item 5), on the diffusion engine.
+batch, on the diffusion engine.
 
     # CPU smoke test on a tiny checkpoint (seconds):
     .venv/bin/python benchmarks/bench_lora.py --build tiny --size 64 --steps 4 --rank 4 \

@@ -1,4 +1,4 @@
-"""NIXL handoffs in GPU memory on one GPU, against a device-to-device copy (issue 19).
+"""NIXL handoffs in GPU memory on one GPU, against a device-to-device copy.
 
     python benchmarks/bench_nixl_vram.py [--sizes 10K,64M] [--iters 50,20] [--device cuda:0]
 

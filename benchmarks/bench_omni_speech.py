@@ -240,7 +240,7 @@ def plan(
 ) -> list[tuple[int, str]]:
     """The (round, system) runs still to do, in order: rounds `offset` .. `offset + rounds - 1`,
     each running the systems in the given order (ours, theirs, ours, theirs, ...); runs already
-    recorded are left out. An offset continues the rounds of an earlier lease."""
+    recorded are left out. An offset continues the rounds of an earlier run."""
     have = {(x["round"], x["system"]) for x in done}
     rows = range(offset, offset + rounds)
     return [(r, s) for r in rows for s in systems if (r, s) not in have]

@@ -1,4 +1,4 @@
-"""Step caching (issue 33): seconds per image, throughput at concurrency N, skipped fraction and
+"""Step caching: seconds per image, throughput at concurrency N, skipped fraction and
 distance to the uncached image, per policy and threshold, on the diffusion engine; then the same
 pipeline under diffusers' own cache hooks and cache-dit, where they run.
 
@@ -19,7 +19,7 @@ single-window form on 0-255 RGB); `batch_vs_alone_psnr` compares seed 0 in the b
 alone under the same setting (inf: identical). diffusers' hooks (`--diffusers`): each setting on
 one loaded pipeline, skip fraction from the calls that reach the last block's attention, PSNR vs
 diffusers uncached and vs the engine's image under the same setting. Random weights do not make
-cache decisions like trained ones: read skip fractions from real checkpoints too (README).
+cache decisions like trained ones: read skip fractions from real checkpoints too (docs/step-cache.md).
 Writes one JSON line per setting to OUT/results.jsonl (and stdout).
 """
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_stream_edges.py                       # 16-value chunks, 2000 of them
     python benchmarks/bench_stream_edges.py --values 4096 --chunks 500
 
-The test-only stream pipeline (stages/stream_test_stages.py): a source stage emits `--chunks`
+The test-only stream pipeline (tests/streaming/stream_stages.py): a source stage emits `--chunks`
 float32 chunks of `--values` values as fast as its window allows, a sink reads them with no
 delay and checksums them. Per request, from the stages' own wall-clock stamps:
 
@@ -30,13 +30,17 @@ from pathlib import Path
 from vllm_omni_plugin.common.messages import GenerationParams
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.orchestrator import Orchestrator
-from vllm_omni_plugin.stages.stream_test_stages import expected_checksum
+
+# The test-only stages: imported here (registering their topologies) and by each stage process.
+STAGES_PATH = str(Path(__file__).resolve().parents[1] / "tests" / "streaming")
+sys.path.insert(0, STAGES_PATH)
+from stream_stages import expected_checksum  # noqa: E402
 
 DEPLOY = """
 pipeline: stream_test
 stages:
-  - {{stage_id: 0, device: cpu, stall_timeout_s: 30}}
-  - {{stage_id: 1, device: cpu, stall_timeout_s: 30}}
+  - {{stage_id: 0, device: cpu, stall_timeout_s: 30, env: {{PYTHONPATH: "{path}"}}}}
+  - {{stage_id: 1, device: cpu, stall_timeout_s: 30, env: {{PYTHONPATH: "{path}"}}}}
 edges:
   - {{from: 0, to: 1, connector: shm}}
 connectors:
@@ -51,7 +55,8 @@ def read_bytes(orch: Orchestrator, sid: int) -> int:
 
 async def bench(args: argparse.Namespace, root: Path) -> dict:
     deploy = root / "deploy.yaml"
-    deploy.write_text(DEPLOY.format(shm=root))
+    path = os.pathsep.join([STAGES_PATH, *filter(None, [os.environ.get("PYTHONPATH")])])
+    deploy.write_text(DEPLOY.format(shm=root, path=path))
     cfg = load_deploy_config(deploy, model="/unused")
     orch = Orchestrator(cfg, startup_timeout_s=120)
     await orch.start()

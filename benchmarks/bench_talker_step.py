@@ -1,6 +1,6 @@
 """Qwen3-Omni's speech engines at full size on one GPU, without the server: the talker's time per
 decode step (eager, CUDA graphs, and optionally an older engine for comparison) and Code2Wav's
-audio per wall second, at batch 1, 8 and 32. The stage that missed issue 30's goals, profiled.
+audio per wall second, at batch 1, 8 and 32. The stage that was slowest in the first served speech benchmark, profiled.
 
     python3 benchmarks/bench_talker_step.py --work /dev/shm/talker-full --out OUT \
         [--baseline DIR --baseline-label TEXT]  # DIR holds an older `talker/` package (timed too)

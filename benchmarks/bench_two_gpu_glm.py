@@ -1,4 +1,4 @@
-"""GLM-Image on two GPUs of one host (issue 19): the AR stage on a head, the DiT on a headless node.
+"""GLM-Image on two GPUs of one host: the AR stage on a head, the DiT on a headless node.
 
     python benchmarks/bench_two_gpu_glm.py headless --model DIR --out OUT [--size 1024 --steps 50]
     # CPU check: the tiny model, NIXL over lo, a long request (256x256, 200 steps) to kill
@@ -45,7 +45,7 @@ from bench_gpu_glm import (
 
 # As tests/multinode/test_headless_loopback.py: head and node share one host, so UCX (NIXL
 # configs) runs over lo; a small CPU KV cache. VLLM_OMNI_AUTHKEY is required off loopback only
-# (README "Several nodes"); a real key runs the handshake as two hosts would. Caller's env wins.
+# (docs/multi-node.md); a real key runs the handshake as two hosts would. Caller's env wins.
 for key, value in {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "UCX_NET_DEVICES": "lo",

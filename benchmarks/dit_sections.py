@@ -2,8 +2,8 @@
 GLM-Image transformers with one step's inputs (`tiny_flux_transformer`, `flux_inputs`,
 `glm_transformer`, `glm_inputs`); section 1, the FLUX.1-dev-size step variants
 (`flux_section`, which also hands back the informative extra variants to run last); section 2,
-the GLM-Image CFG step (`glm_section`); section 3, the served-shape call sequence of issue 10
-under the old compile policy and ours (`served_sequence`).
+the GLM-Image CFG step (`glm_section`); section 3, the call sequence of the first served GLM-Image
+requests under the old compile policy and ours (`served_sequence`).
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def glm_section(args, device, dtype, budget) -> tuple[list, dict, object]:
 
 # ---- 3: the served-shape sequence --------------------------------------------------------------
 def served_sequence(args, tr, device, dtype, budget) -> list:
-    """Issue 10's first requests, call by call: warm-up (no quoted text: both CFG rows of glyph
+    """The first served GLM-Image requests, call by call: warm-up (no quoted text: both CFG rows of glyph
     length 1 share one forward), then two prompts with quoted text (cond row longer: two
     forwards at batch 1 per step). Old policy vs ours, 2 steps per request."""
     size = 64 if args.tiny else 1024

@@ -1,4 +1,4 @@
-"""Qwen3-Omni served on a GPU against transformers on the same GPU (issue 30, item 3): the tiny
+"""Qwen3-Omni served on a GPU against transformers on the same GPU: the tiny
 checkpoint, greedy, through the official `openai` client. The thinker's token ids (text-only
 answer), the speech answer's transcript, and its WAV against transformers'
 `generate(..., return_audio=True)` in the same dtype: where the two part (the first token, and the

@@ -1,4 +1,4 @@
-"""Qwen3-Omni's speech engines on a GPU against transformers on the same GPU (issue 30 item 3, the
+"""Qwen3-Omni's speech engines on a GPU against transformers on the same GPU (the
 part that needs no vLLM): the tiny checkpoint, greedy; the talker's codec frames (exact match or
 the first frame where they part) and the waveform's distance, in float32 and in bfloat16, plus the
 engines' time per talker step at batch 1 and 8.

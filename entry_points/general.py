@@ -1,7 +1,8 @@
 """`vllm.general_plugins` hook: runs in every vLLM process (API server, EngineCore, workers).
 
-Keep it idempotent and cheap: register by dotted name only, import nothing heavy. Other teams
-append small guarded blocks below (CLI-flag patches, connector registration).
+Keep it idempotent and cheap: it runs in every process vLLM starts, so register by dotted name
+only and import nothing heavy. Each step below is a small guarded function (model registry, CLI
+flags, the NIXL KV connector, stage-process patches), safe to run twice.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ CHECKED_VLLM_MINORS = tuple(SERVE_SEAMS)
 ALLOW_UNTESTED_ENV = "VLLM_OMNI_ALLOW_UNTESTED_VLLM"
 
 # The endpoint plugin's entry-point name (pyproject.toml) and the general plugin's; users
-# who set VLLM_PLUGINS list both (see README).
+# who set VLLM_PLUGINS list both (see docs/serving.md).
 GENERAL_PLUGIN_NAME = "omni"
 ENDPOINT_PLUGIN_NAME = "omni_images"
 
@@ -344,7 +344,7 @@ def install_serve_patches() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Patch 5: `vllm.entrypoints.cli.serve.run_headless` (team G, multi-node stages).
+# Patch 5: `vllm.entrypoints.cli.serve.run_headless` (headless stage nodes, docs/multi-node.md).
 # Why: `vllm serve --headless` is vLLM's data-parallel headless mode; `ServeSubcommand.cmd`
 # calls `run_headless(args)` (a module global looked up at call time) instead of starting the
 # API server. With --stage-config the user asks for a headless *stage node* instead: run its

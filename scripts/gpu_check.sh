@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU runs of issues 10, 16, 19 and 30 on the device tool's H200 machines (torch 2.11 + CUDA 13, no network).
-# Run from the project root once the kit's parts lie in /tmp/kit (README: "Reproducing the GPU runs").
+# The GPU measurements of BENCHMARKS.md, on an offline GPU machine (H200, torch 2.11 + CUDA 13, no network).
+# Run from the project root once the kit's parts lie in /tmp/kit (docs/benchmarks.md).
 #   scripts/gpu_check.sh install            unpack the kit, install it + this checkout into /tmp/site
 #   scripts/gpu_check.sh smoke              tiny GLM-Image served (8 concurrent) + greedy parity
 #   scripts/gpu_check.sh build-full         random-weight GLM-Image at real size in $FULL
@@ -19,29 +19,29 @@
 #                                           RATE CONCURRENCY STAGE_OVERRIDES (ours); results in $FAIR_OUT
 #                                           (kept across calls)
 #   scripts/gpu_check.sh collect            $FAIR_OUT's results.jsonl, first images and logs (one .tgz) into
-#                                           $OUT (the device tool brings back at most 8 files)
-#   scripts/gpu_check.sh dit                DiT speed (issue 16): bench_attention_gpu.py + bench_dit_gpu.py,
+#                                           $OUT (few files: easier to copy off an offline machine)
+#   scripts/gpu_check.sh dit                DiT speed: bench_attention_gpu.py + bench_dit_gpu.py,
 #                                           ~8.5 min, no vLLM
-#   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy (issue 19); when
+#   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy; when
 #                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
 #   scripts/gpu_check.sh smoke-nixl         tiny GLM-Image served through glm_image_1gpu_nixl, both stages
 #                                           eager (the connector path, not speed: ~1.5 min, no compiles)
-#   scripts/gpu_check.sh headless           two GPUs (issue 19): head (AR, GPU 0) + headless DiT node
+#   scripts/gpu_check.sh headless           two GPUs: head (AR, GPU 0) + headless DiT node
 #                                           (GPU 1) on $FULL, the node killed mid-request, restarted (~6 min)
 #   scripts/gpu_check.sh build-full-omni    random-weight Qwen3-Omni at real size (~70 GB) in $OMNI_FULL (default:
 #                                           /dev/shm/omni-full, else /tmp/omni-full, whichever has room)
-#   scripts/gpu_check.sh omni-speech        bench_omni_speech.py (issue 30): ours vs vLLM-Omni 0.26, rounds alternating,
-#                                           bounded by what is left of this call (CALL_LIMIT_S); runs already in
-#                                           $SPEECH_OUT are kept, so the same command continues in the next call.
+#   scripts/gpu_check.sh omni-speech        bench_omni_speech.py: ours vs vLLM-Omni 0.26, rounds alternating,
+#                                           bounded by what is left of CALL_LIMIT_S; runs already in
+#                                           $SPEECH_OUT are kept, so the same command continues where it stopped.
 #                                           SYSTEMS ROUNDS ROUND_OFFSET SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
 #                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
-#   scripts/gpu_check.sh omni-parity        the tiny Qwen3-Omni served here (bf16) vs transformers on this GPU (issue 30 item 3)
+#   scripts/gpu_check.sh omni-parity        the tiny Qwen3-Omni served here (bf16) vs transformers on this GPU
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
 #   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker engine's step time at full size (no
 #                                           server, ~3 min); TALKER_BASELINE=DIR (an older `talker/` package)
 #                                           and TALKER_BASELINE_LABEL time that one too
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
-# Results go to $OUT (the device tool's output folder) or /tmp/gpu-check.
+# Results go to $OUT (default /tmp/gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -50,9 +50,10 @@ FULL=${FULL:-/tmp/glm-full}
 QWEN_FULL=${QWEN_FULL:-/tmp/qwen-full}
 FAIR_OUT=${FAIR_OUT:-/tmp/fair}
 AR_OUT=${AR_OUT:-/tmp/ar-served}
-SPEECH_OUT=${SPEECH_OUT:-/tmp/speech}  # kept across calls while the machine stays warm
-# A device call may run 600 s: phases that budget themselves (omni-speech) stop starting new
-# work when what is left of CALL_LIMIT_S, counted from this script's start, runs short.
+SPEECH_OUT=${SPEECH_OUT:-/tmp/speech}  # kept across invocations: a later one continues the rounds
+# For machines that stop a command after 10 minutes: phases that budget themselves (omni-speech)
+# stop starting new work when what is left of CALL_LIMIT_S, counted from this script's start,
+# runs short. Raise it where commands may run longer.
 CALL_T0=$(date +%s)
 CALL_LIMIT_S=${CALL_LIMIT_S:-590}
 SMOKE_CONFIG=${SMOKE_CONFIG:-glm_image_1gpu}
@@ -186,7 +187,7 @@ while [ $# -gt 0 ]; do
       family=$1; shift
       mkdir -p "$FAIR_OUT"
       model=$FULL; [ "$family" = qwen-image ] && model=$QWEN_FULL
-      # FAIR_TIMEOUT_S bounds the run inside a device call's limit; its servers are stopped below.
+      # FAIR_TIMEOUT_S bounds the run (e.g. under a job's time limit); its servers are stopped below.
       timeout "${FAIR_TIMEOUT_S:-86400}" \
         python3 benchmarks/bench_fair.py run --family "$family" --model "$model" --out "$FAIR_OUT" \
         --systems "${SYSTEMS:-ours,omni,omni-tuned,diffusers}" --rounds "${ROUNDS:-1}" \
@@ -198,7 +199,7 @@ while [ $# -gt 0 ]; do
       ;;
     ar-served)
       mkdir -p "$AR_OUT"
-      # AR_TIMEOUT_S bounds the run inside a device call's limit; its servers are stopped below.
+      # AR_TIMEOUT_S bounds the run (e.g. under a job's time limit); its servers are stopped below.
       timeout "${AR_TIMEOUT_S:-86400}" \
         python3 benchmarks/bench_ar_served.py run --model "$FULL" --out "$AR_OUT" \
         --stage-config "$STAGE_CONFIG" ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
@@ -255,7 +256,7 @@ while [ $# -gt 0 ]; do
       stop_servers
       ;;
     omni-parity)
-      # Issue 30 item 3: the tiny checkpoint served here (qwen3_omni_1gpu, bf16) vs transformers
+      # The tiny checkpoint served here (qwen3_omni_1gpu, bf16) vs transformers
       # on this GPU: thinker ids, transcript, WAV (where they part). ~2 min.
       timeout 420 python3 benchmarks/omni_served_parity.py --out "$OUT/omni_parity" 2>&1 \
         | tail -5 || true

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Step caching on the device tool's H200 (issue 33 item 4): FLUX.1-dev, Qwen-Image and GLM-Image's
+# Step caching on one GPU (measured on an H200): FLUX.1-dev, Qwen-Image and GLM-Image's
 # DiT (random AR image tokens) at full size (random weights built on the GPU), 1024x1024, 50 steps,
 # through benchmarks/bench_step_cache.py. FAMILIES picks and orders them (default "flux qwen glm").
 # No vLLM needed: the diffusion engine imports without it, so the kit is four wheels (~19 MiB, one
 # carry) from scripts/gpu_kit/build_kit.sh's download cache: diffusers 0.42.1, transformers 5.19.0,
-# cache-dit 1.3.0, importlib_metadata. Here: put them in $WHEELS (an ignored folder that travels).
-#   scripts/gpu_step_cache.sh wait SECONDS   start the job once (setsid: it outlives the call) and
+# cache-dit 1.3.0, importlib_metadata. Put them in $WHEELS on the GPU machine.
+#   scripts/gpu_step_cache.sh wait SECONDS   start the job once (setsid: it outlives this command) and
 #                                           wait up to SECONDS, copying its results into $OUT
-# flux + qwen need ~17 min of machine time (more than one 10-minute call): call `wait` again
-# within the machine's 30 s warm window; results accumulate in /tmp/sc. glm alone (FAMILIES=glm)
+# flux + qwen need ~17 min of machine time: where one command may run at most 10 minutes, run
+# `wait` again until it prints ALL_DONE; results accumulate in /tmp/sc. glm alone (FAMILIES=glm)
 # ~8 min. Budgets (seconds): FLUX_BUDGET (engine rows, 420), FLUX_DIFFUSERS_BUDGET (100),
 # QWEN_BUDGET (240), GLM_BUDGET (300).
 set -uo pipefail

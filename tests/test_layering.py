@@ -19,11 +19,17 @@ them; nothing in the package imports entry_points):
 MAY_IMPORT lists each package's direct dependencies. Every one points to a lower rank, and an
 import outside the list fails: an outward one (stages -> serving), a skip-level one (serving ->
 diffusion: the API server never loads an engine) or a sideways one (diffusion -> models).
+
+Inside a layer, modules import one another without a circle, `if TYPE_CHECKING:` imports
+included (a type a lower module needs of a higher one is a Protocol in the lower one). And no
+module names another layer's class by a "vllm_omni_plugin.pkg.module:Class" string, an edge
+this check could not see (stages/loops.py maps stage loops to their classes by import).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -164,3 +170,110 @@ def test_serving_loads_no_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (`from . import x` of a submodule x: x)."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        own = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(own[: len(own) - (node.level - 1)] + [node.module or ""])
+                    base = base.rstrip(".")
+                else:
+                    base = node.module or ""
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in files else base)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "modules that import one another (type-only imports count):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_cycle_check_sees_a_type_only_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "vllm_omni_plugin"
+    (fake / "stages").mkdir(parents=True)
+    (fake / "stages" / "__init__.py").write_text("")
+    (fake / "stages" / "a.py").write_text("from .b import B\n")
+    (fake / "stages" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+    )
+    (fake / "stages" / "c.py").write_text("from . import a\n")  # into the circle, not on it
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert _cycles(_import_graph()) == [["vllm_omni_plugin.stages.a", "vllm_omni_plugin.stages.b"]]
+
+
+_CLASS_BY_STRING = re.compile(r"vllm_omni_plugin((?:\.\w+)+):\w+")
+# Names handed to vLLM, not resolved by us: its model registry and its `logits_processors`
+# engine argument take "module:Class" and import it in the engine's process, so registering
+# the plugin (every vLLM process does) loads no model code.
+_FOR_VLLM = {
+    "vllm_omni_plugin.models.glm_image.model:GlmImageForConditionalGeneration",
+    "vllm_omni_plugin.models.glm_image.logits:ImageGridLogitsProcessor",
+}
+
+
+def test_no_class_of_another_layer_named_by_string():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for match in _CLASS_BY_STRING.finditer(node.value):
+                    if match.group(0) in _FOR_VLLM:
+                        continue
+                    if len(parts) < 2 or match.group(1).split(".")[1] != parts[0]:
+                        wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {match.group(0)}")
+    assert not wrong, "import these instead (see the module doc):\n" + "\n".join(wrong)

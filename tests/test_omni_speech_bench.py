@@ -114,7 +114,7 @@ def test_plan_alternates_and_skips_recorded_runs():
     done.append({"round": 1, "system": "ours", "run_s": 100.0})  # warm caches: the latest
     assert bench.estimate_s("ours", done, 300) == 110.0
     assert bench.estimate_s("omni", done, 300) == 300
-    # A later lease continues the rounds: ROUND_OFFSET=2 ROUNDS=1 runs round 2 only.
+    # A later run continues the rounds: ROUND_OFFSET=2 ROUNDS=1 runs round 2 only.
     assert bench.plan(systems, 1, done, offset=2) == [(2, "ours"), (2, "omni")]
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Build the GPU kit on this machine: vLLM for the lent H200's torch (2.11 + CUDA 13 -> vLLM 0.26.0),
-# diffusers and the project's other pure-Python needs, packed and split into parts that fit one call.
+# Build the GPU kit on a machine with network access, for an offline GPU machine with torch 2.11 +
+# CUDA 13 (-> vLLM 0.26.0): vLLM, diffusers and the project's other pure-Python needs, packed and
+# split into parts of at most 58 MiB, so each fits through a size-limited transfer.
 # transformers 5.19.0 replaces the image's 5.17: the same GLM-Image classes as CPU CI (the checkpoint builder and diffusers' AR).
 # pycountry: mistral_common (vLLM) imports pydantic_extra_types.language_code, which needs it.
 #   scripts/gpu_kit/build_kit.sh [KIT_DIR] [EXTRA_REQUIREMENT...]      (KIT_DIR default: .gpukit)
-# Then carry one part per call (README.md: "Reproducing the GPU runs"). Re-running reuses the download cache.
+# Then copy every part to /tmp/kit on the GPU machine (docs/benchmarks.md). Re-running reuses the download cache.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 kit=${1:-.gpukit}; shift || true
@@ -21,4 +22,4 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx "/$(basename "$kit")/" "$exclude" 2>/dev/null || echo "/$(basename "$kit")/" >> "$exclude"
 ls -la "$kit"
-echo "$(ls "$kit"/part_* | wc -l) parts: carry each once (run: mkdir -p /tmp/kit && cp $kit/part_NN /tmp/kit/), then run install_kit.sh there"
+echo "$(ls "$kit"/part_* | wc -l) parts: copy each to /tmp/kit on the GPU machine, then run scripts/gpu_check.sh install there"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Download the wheels that the lent GPU machine lacks for a requirement, for its Python (3.12, x86-64).
+"""Download the wheels that the offline GPU machine lacks for a requirement, for its Python (3.12, x86-64).
 
     resolve_kit.py OUT_DIR REQUIREMENT... [--skip NAME ...]
 

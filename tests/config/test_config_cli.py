@@ -107,7 +107,7 @@ def test_validate_says_what_a_custom_runner_stage_runs(capsys):
     )
     assert "OmniARAsyncScheduler async_scheduling=True" in thinker
     assert "Scheduler" not in talker and "async_scheduling" not in talker
-    assert "runs TalkerStage (its own engine, no vLLM scheduler)" in talker
+    assert "runs qwen3_omni.talker (its own engine, no vLLM scheduler)" in talker
     assert "max_num_seqs=4 max_model_len=1024 default_sampling_params.max_tokens=64" in talker
-    assert "runs Code2WavStage" in code2wav and "device=cpu max_batch_size=4" in code2wav
+    assert "runs qwen3_omni.code2wav" in code2wav and "device=cpu max_batch_size=4" in code2wav
     assert "step_cache:" not in out and "lora:" not in out

@@ -60,7 +60,7 @@ def test_vllm_omni_030_stages_files_load():
     assert ar.sampling.max_tokens == 4353 and cfg.stage(1).diffusion.max_batch_size == 1
     # the npu section applies only on npu; there it changes devices and TP, and asks for
     # sequence_parallel_size, which does not exist here: refused, naming the field (its
-    # ulysses_degree 4 is the diffusion stage's Ulysses knob, issue 17: accepted)
+    # ulysses_degree 4 is the diffusion stage's Ulysses knob: accepted)
     lines = problems(
         FIXTURES / "vo30_glm_image.yaml",
         platform="npu",

@@ -1,4 +1,4 @@
-"""Qwen3-Omni's deploy file (issue 29): the topology's stages, and no setting accepted and ignored
+"""Qwen3-Omni's deploy file: the topology's stages, and no setting accepted and ignored
 on the stages that run our own engines (the talker, Code2Wav) or vLLM's own chat handlers (the
 thinker's defaults)."""
 

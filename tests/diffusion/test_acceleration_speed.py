@@ -1,10 +1,10 @@
-"""Issue 16's speed options on CPU: what can run here runs for real, the rest is shown wired.
+"""The DiT speed options on CPU: what can run here runs for real, the rest is shown wired.
 
   * GLM-Image without its forward's host syncs (glm_image_sync_free.py): bit-identical to
     diffusers' forward, reversible.
   * Regional torch.compile (inductor, the lossless path) equals eager within 1e-5 relative, and
     with GLM's dynamic text dimension new prompt lengths reuse the one graph (the recompiles the
-    served GLM-Image DiT paid on its first requests, BENCHMARKS.md issue 10).
+    served GLM-Image DiT paid on its first requests, BENCHMARKS.md).
   * CUDA graphs (cuda_graphs.py): capture needs a GPU; here a capture fails for real (no CUDA)
     and the shape must fall back to the uncaptured forward with the same output.
   * fp8 GEMMs (fp8.py): the per-row scaled matmul runs on CPU too (torch._scaled_mm), so its

@@ -1,4 +1,4 @@
-"""Issue 16 (start-up cost): what inductor compiled survives a restart of the stage process.
+"""Start-up cost: what inductor compiled survives a restart of the stage process.
 
 Two fresh processes compile the same tiny GLM-Image DiT regionally (inductor on CPU, the engine's
 path) with one `compile_cache_dir`: the first compiles (FX graph cache misses, no hits), the

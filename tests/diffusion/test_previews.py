@@ -100,7 +100,7 @@ def test_partial_images_bound(engine):
 
 
 def test_a_streaming_request_in_a_batch_of_8_leaves_the_others_alone(engine, monkeypatch):
-    """The stated bound (README, streaming): a request streaming `partial_images` previews
+    """The stated bound (docs/streaming.md): a request streaming `partial_images` previews
     delays the requests batched with it by at most `partial_images` VAE decodes of its own
     images over its whole run, and never changes their images. 8 requests join at once and run
     to completion together; once with no previews, once with request 0 streaming 3.

@@ -1,4 +1,4 @@
-"""Qwen-Image family steps copy nothing between host and device (issue 32: on the H200 the
+"""Qwen-Image family steps copy nothing between host and device (on an H200 the
 batch-8 shape's CUDA graph capture failed with "Cannot copy between CPU and CUDA tensors during
 CUDA graph capture", and that shape ran uncaptured).
 

@@ -1,4 +1,4 @@
-"""Integrity of the node link after the key (issue 31 item 1): real sockets, a real StageHead,
+"""Integrity of the node link after the key: real sockets, a real StageHead,
 no stage processes.
 
 * Every frame after the handshake carries a MAC under that connection's session keys: one bit
@@ -34,7 +34,7 @@ async def head():
         yield started
 
 
-# ---- every frame after the handshake carries a MAC (issue 31 item 1) -------------------------
+# ---- every frame after the handshake carries a MAC -------------------------------------------
 class Relay:
     """A TCP relay between a node and the head: a man in the middle that can flip one byte of
     the next node -> head chunk (a whole small frame on loopback) after `flip_next()`."""
@@ -146,7 +146,7 @@ async def test_an_old_peer_is_refused_at_the_greeting(head):
         sock.close()
 
 
-# ---- the handshake: one deadline, slots per address (issue 31 item 1) ------------------------
+# ---- the handshake: one deadline, slots per address ------------------------------------------
 def trickle(port: int, source: str = "127.0.0.1") -> float:
     """Connect, read the head's greeting, then send a valid node greeting one byte a second.
     The seconds from connecting until the head closes the connection (inf: it never did)."""

@@ -407,7 +407,7 @@ def test_stage_info_crosses_the_link_typed():
     assert back == info and back.limits.max_steps == 9
 
 
-# ---- the key (issue 31 item 1) ---------------------------------------------------------------
+# ---- the key ---------------------------------------------------------------------------------
 def test_a_key_shorter_than_32_bytes_is_refused(monkeypatch):
     monkeypatch.setenv(AUTHKEY_ENV, "x" * 31)
     with pytest.raises(SystemExit, match="at least 32"):
@@ -427,7 +427,7 @@ def test_the_same_host_key_is_random_private_and_shared(monkeypatch, tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "vllm-omni").stat().st_mode & 0o777 == 0o700
     assert len(head) == 64 and head == path.read_bytes()
-    # Nothing public gives it: not the pipeline's shape (the key derived before issue 31).
+    # Nothing public gives it: not the pipeline's shape (what an older version derived the key from).
     shape = ",".join(f"{s.stage_id}:{s.kind}:{sorted(s.inputs)}" for s in cfg().topology.stages)
     derived = hashlib.sha256(f"vllm-omni-plugin/{cfg().pipeline}/{shape}".encode()).digest()
     assert head != derived

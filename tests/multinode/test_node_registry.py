@@ -334,7 +334,7 @@ def test_stage_ids_are_checked_against_the_pipeline():
 
 
 async def test_a_registration_never_replaces_a_live_node(head):
-    """Issue 31: the newest registration does not simply win. A node that keeps heartbeating
+    """The newest registration does not simply win. A node that keeps heartbeating
     keeps its stage; another node holding the key is refused (Rejected, saying why), and the
     live node's link, requests and readiness are untouched."""
     h, client = head

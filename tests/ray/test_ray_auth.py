@@ -1,4 +1,4 @@
-"""Ray's token authentication as the project uses it (orchestrator/ray_auth.py, issue 31 item 8).
+"""Ray's token authentication as the project uses it (orchestrator/ray_auth.py).
 
 Real single-node Ray heads on loopback, in temporary homes (nothing of the user's ~/.ray is read
 or written): the server's check refuses a head without token authentication and a head holding

@@ -41,8 +41,8 @@ def qwen_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-# ---- Shared by test_fuzz.py, test_soak.py, test_stream_disconnect.py (issues 11 and 12) and
-# test_glm_edits_serve.py (issue 13) ---
+# ---- Shared by test_fuzz.py, test_soak.py, test_stream_disconnect.py and
+# test_glm_edits_serve.py ---
 # Session scope: two start-ups serve all three modules. Both expose the live stage-inspection
 # route (VLLM_OMNI_DESCRIBE_STAGES=1), which the tests read stage-side counters from.
 SHARED_ENV = {"VLLM_OMNI_DESCRIBE_STAGES": "1"}
@@ -109,7 +109,7 @@ def shared_glm_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-# ---- Shared by test_request_fields_serve.py (issue 37): an edit family and a video family ---
+# ---- Shared by test_request_fields_serve.py: an edit family and a video family ---
 @pytest.fixture(scope="session")
 def shared_edit_server(tiny_models, tmp_path_factory):
     """Qwen-Image-Edit, the bundled CPU config; also serves LoRA adapters (test_lora_serve.py):
@@ -160,7 +160,7 @@ def shared_wan_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-# ---- The edit families of issue 34 (test_edit_families_serve.py): one server each ----------
+# ---- The edit families (test_edit_families_serve.py): one server each ----------
 @pytest.fixture(scope="module")
 def kontext_server(tiny_models, tmp_path_factory):
     """FLUX.1-Kontext, the bundled CPU config."""
@@ -200,7 +200,7 @@ def _wan_image_server(tiny_models, tmp_path_factory, kind: str, config_name: str
 WAN_I2V_MEMORY_GB = 0.1
 
 
-# ---- Wan2.2 image-to-video (issue 34): test_videos_i2v.py ----
+# ---- Wan2.2 image-to-video: test_videos_i2v.py ----
 @pytest.fixture(scope="module")
 def shared_wan_i2v_server(tiny_models, tmp_path_factory):
     """Wan2.2 I2V-A14B (two experts), the bundled CPU config, its store in a temporary folder,
@@ -230,7 +230,7 @@ def shared_wan_ti2v_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-# ---- A pipeline with a chat stage next to stock `vllm serve` of the same model (issue 29) ----
+# ---- A pipeline with a chat stage next to stock `vllm serve` of the same model ----
 HERE = REPO / "tests" / "serving"
 # A byte-level chat template for the tiny Qwen2 (it has none of its own).
 TINY_CHAT_TEMPLATE = (
@@ -310,7 +310,7 @@ def chat_servers(tmp_path_factory):
         stock.stop()
 
 
-# ---- Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav on the tiny checkpoint (issue 29) ----
+# ---- Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav on the tiny checkpoint ----
 @pytest.fixture(scope="module")
 def omni_speech_server(tiny_models, tmp_path_factory):
     """The bundled CPU config (talker greedy, at most 64 frames per request)."""
@@ -324,7 +324,7 @@ def omni_speech_server(tiny_models, tmp_path_factory):
         server.stop()
 
 
-# ---- Shared by test_t2i_families_serve.py (issue 34): Z-Image-Turbo and FLUX.2 klein ----
+# ---- Shared by test_t2i_families_serve.py: Z-Image-Turbo and FLUX.2 klein ----
 @pytest.fixture(scope="module")
 def z_image_server(tiny_models, tmp_path_factory):
     """Z-Image-Turbo through `--stage-config auto` (model_index.json -> z_image_tiny.yaml)."""

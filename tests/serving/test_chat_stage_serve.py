@@ -1,5 +1,5 @@
 """A pipeline's chat stage answers /v1/chat/completions and /v1/completions as stock `vllm serve`
-of the same model does (issue 29: vLLM's own chat machinery, not a copy).
+of the same model does (vLLM's own chat machinery, not a copy).
 
 Two real servers of one tiny model (conftest.py `chat_servers`): stock vLLM, and our plugin
 serving a one-stage pipeline whose chat stage is that model. Greedy requests through the official
@@ -15,6 +15,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 from omni_server import API_KEY
 
@@ -170,28 +171,54 @@ def _generated(server) -> float:
 MAX_TOKENS = 4000
 
 
+def _settled_generated(server) -> float:
+    """The stage's token counter once the relay has caught up: two readings one relay period
+    (2 s) apart agree."""
+    previous = _generated(server)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(2.5)
+        now = _generated(server)
+        if now == previous:
+            return now
+        previous = now
+    raise TimeoutError(f"vllm:generation_tokens_total still moving: {previous}")
+
+
+def _engine_core(server) -> psutil.Process:
+    stage = next(p for p in server.descendants() if "omni-stage-0" in " ".join(p.cmdline()))
+    return next(p for p in stage.children(recursive=True) if "EngineCore" in p.name())
+
+
 def test_hang_up_mid_stream_frees_the_chat_stage(chat_servers):
-    """The client closes a long greedy stream (ignore_eos, 4000 tokens: about 12 s of the tiny
-    model on an idle CPU) after its first chunk: within a few seconds the stage's vLLM engine
-    holds no request, and the engine's own token counter shows it stopped well short of the
-    4000 tokens it would have written."""
+    """The client closes a long greedy stream (ignore_eos, 4000 tokens) after its first chunk:
+    the stage's vLLM engine then holds no request, and the engine's own token counter shows it
+    stopped well short of the 4000 tokens it would have written.
+
+    The engine core is paused (SIGSTOP) from the first chunk until the stage has dropped the
+    request, so the abort is waiting for it when it resumes: without the pause a fast engine
+    could finish the whole answer before a hang-up on a loaded machine reaches it, and the
+    test would measure that race instead of the abort."""
     ours, _ = chat_servers
-    time.sleep(2.5)  # the relayed counters catch up with the earlier tests
-    before = _generated(ours)
+    before = _settled_generated(ours)
     assert before > 0  # the earlier tests' tokens: the stage's counter reaches /metrics
+    core = _engine_core(ours)
     stream = chat(ours, max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
-    assert _live(ours)["engine_unfinished"] == 1
-    stream.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        live = _live(ours)
-        if live["engine_unfinished"] == 0 and not live["requests"]:
-            break
-        time.sleep(0.1)
-    assert live["engine_unfinished"] == 0 and not live["requests"], live
-    time.sleep(4.5)  # two relay periods
-    assert _generated(ours) - before < MAX_TOKENS / 2
+    core.suspend()
+    try:
+        assert _live(ours)["engine_unfinished"] == 1
+        stream.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            live = _live(ours)
+            if live["engine_unfinished"] == 0 and not live["requests"]:
+                break
+            time.sleep(0.1)
+        assert live["engine_unfinished"] == 0 and not live["requests"], live
+    finally:
+        core.resume()
+    assert _settled_generated(ours) - before < MAX_TOKENS / 2
     # The stage still answers.
     assert chat(ours, max_tokens=2).choices[0].message.content is not None
 

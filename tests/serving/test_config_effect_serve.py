@@ -140,7 +140,7 @@ def test_every_owner_reads_back_from_the_live_stages(server):
 
     # Placement and env: each stage process's own os.environ, as the stage reports it
     # (/proc/<pid>/environ is overwritten once the stage sets its process title).
-    # Names only (issue 31): the route never shows an env value, only whether the stage
+    # Names only (values may be secrets): the route never shows an env value, only whether the stage
     # process has the configured one.
     for sid in (0, 1):
         effective = stages[sid]["info"]["effective"]

@@ -1,4 +1,4 @@
-"""Fuzzing every route we add, from the server's own OpenAPI (issue 11 item 3).
+"""Fuzzing every route we add, from the server's own OpenAPI.
 
 Library: hypothesis-jsonschema (on Hypothesis). Why it and not schemathesis: our routes read
 their bodies by hand (size limit first, then strict validation), so the part worth fuzzing is
@@ -224,7 +224,7 @@ def test_fuzz_route(fuzz_target, method, path):
         assert stage_submits(server) == submits_at_start, seen
 
 
-# ---- Multipart and chunked bodies (issue 31 item 6) ----------------------------------------
+# ---- Multipart and chunked bodies ----------------------------------------------------------
 FORM_NAMES = [
     "image",
     "image[]",

@@ -1,4 +1,4 @@
-"""Qwen3-Omni served end to end (issue 29): `vllm serve DIR --stage-config qwen3_omni_tiny` on the
+"""Qwen3-Omni served end to end: `vllm serve DIR --stage-config qwen3_omni_tiny` on the
 tiny checkpoint, thinker (vLLM's own model) -> talker -> Code2Wav, every edge streamed, through the
 official `openai` client.
 

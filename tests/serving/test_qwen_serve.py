@@ -222,7 +222,7 @@ def test_stream_partial_images_then_the_same_image(qwen_server):
     assert "partial_image" not in text and text.count("event: image_generation.completed") == 1
 
 
-# ---- Bounds (issue 31): admission, bodies, owners, nested JSON ----------------------------
+# ---- Bounds: admission, bodies, owners, nested JSON --------------------------------------
 def _metric(server, name: str) -> float:
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():
         if line.startswith(name + "{"):

@@ -1,4 +1,4 @@
-"""The request-field table (serving/request_fields.py) and the helpers of issue 37 that need no
+"""The request-field table (serving/request_fields.py) and the helpers that need no
 server: refusals name the field and the families that take it, video size/length conflicts,
 output_format spellings, the file answer, data: URLs and the allow-listed fetch (a real local
 HTTP server)."""

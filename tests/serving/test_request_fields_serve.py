@@ -1,4 +1,4 @@
-"""Every request field on every route is applied or refused (issue 37), on real servers
+"""Every request field on every route is applied or refused, on real servers
 (conftest's session servers: Qwen-Image, GLM-Image, Qwen-Image-Edit, Wan2.2).
 
 The walk sends each field of the union of every family's knobs and of vLLM-Omni's documented

@@ -1,4 +1,4 @@
-"""The CI version of benchmarks/soak.py (issue 11 item 2): 64 official-openai clients against
+"""The CI version of benchmarks/soak.py: 64 official-openai clients against
 the tiny GLM-Image and Qwen-Image servers for 15 s (+ at most 10 s for requests still running),
 one client in eight hanging up mid-request at times. BENCHMARKS.md has a 5-minute run.
 

@@ -160,6 +160,29 @@ def test_every_format_decodes_back(fmt):
     assert abs(rms_out - rms_in) / rms_in < 0.3
 
 
+@pytest.mark.parametrize(("seconds", "rate"), [(0.0, RATE), (0.001, 16000), (0.5, RATE)])
+def test_wav_is_canonical_16_bit_mono_pcm(seconds, rate):
+    """The stdlib reader sees the fields and samples; the header is the canonical 44-byte PCM
+    one (players and OpenAI clients that skip 44 bytes read the samples right)."""
+    import struct
+    import wave
+
+    x = sine(seconds, rate)
+    pcm = to_pcm16(x)
+    data = encode_audio(x, rate, "wav")
+    with wave.open(io.BytesIO(data), "rb") as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, rate)
+        assert w.getcomptype() == "NONE"
+        assert w.getnframes() == len(x)
+        assert w.readframes(w.getnframes()) == pcm
+    riff, size, wave_id, fmt_id, fmt_size = struct.unpack("<4sI4s4sI", data[:20])
+    assert (riff, size, wave_id, fmt_id, fmt_size) == (b"RIFF", 36 + len(pcm), b"WAVE", b"fmt ", 16)
+    fmt_fields = struct.unpack("<HHIIHH", data[20:36])
+    assert fmt_fields == (1, 1, rate, rate * 2, 2, 16)  # PCM, mono, byte rate, align, bits
+    assert data[36:44] == b"data" + struct.pack("<I", len(pcm))
+    assert data[44:] == pcm
+
+
 def test_pcm16_is_raw_little_endian_and_clipped():
     pcm = to_pcm16(np.array([0.0, 1.0, -1.0, 2.0, -2.0], dtype=np.float32))
     assert np.frombuffer(pcm, "<i2").tolist() == [0, 32767, -32767, 32767, -32767]

@@ -1,4 +1,4 @@
-"""Issue 12: a client that hangs up mid-stream leaves every stage within one step.
+"""A client that hangs up mid-stream leaves every stage within one step.
 
 Observed from the stages themselves, not from the API server's bookkeeping: the guarded
 `GET /v1/omni/stages?live=1` asks each stage process what its engine holds now. A diffusion

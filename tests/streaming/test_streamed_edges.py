@@ -1,11 +1,10 @@
 """Streamed edges on CPU, end to end through real stage processes (no model: seconds).
 
-The test-only pipeline (vllm_omni_plugin/stages/stream_test_stages.py, deploy file
-tests/streaming/stream_test.yaml): a source stage emits float32 tensor chunks to a sink stage
-that reads them slower than they come and returns their SHA-256; the edge names a
-shared-memory connector, which a streamed edge does not use: its chunks go over the edge's own
-channel, stage to stage. The orchestrator is the one `vllm serve` runs; one per topology,
-shared by the module's tests.
+The test-only pipeline (stream_stages.py beside this file, deploy file stream_test.yaml): a
+source stage emits float32 tensor chunks to a sink stage that reads them slower than they come
+and returns their SHA-256; the edge names a shared-memory connector, which a streamed edge does
+not use: its chunks go over the edge's own channel, stage to stage. The orchestrator is the one
+`vllm serve` runs; one per topology, shared by the module's tests.
 
 Checked: the consumer starts before the producer finishes (the stages' own timestamps); the
 chunks arrive complete and in order (checksum equal to the one computed here, exactly); they
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from stream_stages import chunk_tensor, expected_checksum
 
 from vllm_omni_plugin.common.messages import GenerationParams, Submit
 from vllm_omni_plugin.config import load_deploy_config
@@ -47,12 +47,11 @@ from vllm_omni_plugin.connectors.edge_channel import connect as edge_connect
 from vllm_omni_plugin.orchestrator import Orchestrator, StageUnavailableError
 from vllm_omni_plugin.orchestrator.streaming import OutputChunk
 from vllm_omni_plugin.stages.payloads import inline
-from vllm_omni_plugin.stages.stream_test_stages import chunk_tensor, expected_checksum
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 HERE = Path(__file__).parent
-WINDOW = 2  # stream_test_stages' topologies
+WINDOW = 2  # stream_stages' topologies
 STALL_TIMEOUT_S = 3.0  # stream_test.yaml
 # Death: the control socket's EOF (at once) + the exit-code wait; a stall: the deadline + the
 # supervisor's 0.5 s round; both + slack for a loaded 2-core box.
@@ -83,10 +82,14 @@ def api_bytes(orch: Orchestrator, sid: int) -> int:
 async def start(pipeline: str, shm: Path) -> Orchestrator:
     os.environ["OMNI_TEST_SHM_DIR"] = str(shm)
     os.environ["OMNI_TEST_PIPELINE"] = pipeline
+    # The stage processes import stream_stages (their loops) from this folder.
+    stages_path = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    os.environ["OMNI_TEST_STAGES_PATH"] = os.pathsep.join(stages_path)
     try:
         cfg = load_deploy_config(HERE / "stream_test.yaml", model="/unused")
     finally:
-        del os.environ["OMNI_TEST_PIPELINE"], os.environ["OMNI_TEST_SHM_DIR"]
+        for name in ("OMNI_TEST_PIPELINE", "OMNI_TEST_SHM_DIR", "OMNI_TEST_STAGES_PATH"):
+            del os.environ[name]
     orch = Orchestrator(cfg, startup_timeout_s=120)
     await orch.start()
     # The first Result loads /metrics' exporter (imports vLLM, seconds with the loop blocked,

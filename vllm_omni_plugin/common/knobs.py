@@ -33,7 +33,7 @@ class Knob:
 
     name: str  # the request field (diffusers' __call__ argument or pipeline config name)
     kind: str  # JSON type: "number", "integer", "boolean" or "string"
-    doc: str  # one line for the OpenAPI schema and the README
+    doc: str  # one line for the OpenAPI schema and the docs
     minimum: float | None = None  # inclusive
     maximum: float | None = None  # inclusive
 

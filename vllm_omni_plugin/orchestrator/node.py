@@ -11,6 +11,11 @@ head's stall watchdog sees a stage that stops producing while this node still he
 The node's own StageClient runs the same watchdog and restarts such a stage here. The node
 heartbeats; if the head goes silent or away it aborts its in-flight work and registers again
 once the head is back. No HTTP server runs here.
+The node ends with the process that started it (a shell, a launcher, `sudo`): when that dies,
+the node stops its stages and exits instead of waiting for a head for good
+(common/parent_watch.py). Started by init or a container runtime (parent pid 1) there is
+nothing to watch; OMNI_NODE_OUTLIVES_PARENT=1 keeps a node that should outlive its launcher
+(`nohup ... &` from a login shell) running.
 A head address other than loopback needs VLLM_OMNI_AUTHKEY (node_protocol.py).
 """
 
@@ -39,6 +44,7 @@ from ..common.link_messages import (
     Welcome,
 )
 from ..common.messages import Abort, Progress, Pulse, Result, Submit
+from ..common.parent_watch import end_process_tree, watch_parent
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect
@@ -54,6 +60,10 @@ from .stage_client import StageClient
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.node")
 
 RETRY_MAX_S = 5.0
+OUTLIVE_PARENT_ENV = "OMNI_NODE_OUTLIVES_PARENT"
+# After the node's parent died: how long the node may take to stop its stages cleanly (each
+# gets stage_process.STOP_WAIT_S) before it kills them and itself.
+PARENT_GONE_GRACE_S = 9.0
 
 
 def stage_init(cfg: Any, stage_id: int) -> StageInit:
@@ -76,8 +86,11 @@ class HeadlessNode:
         key: bytes,
         *,
         startup_timeout_s: float,
+        parent_pid: int | None = None,
     ):
         self.head = head
+        self.parent_pid = parent_pid  # None: the node does not end with its parent
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.key = key
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.stages = {
@@ -99,14 +112,26 @@ class HeadlessNode:
     # ---- main loop ---------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        self._loop = loop
         self._stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        if self.parent_pid is not None:
+            watch_parent(self._parent_gone, self.parent_pid)
         try:
-            results = await asyncio.gather(
+            # A stop (signal, parent gone) during start-up stops at once: the starts are
+            # cancelled, and `finally` kills whatever they started.
+            starting = asyncio.gather(
                 *(s.start() for s in self.stages.values()), return_exceptions=True
             )
-            errors = [r for r in results if isinstance(r, BaseException)]
+            stop = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                return 0
+            errors = [r for r in starting.result() if isinstance(r, BaseException)]
             if errors:
                 logger.error("headless node: a stage failed to start: %s", errors[0])
                 return 1
@@ -117,7 +142,20 @@ class HeadlessNode:
                     await self._serve(link)
             return 0
         finally:
-            shutdown_concurrently(list(self.stages.values()))
+            # In a thread: the loop must keep running meanwhile, it writes each stage its
+            # Shutdown (a blocked loop left every stage to be killed after its stop wait).
+            await asyncio.to_thread(shutdown_concurrently, list(self.stages.values()))
+
+    def _parent_gone(self, parent: int) -> None:
+        # The watch thread: stop as on SIGTERM, and make sure it does not take longer.
+        logger.warning(
+            "the process that started this node (pid %d) is gone; stopping its stages", parent
+        )
+        assert self._loop is not None  # set before the watch starts
+        self._loop.call_soon_threadsafe(self._stop.set)
+        time.sleep(PARENT_GONE_GRACE_S)  # a clean exit ends the process (and this thread) first
+        logger.error("the node did not stop within %.0f s; killing it", PARENT_GONE_GRACE_S)
+        end_process_tree()
 
     async def _connect(self) -> Link | None:
         """Connect and register, retrying with backoff until the head answers or we stop."""
@@ -257,6 +295,8 @@ def run_node(args: argparse.Namespace) -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    # Read first: the node ends with this process, even one that dies while the node loads.
+    parent = None if os.environ.get(OUTLIVE_PARENT_ENV) == "1" else os.getppid()
     cfg = load_config(args)
     if getattr(args, "stage_ids", None) is None:
         raise SystemExit("--headless with --stage-config needs --stage-ids (the stages to run)")
@@ -279,6 +319,7 @@ def run_node(args: argparse.Namespace) -> None:
         (args.omni_master_address, int(args.omni_master_port)),
         key,
         startup_timeout_s=timeout,
+        parent_pid=parent,
     )
     code = asyncio.run(node.run())
     if code:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..common.limits import RequestLimits
 from ..common.link_messages import StageStatus, ToStage, Unavailable
@@ -27,9 +27,6 @@ from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_sta
 from .link import Link
 from .pending import PendingRequests, stall_timeout_of
 
-if TYPE_CHECKING:
-    from .remote import StageHead
-
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
 
 # Beyond the stage's stall_timeout_s before the head gives up on a remote stage: a few of the
@@ -37,10 +34,19 @@ logger = logging.getLogger("vllm_omni_plugin.orchestrator.remote")
 STALL_GRACE_S = 3.0
 
 
+class Head(Protocol):
+    """What a remote stage uses of the head that owns it (remote.StageHead, which imports
+    this module): its listening port and its event loop."""
+
+    port: int
+
+    def call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+
 class RemoteStageClient:
     """A stage that runs on a headless node (a StageHandle)."""
 
-    def __init__(self, init: StageInit, head: StageHead):
+    def __init__(self, init: StageInit, head: Head):
         self.init = init
         self.stage_id: int = init.stage.stage_id
         self.kind: str = init.spec.kind

@@ -8,7 +8,9 @@ it (`start_reading`, see frames.py for why), and the asyncio side lives in stage
   (and as its process title), in a new session: killing the process group also takes down
   anything the stage started (a vLLM EngineCore, its workers), so nothing is orphaned.
 * Control messages (common/messages.py, msgpack in multiprocessing.connection framing) go over
-  a socket pair. When this process dies, the child reads EOF and exits, so a SIGKILLed API server does not leave stages behind either.
+  a socket pair. When this process dies, the child reads EOF and exits; and it watches this
+  process (common/parent_watch.py, whatever it is busy with, start-up included), so a SIGKILLed
+  API server does not leave stages behind either.
 * stdout/stderr are pumped into our stderr (prefixed) and a ring buffer whose tail goes into
   start-up errors.
 """
@@ -39,6 +41,14 @@ from .node_protocol import AUTHKEY_ENV
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
 LOG_TAIL_LINES = 40
+
+# How long a stage gets to stop by itself after Shutdown before its process group is killed.
+# An AR stage stops its vLLM engine core, whose multiprocess executor waits up to 5 s for its
+# idle workers (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, then SIGTERM): from vLLM 0.27 they notice
+# the shutdown only at their next 5 s recheck of the shared-memory queue
+# (shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS), in 0.26 at that SIGTERM. 5 s here would
+# cut that short and kill the stage mid-teardown; 7 s still has the API server gone in 10 s.
+STOP_WAIT_S = 7.0
 
 
 # The API server's own variables its stages must see wherever they run: the plugin's settings
@@ -131,6 +141,7 @@ class StageProcess:
             "-m",
             "vllm_omni_plugin.stages.worker",
             f"--fd={child_sock.fileno()}",
+            f"--parent-pid={os.getpid()}",  # the stage exits when this process dies
             self.name,
         ]
         try:
@@ -283,12 +294,13 @@ class StageProcess:
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask politely, then SIGTERM, then SIGKILL the whole process group."""
+    def shutdown(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Ask politely, then SIGTERM, then SIGKILL the whole process group. A stage still
+        starting reads no Shutdown (it loads its model): it is killed at once."""
         self._closing = True
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self.info is not None:
             try:
                 self.send(Shutdown())
             except OSError:

@@ -28,7 +28,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..common.messages import Chunk, Credit, Progress, Result, Submit
 from .connector_stats import absorb as absorb_connector_stats
@@ -36,9 +36,21 @@ from .errors import StageRequestError, StageUnavailableError
 from .handle import StageHandle
 
 if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
+    from ..pipelines.topology import StageSpec
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
+
+
+class StreamedStages(Protocol):
+    """What a streamed run reads of the orchestrator that starts it (orchestrator.py), which
+    imports this module: its stages, their order and the edges' connectors."""
+
+    cfg: Any  # config.DeployConfig: the topology
+    order: list[StageSpec]  # the stages, producers before their consumers
+    final_ids: list[int]
+    stages: dict[int, StageHandle]
+
+    def edge_connector(self, from_stage: int, to_stage: int | None) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +106,7 @@ class StreamedRun:
 
     def __init__(
         self,
-        orch: Orchestrator,
+        orch: StreamedStages,
         request_id: str,
         params: Any,
         on_progress: Callable[[Progress], None] | None,

@@ -12,7 +12,9 @@ from typing import Any
 
 from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
 
-_STAGES = "vllm_omni_plugin.stages.qwen3_omni"
+# The talker's and Code2Wav's stage loops, by name (stages/loops.py maps each to its class).
+TALKER_LOOP = "qwen3_omni.talker"
+CODE2WAV_LOOP = "qwen3_omni.code2wav"
 TALKER = 1
 # The talker's defaults where its deploy settings give none. Its KV cache holds, per request, the
 # prompt's positions, a short assistant head and one position per frame; it grows with the
@@ -59,7 +61,7 @@ QWEN3_OMNI = PipelineTopology(
             emits="codec_frames",
             stream_output=True,
             stream_window=8,
-            runner=f"{_STAGES}:TalkerStage",
+            runner=TALKER_LOOP,
             # Its own torch engine, not a vLLM one: what it reads of an AR stage's settings.
             settings=(
                 "dtype",
@@ -79,7 +81,7 @@ QWEN3_OMNI = PipelineTopology(
             final_output=True,
             stream_output=True,
             stream_window=8,
-            runner=f"{_STAGES}:Code2WavStage",
+            runner=CODE2WAV_LOOP,
             settings=("dtype", "device", "max_batch_size", "max_num_seqs"),
         ),
     ),

@@ -49,8 +49,10 @@ class StageSpec:
     """Chunks of one request the stage may have out that the consumer has not finished with
     (back-pressure: the stage waits beyond it). Only with `stream_output`."""
     runner: str | None = None
-    """"module:Class" of the stage process's loop (a stages.loop.StageLoop subclass); None:
-    the loop of the stage's kind."""
+    """The stage process's loop when not its kind's (a stages.loop.StageLoop subclass): the
+    name of one this package ships (stages/loops.py maps it to its class), or "module:Class"
+    of one outside the package (a third-party pipeline's), which the stage process imports;
+    None: the loop of the stage's kind."""
     settings: tuple[str, ...] | None = None
     """With a `runner` that is not its kind's engine: the deploy keys it reads (dotted for
     nested ones, "key=value" where only that value works); loading refuses any other key a
@@ -124,7 +126,8 @@ class PipelineTopology:
         for s in self.stages:
             if s.stream_output and s.stream_window < 1:
                 problems.append(f"stage {s.stage_id}: stream_window must be at least 1")
-            if s.runner is not None and ":" not in s.runner:
+            module, colon, name = (s.runner or "").partition(":")
+            if colon and not (module and name and ":" not in name):
                 problems.append(f"stage {s.stage_id}: runner {s.runner!r} is not 'module:Class'")
         if self.chat_stage is not None:
             chat = [s for s in self.stages if s.stage_id == self.chat_stage]

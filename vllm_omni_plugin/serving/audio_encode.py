@@ -1,6 +1,7 @@
 """Speech out as OpenAI's chat formats: mono float samples -> wav, pcm16, flac, mp3, opus, aac.
 
-wav and pcm16 (raw little-endian 16-bit, what OpenAI streams) are written here; flac, mp3, opus
+pcm16 (raw little-endian 16-bit, what OpenAI streams) is written here and wav by the standard
+library's `wave`; flac, mp3, opus
 (Ogg) and aac (ADTS) through PyAV, whose wheels bundle FFmpeg with these encoders (PyAV is
 already the plugin's MP4 encoder). Samples are clipped to [-1, 1] first.
 """
@@ -8,7 +9,7 @@ already the plugin's MP4 encoder). Samples are clipped to [-1, 1] first.
 from __future__ import annotations
 
 import io
-import struct
+import wave
 
 import numpy as np
 
@@ -36,10 +37,14 @@ def to_pcm16(samples: np.ndarray) -> bytes:
 
 
 def wav_bytes(pcm16: bytes, sample_rate: int) -> bytes:
-    """A RIFF/WAVE file around 16-bit mono PCM."""
-    header = b"RIFF" + struct.pack("<I", 36 + len(pcm16)) + b"WAVE"
-    fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    return header + fmt + b"data" + struct.pack("<I", len(pcm16)) + pcm16
+    """A RIFF/WAVE file around 16-bit mono PCM (the canonical 44-byte header)."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm16)
+    return buf.getvalue()
 
 
 def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:

@@ -12,6 +12,7 @@ restarted vLLM server's do.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prometheus_client.core import (
@@ -20,6 +21,8 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
+
+logger = logging.getLogger("vllm_omni_plugin.serving")
 
 _STAGE_METRICS = (
     # (name, stats key, help, counter?)
@@ -102,7 +105,7 @@ class OmniCollector:
         yield first
         timer = getattr(self.service, "timer", None)  # speech: time to first audio, RTF
         if timer is not None:
-            yield from timer.families(self.pipeline)
+            yield from timer.collect()
         yield from stage_engine_families(self.orchestrator.engine_metrics())
         yield from self._replica_families()
 
@@ -149,9 +152,24 @@ _registered: list[tuple[Any, OmniCollector]] = []
 
 
 def register(collector: OmniCollector) -> None:
-    """Register on vLLM's registry, replacing a collector of an earlier app in this process."""
+    """Register on vLLM's registry, replacing a collector of an earlier app in this process.
+
+    Under PROMETHEUS_MULTIPROC_DIR vLLM's /metrics reads only the folder's per-process files
+    (`get_prometheus_registry` returns a new registry on each call, none of them the route's),
+    so a scrape-time collector cannot reach it: the stage families are left out, with a
+    warning, and the speech histograms still arrive through the folder (speech_metrics.py).
+    """
+    import os
+
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning(
+            "PROMETHEUS_MULTIPROC_DIR is set: /metrics shows no omni_stage_* families (nor "
+            "the request, cache, replica and stage-engine ones), only the speech histograms; "
+            "unset it to see them"
+        )
+        return
     registry = get_prometheus_registry()
     while _registered:
         old_registry, old = _registered.pop()

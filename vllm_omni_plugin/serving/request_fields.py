@@ -120,7 +120,7 @@ def common_fields(route: str) -> dict[str, dict[str, Any]]:
 
 
 # Fields other servers' clients send (vLLM-Omni's extensions, OpenAI's fields for its own
-# models) that no family here applies -> why they are refused (the README lists them too).
+# models) that no family here applies -> why they are refused (docs/migrating-from-vllm-omni.md lists them too).
 REFUSED: dict[str, str] = {
     "layers": "layered output (Qwen-Image-Layered) is not served",
     "resolution": "layered output (Qwen-Image-Layered) is not served",

@@ -56,7 +56,7 @@ class SpeechService:
         self.healthy = healthy
         self.max_prompt_ids = max_prompt_ids
         self.outcomes: Counter[str] = Counter()  # status code -> count, for /metrics
-        self.timer = SpeechTimer()
+        self.timer = SpeechTimer(pipeline)
 
     def check(self, request: Any) -> SpeechRequest:
         speech = check_speech_request(

@@ -4,41 +4,22 @@
 checks) to its first audio chunk. `omni_speech_real_time_factor`: the request's wall time over
 the seconds of audio it produced (below 1: faster than real time). Counted in the API server,
 where the client's experience is; the stages' own counters are the per-stage families.
+
+The histograms are prometheus_client's, kept off every registry: the app's collector
+(serving/metrics.py) yields them with the stage families, so a second app in one process (the
+tests build several) starts from empty ones instead of clashing on the name. Under
+PROMETHEUS_MULTIPROC_DIR, prometheus_client writes their values to that folder, where the
+multiprocess registry behind vLLM's /metrics reads them.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
-from dataclasses import dataclass, field
 
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client import Histogram
 
 TTFA_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 50.0)
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)  # the last: above every bound (+Inf)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-
-    def family(self, name: str, doc: str, labels: list[str], values: list[str]):
-        cumulative, running = [], 0
-        for bound, count in zip((*map(str, self.buckets), "+Inf"), self.counts, strict=True):
-            running += count
-            cumulative.append((bound, running))
-        family = HistogramMetricFamily(name, doc, labels=labels)
-        family.add_metric(values, cumulative, self.total)
-        return family
 
 
 class RequestTiming:
@@ -62,25 +43,32 @@ class RequestTiming:
 
 
 class SpeechTimer:
-    def __init__(self) -> None:
-        self.ttfa = Histogram(TTFA_BUCKETS)
-        self.rtf = Histogram(RTF_BUCKETS)
+    """Both histograms of one pipeline; a prometheus_client collector (`collect`)."""
+
+    def __init__(self, pipeline: str) -> None:
+        self._families = [
+            Histogram(
+                "omni_speech_time_to_first_audio_seconds",
+                "Time from a speech request's start to its first audio chunk",
+                ["pipeline"],
+                buckets=TTFA_BUCKETS,
+                registry=None,
+            ),
+            Histogram(
+                "omni_speech_real_time_factor",
+                "A speech request's wall time over the seconds of audio it produced",
+                ["pipeline"],
+                buckets=RTF_BUCKETS,
+                registry=None,
+            ),
+        ]
+        # The labelled children exist from the start: a deployment that has not spoken yet
+        # shows both families with zero counts.
+        self.ttfa, self.rtf = (family.labels(pipeline) for family in self._families)
 
     def start(self, sample_rate: int) -> RequestTiming:
         return RequestTiming(self, sample_rate)
 
-    def families(self, pipeline: str) -> list:
-        return [
-            self.ttfa.family(
-                "omni_speech_time_to_first_audio_seconds",
-                "Time from a speech request's start to its first audio chunk",
-                ["pipeline"],
-                [pipeline],
-            ),
-            self.rtf.family(
-                "omni_speech_real_time_factor",
-                "A speech request's wall time over the seconds of audio it produced",
-                ["pipeline"],
-                [pipeline],
-            ),
-        ]
+    def collect(self):  # noqa: ANN201 (prometheus_client's collector protocol)
+        for family in self._families:
+            yield from family.collect()

@@ -31,7 +31,7 @@ from ..pipelines.registry import get_pipeline
 from . import engine_metrics
 from .ar_glue import glue_for
 from .ar_text import run_text, speak_chat
-from .loop import AsyncStageLoop, _log_task_failure
+from .loop import AsyncStageLoop, _cancel_all, _log_task_failure
 from .token_clock import TokenClock
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
@@ -266,9 +266,12 @@ class ARStageRunner(AsyncStageLoop):
         # non-zero, and the orchestrator fails the in-flight requests (503) and restarts us.
         self.fatal("its vLLM engine died")
 
-    def close(self) -> None:
-        super().close()
-        try:
-            self.engine.shutdown()
-        except Exception:
-            pass
+    async def close_engine(self) -> None:
+        # AsyncLLM's output handler awaits the engine core's outputs on this loop: cancelled
+        # and awaited before the engine core closes its sockets, it ends as a cancelled task;
+        # after, it would fail on the closed sockets ("AsyncLLM output_handler failed"), or be
+        # closed pending when the loop closes (GeneratorExit inside it). shutdown() then cancels
+        # the engine core client's own tasks here, on the running loop, and stops the engine
+        # core; the base awaits those tasks.
+        await _cancel_all([t for t in [getattr(self.engine, "output_handler", None)] if t])
+        self.engine.shutdown()

@@ -19,8 +19,9 @@ drives its engine, in one of two shapes:
   metrics timer). Only an asyncio stage takes part in a streamed edge between stages.
 
 A new kind is a small subclass: its `__init__` builds the engine, `info()` says what it runs,
-and the request hooks drive it (stream_test_stages.py is a complete example: two stages in ~90 lines).
-The worker (worker.py) picks the subclass from the topology: `StageSpec.runner`, else the kind.
+and the request hooks drive it (tests/streaming/stream_stages.py is a complete example: two
+stages in ~90 lines). The worker (worker.py) picks the subclass from the topology through
+loops.py: `StageSpec.runner`, else the kind.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ class AsyncStageLoop(StageLoop):
         super().__init__(init, conn)
         self.loop = asyncio.new_event_loop()
         self.tasks: dict[str, asyncio.Task] = {}
+        self._side: list[asyncio.Task] = []  # the background() tasks while serving
         self._done: asyncio.Future | None = None
 
     @abstractmethod
@@ -229,15 +231,41 @@ class AsyncStageLoop(StageLoop):
         self.streams.hub.start(self.loop)
         fd = self.conn.fileno()
         self.loop.add_reader(fd, self._on_readable)
-        side = [self.loop.create_task(c) for c in self.background()]
-        for task in side:
+        self._side = [self.loop.create_task(c) for c in self.background()]
+        for task in self._side:
             task.add_done_callback(_log_task_failure)
         try:
             self.loop.run_until_complete(self._done)
         finally:
-            for task in side:
-                task.cancel()
             self.loop.remove_reader(fd)
+
+    async def close_engine(self) -> None:
+        """Stop the engine, on the stage's loop (its requests and background tasks are done
+        by then); asyncio engines whose own tasks live on this loop stop them here."""
+
+    def close(self) -> None:
+        """Wind down on the loop, in order, so no task is left pending when the loop closes
+        (asyncio would log each as "Task was destroyed but it is pending!", and a coroutine
+        closed that way sees GeneratorExit in the middle of its work): the requests first (an
+        AsyncLLM generation aborts its request in the engine as it is cancelled, which needs
+        the engine), then the background tasks, then the engine, then whatever is left."""
+        if not self.loop.is_closed():
+            try:
+                self.loop.run_until_complete(self._wind_down())
+            except Exception:  # the stage is exiting either way: say why it was not clean
+                logger.exception("stage %d: shutdown failed", self.stage_id)
+            finally:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                self.loop.close()
+        super().close()
+
+    async def _wind_down(self) -> None:
+        await _cancel_all(list(self.tasks.values()))
+        self.tasks.clear()
+        await _cancel_all(self._side)
+        await self.close_engine()
+        me = asyncio.current_task()
+        await _cancel_all([t for t in asyncio.all_tasks() if t is not me])
 
     def stop(self) -> None:
         if self._done is not None and not self._done.done():
@@ -319,6 +347,22 @@ class AsyncStageLoop(StageLoop):
         iterator; each chunk's buffer is released as it is read, and the producer may send
         the next one once the consumer asks for it."""
         return self.streams.read(msg, from_stage)
+
+
+# How long cancelled tasks get to finish at shutdown; the orchestrator gives the whole stage
+# StageProcess.shutdown's timeout before it kills the process group.
+CANCEL_WAIT_S = 2.0
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel `tasks` and wait (CANCEL_WAIT_S at most) until each has finished."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, stuck = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+    for task in stuck:
+        logger.error("task %s did not finish within %.0f s of its cancel", task, CANCEL_WAIT_S)
 
 
 def _log_task_failure(task: asyncio.Task) -> None:

@@ -33,7 +33,6 @@ from .loop import AsyncStageLoop, RequestRefused
 
 logger = logging.getLogger("vllm_omni_plugin.stages.qwen3_omni")
 
-_RUNNERS = "vllm_omni_plugin.stages.qwen3_omni"
 _MAX_WAITING = 4  # engine outputs of one request waiting for its reader before it is held
 _IDLE_WAIT_S = 0.05  # nothing was ready: wait this long for news before stepping again
 
@@ -133,9 +132,9 @@ class _BatchedEngineStage(AsyncStageLoop):
             self.news.set()
         return emitted
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        super().close()
+    async def close_engine(self) -> None:
+        # `_drive` is cancelled by now; a step it started may still run in the thread.
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 class TalkerStage(_BatchedEngineStage):
@@ -253,7 +252,3 @@ class Code2WavStage(_BatchedEngineStage):
 
         samples = np.concatenate([o.samples for o in outs])
         return AudioChunk(outs[0].request_id, samples, outs[-1].finished)
-
-
-TALKER_RUNNER = f"{_RUNNERS}:TalkerStage"
-CODE2WAV_RUNNER = f"{_RUNNERS}:Code2WavStage"

@@ -34,16 +34,25 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..common.messages import Chunk, Credit, Submit
 from .edge_streams import DirectInput, DirectOutput, EdgeHub, StreamError
 from .payloads import inline
 
-if TYPE_CHECKING:
-    from .loop import StageLoop
-
 logger = logging.getLogger("vllm_omni_plugin.stages.streams")
+
+
+class StreamingStage(Protocol):
+    """What the streams use of their stage (loop.StageLoop, which imports this module): its
+    id, its control socket and its pulse (edge_streams.py uses the same)."""
+
+    stage_id: int
+
+    def reply(self, msg: Any) -> None: ...
+
+    def pulse(self) -> None: ...
+
 
 # Chunks of one request a producer may have out, unconsumed, when the topology does not say.
 DEFAULT_STREAM_WINDOW = 4
@@ -66,7 +75,7 @@ class StageStreams:
     """A stage process's streamed outputs and inputs, per request. `hub` (an asyncio stage's
     listener and stage-to-stage channels) is None in a stage that streams to no other stage."""
 
-    def __init__(self, stage: StageLoop):
+    def __init__(self, stage: StreamingStage):
         self.stage = stage
         self.hub: EdgeHub | None = None
         self.outputs: dict[str, _ToServer | DirectOutput] = {}

@@ -3,7 +3,10 @@
 The orchestrator passes one end of a socket pair as fd N; the first message on it is the
 stage's StartStage (messages.py), read back into its typed StageInit. The worker names itself `omni-stage-<id>` (ps shows it), loads its
 stage runner, says Ready, and serves until Shutdown or until the socket closes (the API server
-is gone), so a stage never outlives its server.
+is gone). It also watches the process that started it (`--parent-pid`): once that is gone, a
+serving stage gets PARENT_GONE_GRACE_S to stop by itself (the socket's EOF, which it reads at
+once), then its whole process group is killed, its engine's processes with it, whatever it is
+doing (a long step, a stuck shutdown); a stage still starting (loading its model) at once.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -19,8 +23,28 @@ import msgspec
 
 from ..common.channel import MessageChannel
 from ..common.messages import Ready, StartStage
+from ..common.parent_watch import end_process_tree, watch_parent
 from ..config.stage_init import StageInit
+from .loops import loop_class
 from .stats_relay import StatsRelay
+
+# After the parent died: how long a stage may take to stop cleanly before its process group
+# is killed. A serving stage stops at the socket's EOF, an AR stage's vLLM engine in up to
+# ~5.5 s (its workers' shutdown recheck, see orchestrator/stage_process.STOP_WAIT_S).
+PARENT_GONE_GRACE_S = 6.0
+
+
+_serving = threading.Event()  # set once the stage said Ready: it reads its socket from then on
+
+
+def _parent_gone(parent: int) -> None:
+    # Runs in the watch thread; the main thread may be anywhere (loading, stepping, closing).
+    logging.getLogger("omni-stage").warning(
+        "the process that started this stage (pid %d) is gone; exiting", parent
+    )
+    if _serving.is_set():
+        time.sleep(PARENT_GONE_GRACE_S)  # a clean exit ends the process (and this thread) first
+    end_process_tree()
 
 
 def env_state(name: str, configured: object) -> str:
@@ -41,27 +65,16 @@ def _set_title(init: StageInit) -> None:
 
 def make_runner(init: StageInit, conn: MessageChannel):
     """The stage's loop (loop.StageLoop): the topology's `runner`, else its kind's."""
-    if init.spec.runner is not None:
-        import importlib
-
-        module, _, name = init.spec.runner.partition(":")
-        return getattr(importlib.import_module(module), name)(init, conn)
-    if init.spec.kind == "diffusion":
-        from .diffusion_stage import DiffusionStageRunner
-
-        return DiffusionStageRunner(init, conn)
-    if init.spec.kind == "ar":
-        from .ar_stage import ARStageRunner
-
-        return ARStageRunner(init, conn)
-    raise ValueError(f"unknown stage kind {init.spec.kind!r}")
+    return loop_class(init.spec)(init, conn)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, default=None)
     parser.add_argument("title", nargs="?")
     args = parser.parse_args(argv)
+    watch_parent(_parent_gone, args.parent_pid)
     os.set_inheritable(args.fd, False)  # children (a vLLM EngineCore) must not hold it
     conn = MessageChannel(Connection(args.fd))
     logging.basicConfig(
@@ -89,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         # Sending Ready is inside the try: if the API server went away while we loaded,
         # this fails and `finally` still stops what the runner started (a vLLM EngineCore).
         conn.send(Ready(pid=os.getpid(), info=info, edge_address=runner.edge_address()))
+        _serving.set()
         runner.serve()
     except (EOFError, OSError):
         log.info("control connection closed; exiting")
     finally:
+        t0 = time.monotonic()
         runner.close()
+        log.info("stopped in %.1f s", time.monotonic() - t0)
     return 0
 
 

@@ -13,8 +13,9 @@ sink ever had waiting (`max_waiting`) and the most the source ever had out unack
 (`max_unacked`), so tests can check overlap and the bound.
 
 Importing this module registers both topologies (their stages are "diffusion" to the config
-loader, which only sets their devices, env and watchdog: the deploy file
-tests/streaming/stream_test.yaml). `expected_checksum` computes what the sink must return.
+loader, which only sets their devices, env and watchdog: the deploy file stream_test.yaml).
+The stages name their loops as a third-party pipeline would ("module:Class"), so a stage
+process finds them through PYTHONPATH. `expected_checksum` computes what the sink must return.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import time
 
 import torch
 
-from ..common.messages import Result, RunnerSettings, StageInfo, Submit
-from ..pipelines.registry import register_pipeline
-from ..pipelines.topology import PipelineTopology, StageSpec
-from .loop import AsyncStageLoop, RequestRefused
+from vllm_omni_plugin.common.messages import Result, RunnerSettings, StageInfo, Submit
+from vllm_omni_plugin.pipelines.registry import register_pipeline
+from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
+from vllm_omni_plugin.stages.loop import AsyncStageLoop, RequestRefused
 
 EMIT_DELAY_ENV = "OMNI_TEST_EMIT_DELAY_MS"
 READ_DELAY_ENV = "OMNI_TEST_READ_DELAY_MS"
@@ -58,7 +59,7 @@ class SourceStage(AsyncStageLoop):
     """Emits the request's chunks, one every OMNI_TEST_EMIT_DELAY_MS."""
 
     def info(self) -> StageInfo:
-        return StageInfo(self.kind, RunnerSettings(f"{_RUNNERS}:SourceStage"))
+        return StageInfo(self.kind, RunnerSettings(self.init.spec.runner or ""))
 
     async def run_request(self, msg: Submit) -> Result:
         p = msg.params
@@ -101,7 +102,7 @@ class SinkStage(AsyncStageLoop):
     bytes for even chunks, as a one-value tensor for odd ones (both inline kinds)."""
 
     def info(self) -> StageInfo:
-        return StageInfo(self.kind, RunnerSettings(f"{_RUNNERS}:SinkStage"))
+        return StageInfo(self.kind, RunnerSettings(self.init.spec.runner or ""))
 
     async def run_request(self, msg: Submit) -> Result:
         (src,) = msg.stream_inputs
@@ -138,7 +139,9 @@ class SinkStage(AsyncStageLoop):
         )
 
 
-_RUNNERS = "vllm_omni_plugin.stages.stream_test_stages"
+# A loop outside the package is named "module:Class"; the stage process imports this module
+# from its PYTHONPATH, which the tests extend with this folder (test_streamed_edges.py).
+_RUNNERS = "stream_stages"
 
 
 def _topology(key: str, chain: bool) -> PipelineTopology:
