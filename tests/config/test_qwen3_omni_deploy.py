@@ -232,7 +232,7 @@ def test_code2wav_chunking_on_a_connector(tmp_path):
         "codec_left_context_frames": engine.left_context_frames,
     }
     text = (REPO / "stage_configs" / "qwen3_omni_tiny.yaml").read_text()
-    other = text.replace("    type: shm", "    type: shm\n    extra: {codec_chunk_frames: 50}")
+    other = text + "connectors:\n  shm:\n    type: shm\n    extra: {codec_chunk_frames: 50}\n"
     (line,) = problems(write(tmp_path, other))
     assert "connectors.shm.codec_chunk_frames: is 50, but the Code2Wav stage's chunking" in line
     # a pipeline without Code2Wav has no use for it; nor does any connector for a made-up key
@@ -261,3 +261,11 @@ def test_async_chunk_warns_only_where_it_says_otherwise(tmp_path):
         load_deploy_config(
             "qwen3_omni_tiny", stage_overrides={"1": {"gpu_memory_utilization": 0.5}}
         )
+
+
+def test_a_connector_named_for_a_streamed_edge_is_warned_about(tmp_path):
+    base = (REPO / "stage_configs" / "qwen3_omni_tiny.yaml").read_text()
+    assert not any("edges" in w for w in load_deploy_config(write(tmp_path, base)).warnings)
+    named = base + "edges:\n  - {from: 1, to: 2, connector: shm}\nconnectors:\n  shm: {type: shm}\n"
+    (warning,) = [w for w in load_deploy_config(write(tmp_path, named)).warnings if "edges" in w]
+    assert "edges[0].connector: 'shm' is not used: edge 1 -> 2 streams" in warning, warning

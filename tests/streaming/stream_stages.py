@@ -5,11 +5,12 @@
 
 The source emits `num_frames` float32 tensor chunks of `width` values each (the request's
 GenerationParams, reused for the test), chunk i filled from `seed` and i, waiting
-OMNI_TEST_EMIT_DELAY_MS between chunks; the sink reads them, waiting OMNI_TEST_READ_DELAY_MS
+OMNI_TEST_EMIT_DELAY_MS (or the request's `height`, in ms) between chunks, pulsing meanwhile; the sink reads them, waiting OMNI_TEST_READ_DELAY_MS
 per chunk (a slow consumer), and returns the SHA-256 of the chunks' bytes in order. Both are
 small subclasses of stages.loop.AsyncStageLoop: the shape a new kind of stage takes. Each Result
-carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`) and the most chunks the
-sink ever had waiting (`max_waiting`), so tests can check overlap and the bound.
+carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`), the most chunks the
+sink ever had waiting (`max_waiting`) and the most the source ever had out unacknowledged
+(`max_unacked`), so tests can check overlap and the bound.
 
 Importing this module registers both topologies (their stages are "diffusion" to the config
 loader, which only sets their devices, env and watchdog: the deploy file stream_test.yaml).
@@ -65,19 +66,34 @@ class SourceStage(AsyncStageLoop):
         chunks, values = p.num_frames or DEFAULT_CHUNKS, p.width or DEFAULT_VALUES
         if chunks < 1:
             raise RequestRefused("num_frames must be at least 1", "num_frames")
-        delay = _delay(EMIT_DELAY_ENV)
+        # `height`, when set: this request's delay in ms (a slow producer, still working).
+        delay = p.height / 1000.0 if p.height else _delay(EMIT_DELAY_ENV)
         first = last = 0.0
+        most = 0
         for i in range(chunks):
             await self.emit_chunk(msg, chunk_tensor(p.seed or 0, i, values))
+            most = max(most, len(self.streams.outputs[msg.request_id].unacked))
             last = time.time()
             first = first or last
             self.pulse()
             if delay and i + 1 < chunks:
-                await asyncio.sleep(delay)
+                await self._work(delay)
         return Result(
             msg.request_id,
-            metrics={"chunks": chunks, "first_chunk_at": first, "last_chunk_at": last},
+            metrics={
+                "chunks": chunks,
+                "first_chunk_at": first,
+                "last_chunk_at": last,
+                "max_unacked": most,
+            },
         )
+
+    async def _work(self, seconds: float) -> None:
+        """Wait `seconds` as an engine busy on the next chunk would: pulsing as it goes."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+            self.pulse()
 
 
 class SinkStage(AsyncStageLoop):
@@ -93,6 +109,9 @@ class SinkStage(AsyncStageLoop):
         delay = _delay(READ_DELAY_ENV)
         digest = hashlib.sha256()
         count, first, most = 0, 0.0, 0
+        # `num_inference_steps`, when set: read that many chunks, then return (the rest of
+        # the source's output goes nowhere).
+        stop_after = msg.params.num_inference_steps
         async for tensor in self.chunks(msg, src):
             first = first or time.time()
             most = max(most, len(self.streams.inputs[(msg.request_id, src)].queue) + 1)
@@ -104,6 +123,8 @@ class SinkStage(AsyncStageLoop):
                 piece = struct.pack("<d", float(total)) if count % 2 else total.reshape(1)
                 await self.emit_chunk(msg, piece)
             self.pulse()
+            if count == stop_after:
+                break
             if delay:
                 await asyncio.sleep(delay)
         return Result(

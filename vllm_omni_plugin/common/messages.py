@@ -14,7 +14,9 @@ Local stage conversation (H = API server, S = stage process):
     S -> H  Ready(pid, info)                    the model is loaded; limits and settings
     H -> S  Submit | Abort | Inspect | Shutdown
     S -> H  Result | Progress | Pulse | Inspection | EngineMetrics
-    S -> H -> S  Chunk, ChunkDone -> Credit     streamed edges (stages/streams.py)
+    S -> H  Chunk   H -> S  Credit              a final stage's streamed output (stages/streams.py)
+    S -> H  StreamWait                          a request waits on its stage-to-stage peer
+    S <-> S edge channel (connectors/edge_channel.py): a streamed edge's chunks and credits
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class Ready(msgspec.Struct, tag=True):
 
     pid: int
     info: StageInfo
+    # Where this stage's producers open their streamed edges' channels (stages/edge_streams.py;
+    # empty: it takes no streamed inputs).
+    edge_address: str = ""
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -190,6 +195,14 @@ class Submit(msgspec.Struct, tag=True):
     stream_inputs: list[int] = []
     stream_output: bool = False
     stream_window: int = 0
+    # A streamed edge to another stage: the consumer's edge address (its Ready's) and the
+    # request's token for the edge; the consumer gets the same token per streamed input.
+    # `stream_to` None with `stream_output`: the chunks go to the API server (a final stage).
+    stream_to: str | None = None
+    stream_token: str = ""
+    stream_tokens: dict[int, str] = {}
+    # Per streamed input: its producer's `stream_window` (the most chunks it may have out).
+    stream_input_windows: dict[int, int] = {}
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -197,32 +210,30 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Chunk(msgspec.Struct, tag=True):
-    """One ordered piece of a request's output on a streamed edge (stages/streams.py).
+    """One ordered piece of a final stage's output towards the API server (stages/streams.py).
 
-    Producer -> orchestrator -> consumer (or the API server, for a final stage). `payload` is
-    a connector descriptor (the edge's connector) or the value inline (no connector: a final
-    stage's chunks, raw bytes or an inline tensor). The end marker has `end` set, no payload,
-    and `seq` = the number of chunks before it."""
+    `payload` is the value inline (raw bytes or an inline tensor); the stage's Result ends the
+    stream. Between two stages chunks do not travel as messages: they go over the edge's own
+    channel."""
 
     request_id: str
     from_stage: int
     seq: int
     payload: StageOutput = None
-    end: bool = False
 
 
-class ChunkDone(msgspec.Struct, tag=True):
-    """Consumer -> orchestrator: chunk `seq` from `from_stage` was consumed (its buffer
-    released, the consumer done with it); the orchestrator hands the producer a Credit."""
+class StreamWait(msgspec.Struct, tag=True):
+    """A request in this stage waits on its peer across a streamed edge (a consumer with
+    nothing to read, a producer with a full window), or no longer does: the orchestrator's
+    stall clock stops for it meanwhile. Sent only once a wait lasted a pulse interval."""
 
     request_id: str
     stage_id: int
-    from_stage: int
-    seq: int
+    waiting: bool
 
 
 class Credit(msgspec.Struct, tag=True):
-    """Orchestrator -> producer: chunk `seq` of the request was consumed, so one more may be
+    """API server -> final stage: chunk `seq` of the request was consumed, so one more may be
     emitted (the producer holds at most its window of unconsumed chunks per request)."""
 
     request_id: str
@@ -359,7 +370,7 @@ ENGINE_METRICS_INTERVAL_S = 2.0
 # ---- the unions each reader accepts, and the codec -------------------------------------------
 ToStageMessage = StartStage | Submit | Abort | Inspect | Shutdown | Chunk | Credit | GenerateText
 FromStageMessage = (
-    Ready | Result | Progress | Pulse | Inspection | EngineMetrics | Chunk | ChunkDone | TextOutput
+    Ready | Result | Progress | Pulse | Inspection | EngineMetrics | Chunk | StreamWait | TextOutput
 )
 
 _encoder = msgspec.msgpack.Encoder()

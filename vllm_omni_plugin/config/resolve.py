@@ -180,6 +180,7 @@ def load_deploy_config(
     edges = assign_edges(topo, top.get("edges"), stages, connectors, sink)
     sink.raise_if_any()
     _warn_async_chunk(top.get("async_chunk"), topo, warnings)
+    _warn_streamed_connectors(top.get("edges"), topo, warnings)
     return DeployConfig(
         file=str(path),
         model=pipeline_model,
@@ -215,6 +216,18 @@ def _warn_async_chunk(value: Any, topo: Any, warnings: list[str]) -> None:
             else "start after their inputs complete"
         )
         warnings.append(f"async_chunk: {value} ignored: the stages of {topo.key!r} {how}")
+
+
+def _warn_streamed_connectors(raw_edges: Any, topo: Any, warnings: list[str]) -> None:
+    """A streamed edge's chunks go from stage to stage over the edge's own channel
+    (stages/edge_streams.py), never through a connector: one named for it does nothing."""
+    for i, edge in enumerate(raw_edges or []):
+        src, dst = edge.get("from", edge.get("from_stage")), edge.get("to", edge.get("to_stage"))
+        if edge.get("connector") is not None and topo.streams(src, dst):
+            warnings.append(
+                f"edges[{i}].connector: {edge['connector']!r} is not used: edge {src} -> {dst} "
+                "streams, its chunks go straight from stage to stage"
+            )
 
 
 def _section_provenance(

@@ -83,6 +83,7 @@ class FrameReader:
     def __init__(self, fd: int):
         self.fd = fd
         self._buf = bytearray()
+        self.bytes_read = 0  # everything the peer sent so far (what crossed into this process)
 
     def read(self) -> list[FromStageMessage] | None:
         """Messages completed by what is readable now; None once the peer closed the socket.
@@ -97,6 +98,7 @@ class FrameReader:
             return None
         if not data:
             return None
+        self.bytes_read += len(data)
         self._buf += data
         return [decode_from_stage(frame) for frame in self._frames()]
 

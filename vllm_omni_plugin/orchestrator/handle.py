@@ -93,7 +93,7 @@ class ReplicaStats:
 
 
 ProgressListener = Callable[[Progress], None]
-StreamListener = Callable[[Any], None]  # a stage's Chunk / ChunkDone for one request
+StreamListener = Callable[[Any], None]  # a final stage's Chunks for one request
 
 
 def refuse_streams(handle: Any, msg: Submit, on_stream: Any) -> None:
@@ -154,16 +154,22 @@ class StageHandle(Protocol):
     ) -> Result:
         """Run one request; StageUnavailableError (503) when the stage is down or dies.
         `on_progress` gets the stage's Progress messages for it until its Result, and
-        `on_stream` its Chunk / ChunkDone messages (streamed edges; only where `streams`)."""
+        `on_stream` its Chunks (a final streaming stage; only where `streams`)."""
         ...
 
     @property
     def streams(self) -> bool:
-        """Whether this handle relays streamed edges (submit's `on_stream`, `send_stream`)."""
+        """Whether this stage takes part in streamed edges (submit's `on_stream`,
+        `send_stream`, `edge_address`)."""
+        ...
+
+    @property
+    def edge_address(self) -> str | None:
+        """Where a producer opens a streamed edge's channel to this stage (None: nowhere)."""
         ...
 
     def send_stream(self, msg: Any) -> None:
-        """Hand the stage a Chunk (it consumes a streamed edge) or a Credit (it produces one)."""
+        """Hand a final streaming stage the Credit for one of its chunks."""
         ...
 
     def set_waiting(self, request_id: str, waiting: bool) -> None:

@@ -8,7 +8,8 @@ stage produced its payload also aborts it in that producer, which releases the p
 (shared-memory file, NIXL slot) instead of holding it until its lease expires.
 
 Streamed edges (a topology stage with `stream_output`, see streaming.py and stages/streams.py)
-overlap the stages: the consumer starts on the producer's first chunk. The final stage's
+overlap the stages: the consumer starts on the producer's first chunk, which goes to it
+straight from the producer's process, not through this one. The final stage's
 chunks reach the caller as they come through `stream`:
 
     async for event in orchestrator.stream(request_id, params):
@@ -138,6 +139,17 @@ class Orchestrator:
             starts[sid] = asyncio.ensure_future(self._start_after(stage, before))
         results = await asyncio.gather(*starts.values(), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            topo = self.cfg.topology
+            for src, dst in topo.edges:
+                if topo.streams(src, dst) and self.stages[dst].edge_address is None:
+                    errors.append(
+                        ValueError(
+                            f"stage {dst} ({topo.stage(dst).name}) reads a streamed edge, but "
+                            "its runner opens no stage-to-stage channel (only asyncio stages, "
+                            "stages.loop.AsyncStageLoop, do)"
+                        )
+                    )
         if errors:
             await self.aclose()
             raise errors[0]

@@ -10,8 +10,9 @@ a shutdown fails requests the same way wherever the stage runs.
   while requests are in flight (`stalled`), and restarts when the first request arrives at an
   idle stage. On a streamed edge (stages/streams.py) a request may wait on another stage: a
   consumer that read every chunk it was given, a producer whose window is full. Such a
-  request is `set_waiting`: it keeps no clock running, and the clock restarts when it gets
-  work again (a chunk, a credit), so the watchdog acts per chunk as it does per request.
+  request is `set_waiting` (the stage says so with a StreamWait; the caller's credits for a
+  final stage's chunks say so here): it keeps no clock running, and the clock restarts when
+  it gets work again, so the watchdog acts per chunk as it does per request.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PendingRequests:
         self.stall_timeout_s = stall_timeout_s
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.listeners: dict[str, Callable[[Progress], None]] = {}
-        # Streamed edges: request id -> callback for the stage's Chunk / ChunkDone messages.
+        # A final stage's streamed output: request id -> callback for its Chunk messages.
         self.streams: dict[str, Callable[[Any], None]] = {}
         self.waiting: set[str] = set()  # requests waiting on another stage (see above)
         self.last_progress = time.monotonic()
@@ -122,7 +123,8 @@ class PendingRequests:
         """Mark a request as waiting on another stage (its clock stops), or as having work
         again (the clock restarts now)."""
         if waiting:
-            self.waiting.add(request_id)
+            if request_id in self.futures:  # a late report of a finished request: no entry
+                self.waiting.add(request_id)
         elif request_id in self.waiting:
             self.waiting.discard(request_id)
             self.touch()
@@ -149,7 +151,7 @@ class PendingRequests:
             logger.exception("progress listener of %s failed", msg.request_id)
 
     def stream(self, msg: Any) -> None:
-        """A Chunk or ChunkDone of a streamed edge: progress, handed to the request's relay."""
+        """A final stage's Chunk: progress, handed to the request's relay."""
         self.touch()
         relay = self.streams.get(msg.request_id)
         if relay is None:

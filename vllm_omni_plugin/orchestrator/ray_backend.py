@@ -324,6 +324,7 @@ class RayReplicaClient:
 
     # ---- requests ----------------------------------------------------------------------
     streams = False  # Ray replicas do not relay streamed edges yet
+    edge_address = None
 
     def send_stream(self, msg: Any) -> None:
         pass

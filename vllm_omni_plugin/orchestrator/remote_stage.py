@@ -125,6 +125,7 @@ class RemoteStageClient:
 
     # ---- requests ----------------------------------------------------------------------
     streams = False  # the node link does not carry streamed edges yet
+    edge_address = None
 
     def send_stream(self, msg: Any) -> None:
         pass

@@ -133,6 +133,10 @@ class ReplicaSet:
     def streams(self) -> bool:
         return all(r.streams for r in self.replicas)
 
+    @property
+    def edge_address(self) -> str | None:
+        return None  # a request's replica is picked at its submit: no one address
+
     def send_stream(self, msg: Any) -> None:
         replica = self._routes.get(msg.request_id)
         if replica is not None:

@@ -32,7 +32,6 @@ from ..common.limits import RequestLimits
 from ..common.messages import (
     Abort,
     Chunk,
-    ChunkDone,
     EngineMetrics,
     Inspect,
     Inspection,
@@ -40,6 +39,7 @@ from ..common.messages import (
     Pulse,
     Result,
     StageInfo,
+    StreamWait,
     Submit,
     TextOutput,
 )
@@ -248,11 +248,16 @@ class StageClient:
             on_stream,
         )
 
-    streams = True  # relays streamed edges (Chunk, ChunkDone, Credit)
+    streams = True  # streams: to other local stages directly, a final stage's to the caller
+
+    @property
+    def edge_address(self) -> str | None:
+        """Where producers open streamed edges to this stage (its current process's)."""
+        return self.proc.edge_address if self.proc is not None else None
 
     def send_stream(self, msg: Any) -> None:
-        """A Chunk (to a consumer) or a Credit (to a producer) of a streamed edge. A stage
-        that is down drops it: its death fails the request anyway."""
+        """A Credit for a final stage's streamed chunk. A stage that is down drops it: its
+        death fails the request anyway."""
         if self.proc is not None and self.state == StageState.READY:
             try:
                 self.proc.send(msg)
@@ -309,8 +314,10 @@ class StageClient:
             self.pending.resolve(msg)
         elif isinstance(msg, (Progress, TextOutput)):  # TextOutput: a GenerateText's outputs
             self.pending.progress(msg)
-        elif isinstance(msg, (Chunk, ChunkDone)):
+        elif isinstance(msg, Chunk):
             self.pending.stream(msg)
+        elif isinstance(msg, StreamWait):
+            self.pending.set_waiting(msg.request_id, msg.waiting)
 
     def _on_exit(self, proc: StageProcess) -> None:
         self._spawn_task(self._on_death(proc))

@@ -97,12 +97,19 @@ class StageProcess:
         self.proc: subprocess.Popen | None = None
         self.conn: MessageChannel | None = None
         self.info: StageInfo | None = None
+        self.edge_address: str | None = None  # its Ready's (stages/edge_streams.py)
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer: FrameWriter | None = None
         self._closing = False
         self._log_thread: threading.Thread | None = None
+        self._reader: FrameReader | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process read from the stage's control socket since it started serving."""
+        return self._reader.bytes_read if self._reader is not None else 0
 
     @property
     def name(self) -> str:
@@ -222,6 +229,7 @@ class StageProcess:
             return False
         if isinstance(msg, Ready):
             self.info = msg.info
+            self.edge_address = msg.edge_address or None
             return True
         return False
 
@@ -232,7 +240,7 @@ class StageProcess:
         fd = self.conn.fileno()
         os.set_blocking(fd, False)  # the loop reads what is there and writes what fits
         self._writer = FrameWriter(loop, fd)
-        reader = FrameReader(fd)
+        reader = self._reader = FrameReader(fd)
         loop.add_reader(fd, self._on_readable, reader)
 
     def _on_readable(self, reader: FrameReader) -> None:

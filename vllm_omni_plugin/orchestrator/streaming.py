@@ -3,28 +3,36 @@
 When a topology has a streaming stage (`StageSpec.stream_output`), `Orchestrator.generate`
 and `Orchestrator.stream` run the request here: every stage gets its Submit as soon as its
 non-streamed inputs are ready, so a consumer is submitted together with its producer and
-starts on the first chunk. Per streamed edge an `EdgeRelay` forwards the producer's Chunks to
-the consumer in order, turns the consumer's ChunkDone into the producer's Credit, sends the
-end marker after the producer's Result, and keeps each side's stall clock honest (a consumer
-that read all it was given, a producer whose window is full, waits on the other stage).
-A final streaming stage's chunks go to the API server (`ClientRelay`) as `OutputChunk` events.
+starts on the first chunk.
+
+A streamed edge between two stages carries its chunks and credits over its own channel,
+stage process to stage process (stages/edge_streams.py): this process hands the producer the
+consumer's address and both a fresh token for the request's edge, and carries none of the
+edge's chunks. It supervises from what the stages say anyway: the Submit, the Result (the
+producer's ends its stream; a failure fails the request), each stage's Pulses (a chunk sent
+or consumed is progress) and StreamWait reports (a consumer waiting on its producer, a
+producer waiting for credits, is not stalled).
+
+A final streaming stage's chunks come here (`ClientRelay`): they are what the caller gets, as
+`OutputChunk` events, and the Credit for one goes back once the caller took it.
 
 If any stage fails or dies, or the caller goes away, every other stage of the request is
-cancelled: each drops the request and releases the buffers it holds (stages/streams.py).
-Back-pressure needs no queue here: a producer never has more than its window of chunks out.
+cancelled: each drops the request and closes its channels, releasing what it holds; a
+stage whose peer died notices at once (its channel's EOF) and waits for that abort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..common.messages import Chunk, ChunkDone, Credit, Progress, Result, Submit
+from ..common.messages import Chunk, Credit, Progress, Result, Submit
 from .connector_stats import absorb as absorb_connector_stats
-from .errors import StageRequestError
+from .errors import StageRequestError, StageUnavailableError
 from .handle import StageHandle
 
 if TYPE_CHECKING:
@@ -63,58 +71,6 @@ def plain_payload(payload: Any) -> Any:
 
         return from_inline(payload)
     return payload
-
-
-class EdgeRelay:
-    """One streamed edge of one request: producer -> consumer, credits back."""
-
-    def __init__(self, request_id: str, producer: StageHandle, consumer: StageHandle, window: int):
-        self.request_id = request_id
-        self.producer = producer
-        self.consumer = consumer
-        self.window = window
-        self.forwarded = 0
-        self.acked = 0
-        self.ended = False
-        self._live = False  # the consumer's Submit went out: forward at once
-        self._early: list[Chunk] = []
-
-    def open(self) -> None:
-        """Call right before the consumer's submit: what arrived meanwhile follows it."""
-        if not self._early:
-            self.consumer.set_waiting(self.request_id, True)  # nothing to read yet
-        asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._live = True
-        early, self._early = self._early, []
-        for chunk in early:
-            self.consumer.send_stream(chunk)
-
-    def _send(self, chunk: Chunk) -> None:
-        if self._live:
-            self.consumer.send_stream(chunk)
-        else:
-            self._early.append(chunk)
-
-    def on_chunk(self, chunk: Chunk) -> None:
-        self.forwarded += 1
-        self._send(chunk)
-        self.consumer.set_waiting(self.request_id, False)  # it has work: its clock runs
-        if self.forwarded - self.acked >= self.window:
-            self.producer.set_waiting(self.request_id, True)  # throttled by the consumer
-
-    def on_done(self, done: ChunkDone) -> None:
-        self.acked += 1
-        self.producer.send_stream(Credit(self.request_id, done.seq))
-        self.producer.set_waiting(self.request_id, False)
-        if self.acked >= self.forwarded and not self.ended:
-            self.consumer.set_waiting(self.request_id, True)  # it waits on the producer
-
-    def end(self, from_stage: int) -> None:
-        self.ended = True
-        self._send(Chunk(self.request_id, from_stage, self.forwarded, end=True))
-        self.consumer.set_waiting(self.request_id, False)
 
 
 class ClientRelay:
@@ -162,7 +118,8 @@ class StreamedRun:
         self.on_progress = on_progress
         self.sink = sink
         self.tasks: dict[int, asyncio.Task] = {}
-        self.relays: dict[tuple[int, int], EdgeRelay] = {}
+        # Per streamed edge between two stages: the request's token for its channel.
+        self.edges: dict[tuple[int, int], str] = {}
         self.client: dict[int, ClientRelay] = {}
         self.stage_s = 0.0
         self.metrics: dict[str, Any] = {}
@@ -170,13 +127,7 @@ class StreamedRun:
         for spec in orch.order:
             for src in spec.inputs:
                 if topo.streams(src, spec.stage_id):
-                    prod = topo.stage(src)
-                    self.relays[(src, spec.stage_id)] = EdgeRelay(
-                        request_id,
-                        orch.stages[src],
-                        orch.stages[spec.stage_id],
-                        prod.stream_window,
-                    )
+                    self.edges[(src, spec.stage_id)] = secrets.token_hex(16)
             if spec.stream_output and spec.stage_id in orch.final_ids:
                 self.client[spec.stage_id] = ClientRelay(
                     request_id, orch.stages[spec.stage_id], spec.stream_window, sink
@@ -208,13 +159,19 @@ class StreamedRun:
         inputs: dict[int, Any] = {}
         streamed: list[int] = []
         for src in spec.inputs:
-            if (src, sid) in self.relays:
+            if (src, sid) in self.edges:
                 streamed.append(src)
             else:
                 result = await asyncio.shield(self.tasks[src])
                 inputs[src] = result.output
         consumers = [s.stage_id for s in orch.order if sid in s.inputs]
         to_stage = consumers[0] if consumers else None
+        edge = (sid, to_stage)
+        stream_to = None
+        if edge in self.edges:
+            stream_to = orch.stages[to_stage].edge_address
+            if stream_to is None:  # restarting: its Submit fails the request the same way
+                raise StageUnavailableError(f"stage {to_stage} is not ready")
         msg = Submit(
             request_id=self.request_id,
             params=self.params,
@@ -224,35 +181,34 @@ class StreamedRun:
             stream_inputs=streamed,
             stream_output=spec.stream_output,
             stream_window=spec.stream_window if spec.stream_output else 0,
+            stream_to=stream_to,
+            stream_token=self.edges.get(edge, ""),
+            stream_tokens={src: self.edges[(src, sid)] for src in streamed},
+            stream_input_windows={
+                src: orch.cfg.topology.stage(src).stream_window for src in streamed
+            },
         )
-        for src in streamed:
-            self.relays[(src, sid)].open()
         result = await orch.stages[sid].submit(
-            msg, on_progress=self.on_progress, on_stream=self._relay_for(sid, to_stage)
+            msg,
+            on_progress=self.on_progress,
+            on_stream=self._relay_for(sid) if sid in self.client else None,
         )
         if result.error is not None:
             absorb_connector_stats(result)
             raise StageRequestError(sid, result.error, result.error_field)
-        relay = self.relays.get((sid, to_stage)) if to_stage is not None else None
-        if relay is not None:
-            relay.end(sid)  # first: the consumer waits for it
         absorb_connector_stats(result)
         self.stage_s += result.stage_s
         self.metrics[f"stage_{sid}"] = {**result.metrics, "stage_s": result.stage_s}
         return result
 
-    def _relay_for(self, sid: int, to_stage: int | None) -> Callable[[Any], None]:
+    def _relay_for(self, sid: int) -> Callable[[Any], None]:
         def on_stream(msg: Any) -> None:
-            if isinstance(msg, Chunk):
-                relay = self.relays.get((sid, to_stage)) if to_stage is not None else None
-                target = relay or self.client.get(sid)
-                if target is None:
-                    logger.error("stage %d sent a chunk of %s on no streamed edge", sid, msg)
-                    return
-                target.on_chunk(msg)
-            elif isinstance(msg, ChunkDone):
-                edge = self.relays.get((msg.from_stage, sid))
-                if edge is not None:
-                    edge.on_done(msg)
+            target = self.client.get(sid)
+            if not isinstance(msg, Chunk) or target is None:
+                logger.error(
+                    "stage %d sent %s for %s, not a final stream", sid, msg, self.request_id
+                )
+                return
+            target.on_chunk(msg)
 
         return on_stream

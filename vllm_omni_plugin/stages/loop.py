@@ -1,8 +1,8 @@
 """The stage process's loop: one base for every kind of stage.
 
 `StageLoop` owns what every stage process does the same way: the control socket, dispatch of
-the orchestrator's messages (Submit, Abort, Shutdown, Inspect, and the streamed edges' Chunk
-and Credit), pulses for the stall watchdog, inspections and replies. A kind of stage only
+the orchestrator's messages (Submit, Abort, Shutdown, Inspect, and a final streamed output's
+Credit), pulses for the stall watchdog, inspections and replies. A kind of stage only
 drives its engine, in one of two shapes:
 
 * `SteppedStageLoop` (the diffusion stage): a synchronous loop that takes what arrived on the
@@ -13,8 +13,10 @@ drives its engine, in one of two shapes:
   task per request running `run_request(msg) -> Result`; the base turns a refusal or an error
   into an error Result, cancels the task on Abort, and streams (stages/streams.py): a producer
   `await self.emit_chunk(msg, payload)` for each piece of output, a consumer reads
-  `async for payload in self.chunks(msg, from_stage)`. `background()` lists coroutines that run
-  beside the requests (an engine watchdog, a metrics timer).
+  `async for payload in self.chunks(msg, from_stage)`; its streamed edges to and from other
+  stages are channels of their own, served on its loop (stages/edge_streams.py).
+  `background()` lists coroutines that run beside the requests (an engine watchdog, a
+  metrics timer). Only an asyncio stage takes part in a streamed edge between stages.
 
 A new kind is a small subclass: its `__init__` builds the engine, `info()` says what it runs,
 and the request hooks drive it (tests/streaming/stream_stages.py is a complete example: two
@@ -33,7 +35,6 @@ from typing import Any
 from ..common.messages import (
     PULSE_INTERVAL_S,
     Abort,
-    Chunk,
     Credit,
     Inspect,
     Inspection,
@@ -44,8 +45,9 @@ from ..common.messages import (
     Submit,
 )
 from ..config.stage_init import StageInit
+from .edge_streams import EdgeHub
 from .payloads import StagePayloads
-from .streams import StageStreams
+from .streams import StageStreams, StreamError
 
 logger = logging.getLogger("vllm_omni_plugin.stages")
 
@@ -76,6 +78,10 @@ class StageLoop(ABC):
         """The requests the stage holds now, for Inspection (request id -> facts)."""
         return {}
 
+    def edge_address(self) -> str:
+        """Where producers open streamed edges to this stage (its Ready says it; empty: none)."""
+        return self.streams.address or ""
+
     def engine_unfinished(self) -> int | None:
         """The engine's own count of unfinished requests, for Inspection (None: unknown)."""
         return None
@@ -102,7 +108,12 @@ class StageLoop(ABC):
     def dispatch(self, msg: Any) -> None:
         if isinstance(msg, Submit):
             self.submitted += 1
-            self.streams.open(msg)
+            try:
+                self.streams.open(msg)
+            except StreamError as exc:
+                self.streams.drop(msg.request_id)
+                self.reply(Result(msg.request_id, error=str(exc)))
+                return
             self.on_submit(msg)
         elif isinstance(msg, Abort):
             self.on_abort(msg.request_id)
@@ -110,8 +121,6 @@ class StageLoop(ABC):
             # Also sent when the request failed or was cancelled after this stage finished it:
             # free its payload now rather than when the connector's lease expires.
             self.payloads.release_request(msg.request_id)
-        elif isinstance(msg, Chunk):
-            self.streams.on_chunk(msg)
         elif isinstance(msg, Credit):
             self.streams.on_credit(msg)
         elif isinstance(msg, Shutdown):
@@ -217,6 +226,9 @@ class AsyncStageLoop(StageLoop):
     # ---- the loop ------------------------------------------------------------------------
     def serve(self) -> None:
         self._done = self.loop.create_future()
+        self.edge_address()
+        assert self.streams.hub is not None
+        self.streams.hub.start(self.loop)
         fd = self.conn.fileno()
         self.loop.add_reader(fd, self._on_readable)
         self._side = [self.loop.create_task(c) for c in self.background()]
@@ -285,14 +297,26 @@ class AsyncStageLoop(StageLoop):
         if task is not None:
             task.cancel()
 
+    def edge_address(self) -> str:
+        # Listening from the Ready on (its address goes out in it), once the engine is built:
+        # an engine process forked earlier does not inherit the listening socket.
+        if self.streams.hub is None:
+            self.streams.hub = EdgeHub(self, f"stage{self.stage_id}")
+        return self.streams.hub.address
+
     def held(self) -> dict[str, dict[str, int]]:
-        return {rid: {} for rid in self.tasks}
+        """Its running requests, and any request whose streams or channels it still holds
+        (with their chunk counts)."""
+        rids = {*self.tasks, *self.streams.requests()}
+        return {rid: self.streams.facts(rid) for rid in rids}
 
     async def _run(self, msg: Submit) -> None:
         t0 = time.perf_counter()
         rid = msg.request_id
+        ok = False
         try:
             result = await self.run_request(msg)  # its Result ends its output stream
+            ok = result.error is None
         except asyncio.CancelledError:
             return  # aborted: the Abort released what the request held
         except Exception as exc:
@@ -306,7 +330,7 @@ class AsyncStageLoop(StageLoop):
                     return
         finally:
             self.tasks.pop(rid, None)
-            first_at = self.streams.finish(rid)
+            first_at = self.streams.finish(rid, ended=ok)
         result.stage_s = time.perf_counter() - t0
         if first_at is not None:
             result.first_output_s = first_at - t0

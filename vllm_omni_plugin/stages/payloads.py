@@ -47,15 +47,6 @@ class StagePayloads:
         self._remember(request_id, out)
         return out
 
-    def emit_chunk(
-        self, payload: Any, request_id: str, from_stage: int, to_stage: int | None, via: str | None
-    ) -> StageOutput:
-        """`emit` for one chunk of a streamed output: not remembered here, the stream keeps
-        each chunk until its consumer is done with it (stages/streams.py)."""
-        if via is None or to_stage is None:
-            return inline(payload)
-        return Via(via, self.connector(via).put(request_id, from_stage, to_stage, payload))
-
     def _remember(self, request_id: str, out: Via) -> None:
         now = time.monotonic()
         while self._emitted and next(iter(self._emitted.values()))[0] <= now:

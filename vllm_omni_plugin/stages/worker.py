@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Sending Ready is inside the try: if the API server went away while we loaded,
         # this fails and `finally` still stops what the runner started (a vLLM EngineCore).
-        conn.send(Ready(pid=os.getpid(), info=info))
+        conn.send(Ready(pid=os.getpid(), info=info, edge_address=runner.edge_address()))
         _serving.set()
         runner.serve()
     except (EOFError, OSError):

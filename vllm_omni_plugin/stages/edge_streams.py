@@ -1,0 +1,415 @@
+"""Streamed edges between two stages: each request's chunks over its own channel, peer to peer.
+
+The producer connects to the consumer's listener (the address the consumer announced in its
+Ready, handed over in the producer's Submit as `stream_to`), says which request and edge it
+carries with the orchestrator's token, and writes its chunks; the consumer writes a credit back
+per chunk it finished with (connectors/edge_channel.py has the wire). The API server sees none
+of it: it learns of the edge only through the stages' Results, Pulses (each chunk sent or
+consumed is progress) and StreamWait reports.
+
+* Order: chunks carry consecutive sequence numbers, checked as they arrive; a gap, a chunk
+  beyond the window or a frame outside the schema is an error of the request.
+* Back-pressure: the producer has at most `window` chunks out unacknowledged; `emit` waits for
+  a credit beyond that. The consumer holds at most the window (+ the end marker) and refuses
+  more.
+* Lifetime: the channel belongs to the request. The producer ends it with the end marker (its
+  run returned) and closes; a consumer that returns before the end says EdgeClose and the
+  producer emits into nothing from then on. An Abort closes both ends at once and drops what
+  they hold. When one end dies, the other reads EOF at once: it drops the channel and its
+  buffers there and then, and its request waits (reported as waiting, so the watchdog leaves
+  it alone) for the orchestrator's Abort, which follows the death of the peer's process or its
+  error Result; the request fails with that cause, not with this side's view of it. Should no
+  Abort come within PEER_LOST_GRACE_S the request fails here.
+* The stall watchdog: a request that waits on its peer (a consumer with nothing to read, a
+  producer with a full window, either after losing its peer) tells the orchestrator with a
+  StreamWait once the wait lasted WAIT_REPORT_S (short waits, one per chunk, cost nothing),
+  and again when it ends: its clock stops meanwhile, as it did when the API server relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..common.messages import PULSE_INTERVAL_S, StreamWait, Submit
+from ..connectors.edge_channel import (
+    EdgeChannelError,
+    EdgeChunk,
+    EdgeClose,
+    EdgeCredit,
+    EdgeHello,
+    EdgeLink,
+    EdgeListener,
+    EdgeMessage,
+    connect,
+)
+from .payloads import from_inline, inline
+
+logger = logging.getLogger("vllm_omni_plugin.stages.streams")
+
+# A wait shorter than this is not reported (at most one report per pulse interval).
+WAIT_REPORT_S = PULSE_INTERVAL_S
+# How long a request whose peer vanished waits for the orchestrator's Abort before failing.
+PEER_LOST_GRACE_S = 30.0
+# Connections whose request this stage does not know yet (its Submit is on the way), and how
+# long one may stay silent before saying which request it carries.
+MAX_UNCLAIMED = 256
+MAX_UNCLAIMED_WINDOW = 64  # chunks one such connection may deliver before its Submit came
+HELLO_TIMEOUT_S = 30.0
+
+
+class StreamError(RuntimeError):
+    """A streamed edge broke its contract (a gap in the sequence, no such stream, a lost peer)."""
+
+
+class Waits:
+    """Per request: how many of its tasks wait on a peer now; a StreamWait goes out once a
+    wait lasted WAIT_REPORT_S, and its end goes out when the last wait ends."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, report: Callable[[str, bool], None]):
+        self.loop = loop
+        self.report = report
+        self.count: dict[str, int] = {}
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.reported: set[str] = set()
+
+    def begin(self, rid: str) -> None:
+        n = self.count.get(rid, 0)
+        self.count[rid] = n + 1
+        if n == 0 and rid not in self.reported:
+            self.timers[rid] = self.loop.call_later(WAIT_REPORT_S, self._fire, rid)
+
+    def end(self, rid: str) -> None:
+        n = self.count.get(rid, 0) - 1
+        if n > 0:
+            self.count[rid] = n
+            return
+        self.count.pop(rid, None)
+        timer = self.timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
+        if rid in self.reported:
+            self.reported.discard(rid)
+            self.report(rid, False)
+
+    def _fire(self, rid: str) -> None:
+        self.timers.pop(rid, None)
+        if self.count.get(rid):
+            self.reported.add(rid)
+            self.report(rid, True)
+
+    def forget(self, rid: str) -> None:
+        self.count.pop(rid, None)
+        self.reported.discard(rid)
+        timer = self.timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
+
+
+class _Waiting:
+    """`async with` around a wait on the peer."""
+
+    def __init__(self, waits: Waits, rid: str):
+        self.waits, self.rid = waits, rid
+
+    async def __aenter__(self) -> None:
+        self.waits.begin(self.rid)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.waits.end(self.rid)
+
+
+class DirectOutput:
+    """A producer's end of one request's edge."""
+
+    def __init__(self, hub: EdgeHub, msg: Submit, from_stage: int, window: int):
+        self.hub = hub
+        self.request_id = msg.request_id
+        self.to_stage = msg.to_stage
+        self.window = window
+        self.next_seq = 0
+        self.unacked: set[int] = set()
+        self.first_at: float | None = None
+        self.discard = False  # the consumer said it reads no more
+        self.lost: str | None = None
+        self.changed = asyncio.Event()
+        self.link: EdgeLink | None = None
+        assert msg.stream_to is not None and msg.to_stage is not None
+        try:
+            sock = connect(msg.stream_to)
+        except OSError as exc:
+            self.lost = f"stage {msg.to_stage} is unreachable ({exc})"
+            return
+        self.link = EdgeLink(sock, hub.loop, self._on_message, self._on_lost)
+        self.link.send(
+            EdgeHello(self.request_id, from_stage, msg.to_stage, msg.stream_token, window)
+        )
+
+    def _on_message(self, msg: EdgeMessage) -> None:
+        if isinstance(msg, EdgeCredit) and msg.seq in self.unacked:
+            self.unacked.discard(msg.seq)
+            self.hub.pulse()
+        elif isinstance(msg, EdgeClose):
+            self.discard = True
+            self.unacked.clear()
+            assert self.link is not None
+            self.link.close()
+        else:
+            self._on_lost(f"unexpected {type(msg).__name__} from stage {self.to_stage}")
+            return
+        self.changed.set()
+
+    def _on_lost(self, reason: str) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.lost = f"stage {self.to_stage}: {reason}"
+        self.changed.set()
+
+    def can_emit(self) -> bool:
+        return self.lost is None and (self.discard or len(self.unacked) < self.window)
+
+    async def emit(self, payload: Any) -> int:
+        while not self.can_emit():
+            async with _Waiting(self.hub.waits, self.request_id):
+                if self.lost is not None:
+                    await self.hub.peer_lost(self.request_id, self.lost)
+                self.changed.clear()
+                await self.changed.wait()
+        seq = self.next_seq
+        self.next_seq += 1
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        if self.discard:
+            return seq
+        assert self.link is not None
+        try:
+            self.link.send(EdgeChunk(seq, inline(payload)))
+        except EdgeChannelError as exc:
+            self._on_lost(str(exc))
+            raise StreamError(f"request {self.request_id}: {self.lost}") from None
+        self.unacked.add(seq)
+        self.hub.pulse()
+        return seq
+
+    def finish(self) -> None:
+        """The run returned: the end marker, then close once it left."""
+        link = self.link
+        if link is None or link.closed:
+            return
+        try:
+            link.send(EdgeChunk(self.next_seq, end=True))
+        except EdgeChannelError:
+            pass
+        link.close(flush=True)
+
+    def drop(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.lost = self.lost or "aborted"
+        self.changed.set()
+
+
+class DirectInput:
+    """A consumer's end of one request's edge: what arrived, in order, up to the window."""
+
+    def __init__(self, hub: EdgeHub, request_id: str, from_stage: int, window: int, token: str):
+        self.hub = hub
+        self.request_id = request_id
+        self.from_stage = from_stage
+        self.window = window
+        self.token = token
+        self.claimed = False  # its Submit arrived (else the producer's connection came first)
+        self.queue: deque[EdgeChunk] = deque()
+        self.next_arrival = 0
+        self.read_count = 0
+        self.ended = False
+        self.error: str | None = None  # the stream broke its contract: fails at once
+        self.lost: str | None = None  # the producer vanished: wait for the Abort
+        self.arrived = asyncio.Event()
+        self.link: EdgeLink | None = None
+        self.since = time.monotonic()
+
+    def attach(self, link: EdgeLink) -> None:
+        self.link = link
+        link.on_message = self._on_message
+        link.on_lost = self._on_lost
+
+    def _on_message(self, msg: EdgeMessage) -> None:
+        if not isinstance(msg, EdgeChunk):
+            self._fail(f"unexpected {type(msg).__name__} from stage {self.from_stage}")
+        elif msg.seq != self.next_arrival or self.ended:
+            self._fail(
+                f"chunk {msg.seq} from stage {self.from_stage}, expected {self.next_arrival}"
+            )
+        elif len(self.queue) >= self.window + 1:
+            self._fail(f"stage {self.from_stage} sent past its window of {self.window}")
+        else:
+            self.queue.append(msg)
+            if msg.end:
+                self.ended = True
+                assert self.link is not None
+                self.link.close()  # nothing more comes; credits no longer matter
+            else:
+                self.next_arrival += 1
+        self.arrived.set()
+
+    def _fail(self, why: str) -> None:
+        self.error = f"request {self.request_id}: {why}"
+        self.close()
+
+    def _on_lost(self, reason: str) -> None:
+        if not self.ended:
+            self.lost = f"stage {self.from_stage}: {reason}"
+            self.queue.clear()  # its producer is gone: the request cannot finish
+        if not self.claimed:
+            self.hub.forget_unclaimed(self)
+        self.arrived.set()
+
+    async def read(self) -> AsyncIterator[Any]:
+        while True:
+            if self.error is not None:
+                raise StreamError(self.error)
+            if not self.queue:
+                async with _Waiting(self.hub.waits, self.request_id):
+                    if self.lost is not None:
+                        await self.hub.peer_lost(self.request_id, self.lost)
+                    self.arrived.clear()
+                    await self.arrived.wait()
+                continue
+            chunk = self.queue.popleft()
+            if chunk.end:
+                return
+            payload = chunk.payload
+            value = from_inline(payload) if not isinstance(payload, bytes | None) else payload
+            chunk.payload = None  # the consumer holds the only reference from here
+            del payload
+            self.read_count += 1
+            yield value
+            del value
+            link = self.link
+            if link is not None and not link.closed:
+                link.send(EdgeCredit(chunk.seq))  # it asked for the next one: done with this
+            self.hub.pulse()
+
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def finish(self) -> None:
+        """The run returned: tell a producer still sending that nobody reads, and close."""
+        link = self.link
+        if link is not None and not link.closed and not self.ended:
+            try:
+                link.send(EdgeClose())
+            except EdgeChannelError:
+                pass
+            link.close(flush=True)
+        self.queue.clear()
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.queue.clear()
+        self.arrived.set()
+
+
+class EdgeHub:
+    """A stage process's streamed edges to and from other stages: its listener, and the
+    connections that arrived before their request's Submit."""
+
+    def __init__(self, stage: Any, name_hint: str):
+        self.stage = stage
+        self.listener = EdgeListener(name_hint)
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start
+        self.waits: Waits = None  # type: ignore[assignment]
+        self.unclaimed: dict[tuple[str, int], DirectInput] = {}
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.waits = Waits(loop, self._report_wait)
+        self.listener.start(loop, self._accepted)
+
+    def pulse(self) -> None:
+        self.stage.pulse()
+
+    def _report_wait(self, rid: str, waiting: bool) -> None:
+        self.stage.reply(StreamWait(rid, self.stage.stage_id, waiting))
+
+    async def peer_lost(self, rid: str, why: str) -> None:
+        """Wait for the Abort that follows a lost peer (this task is cancelled then)."""
+        await asyncio.sleep(PEER_LOST_GRACE_S)
+        raise StreamError(f"request {rid}: {why}, and no abort followed")
+
+    # ---- the consumer's side: connections from producers -----------------------------------
+    def _accepted(self, sock: socket.socket) -> None:
+        pending: dict[str, Any] = {}
+
+        def hello(msg: EdgeMessage) -> None:
+            pending["timer"].cancel()
+            if not isinstance(msg, EdgeHello) or msg.to_stage != self.stage.stage_id:
+                link.close()
+                return
+            self._on_hello(link, msg)
+
+        def lost(_reason: str) -> None:
+            pending["timer"].cancel()
+
+        link = EdgeLink(sock, self.loop, hello, lost)
+        pending["timer"] = self.loop.call_later(HELLO_TIMEOUT_S, link.close)
+
+    def _on_hello(self, link: EdgeLink, hello: EdgeHello) -> None:
+        key = (hello.request_id, hello.from_stage)
+        inp = self.stage.streams.inputs.get(key)
+        if inp is not None:
+            if inp.link is not None or not hmac.compare_digest(inp.token, hello.token):
+                link.close()
+                return
+            inp.attach(link)
+            return
+        if key in self.unclaimed or len(self.unclaimed) >= MAX_UNCLAIMED:
+            link.close()
+            return
+        window = min(max(hello.window, 1), MAX_UNCLAIMED_WINDOW)  # until its Submit says
+        inp = DirectInput(self, hello.request_id, hello.from_stage, window, hello.token)
+        inp.attach(link)
+        self.unclaimed[key] = inp
+
+    def claim(self, request_id: str, from_stage: int, window: int, token: str) -> DirectInput:
+        """The input of a Submit: the connection that came first, if its token matches."""
+        inp = self.unclaimed.pop((request_id, from_stage), None)
+        if inp is not None and not hmac.compare_digest(inp.token, token):
+            inp.close()
+            inp = None
+        if inp is None:
+            inp = DirectInput(self, request_id, from_stage, window, token)
+        inp.claimed = True
+        inp.window = window
+        if len(inp.queue) > window + 1:
+            inp._fail(f"stage {from_stage} sent past its window of {window}")
+        return inp
+
+    def forget_unclaimed(self, inp: DirectInput) -> None:
+        key = (inp.request_id, inp.from_stage)
+        if self.unclaimed.get(key) is inp:
+            del self.unclaimed[key]
+
+    def drop(self, request_id: str) -> None:
+        for key in [k for k in self.unclaimed if k[0] == request_id]:
+            self.unclaimed.pop(key).close()
+        if self.waits is not None:
+            self.waits.forget(request_id)
+
+    def close(self) -> None:
+        for inp in self.unclaimed.values():
+            inp.close()
+        self.unclaimed.clear()
+        self.listener.close()
