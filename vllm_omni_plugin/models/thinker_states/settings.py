@@ -109,3 +109,18 @@ class StepHeader:
             dim=int(d["dim"]),
             chunks=[ChunkHeader(k, int(s), int(n)) for k, s, n in d["chunks"]],
         )
+
+
+def step_frames(layers: tuple[int, ...], chunks: list[ChunkHeader], tensors: list) -> list:
+    """A step message's frames: the header, then one `[rows, dim]` tensor per layer (torch,
+    on the host, rows of every chunk in chunk order) as raw bytes."""
+    import torch
+
+    tensors = [t.contiguous() for t in tensors]
+    header = StepHeader(
+        layers=tuple(layers),
+        dtype=str(tensors[0].dtype).removeprefix("torch."),
+        dim=int(tensors[0].shape[-1]),
+        chunks=list(chunks),
+    )
+    return [header.encode(), *(t.view(torch.uint8).numpy() for t in tensors)]

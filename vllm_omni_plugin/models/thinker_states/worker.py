@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .settings import REQUEST_KEY, ChunkHeader, EngineSettings, StepHeader
+from .settings import REQUEST_KEY, ChunkHeader, EngineSettings, step_frames
 
 logger = logging.getLogger("vllm_omni_plugin.thinker_states")
 
@@ -265,14 +265,7 @@ class _Extraction:
     def _send(self, step: _Step) -> None:
         if not self._is_sender():
             return
-        tensors = [step.captured[k].contiguous() for k in self.layers]
-        header = StepHeader(
-            layers=self.layers,
-            dtype=str(tensors[0].dtype).removeprefix("torch."),
-            dim=int(tensors[0].shape[-1]),
-            chunks=step.chunks,
-        )
-        frames = [header.encode(), *(t.view(torch.uint8).numpy() for t in tensors)]
+        frames = step_frames(self.layers, step.chunks, [step.captured[k] for k in self.layers])
         self._socket().send_multipart(frames, copy=False)
 
     def _socket(self):
