@@ -4,6 +4,7 @@ positions, duplicates after a recompute, the end of a request, the bounds and re
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -148,3 +149,47 @@ def test_global_bound_fails_the_request_that_passes_it(store, worker):
     worker.step(("b", 6, 2))
     store.finish("b", 8)
     assert positions([store.collect("b")]) == list(range(8))
+
+
+def test_stage_config_opt_in_configures_the_engine(omni_dir, monkeypatch):
+    """`additional_config: {omni_thinker_states: {}}` on the thinker stage: the engine arguments
+    the AR stage builds get our worker, prefix caching off, V1 runner, the layers (0 and the
+    checkpoint's accept_hidden_layer) and the store's endpoint. Without it: untouched."""
+    import json
+    from pathlib import Path
+
+    from vllm_omni_plugin.config import load_deploy_config
+    from vllm_omni_plugin.models import thinker_states as ts
+    from vllm_omni_plugin.models.thinker_states.settings import WORKER_CLS, EngineSettings
+
+    # Recorded so that the test's end restores it (attach sets it in this process).
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")
+    tiny = Path(__file__).resolve().parents[2] / "stage_configs" / "qwen3_omni_tiny.yaml"
+    plain = load_deploy_config(tiny, model=str(omni_dir)).stage(0).engine_kwargs()
+    assert ts.attach(dict(plain)) is None
+    cfg = load_deploy_config(
+        tiny,
+        model=str(omni_dir),
+        stage_overrides={"0": {"additional_config": {ts.ADDITIONAL_CONFIG_KEY: {}}}},
+    )
+    kwargs = cfg.stage(0).engine_kwargs()
+    store = ts.attach(kwargs)
+    try:
+        assert kwargs["worker_cls"] == WORKER_CLS
+        assert kwargs["enable_prefix_caching"] is False
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        accept = json.loads((omni_dir / "config.json").read_text())["talker_config"][
+            "accept_hidden_layer"
+        ]
+        settings = EngineSettings.from_additional_config(kwargs["additional_config"])
+        assert settings == EngineSettings(layers=(0, accept), endpoint=store.endpoint)
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="prefix caching"):
+        ts.attach(
+            {
+                **plain,
+                "enable_prefix_caching": True,
+                "additional_config": {ts.ADDITIONAL_CONFIG_KEY: {}},
+            }
+        )
