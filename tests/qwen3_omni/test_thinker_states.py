@@ -11,132 +11,47 @@ environment lacks (the tiny deploy file sets `limit_mm_per_prompt: {video: 0}`).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import numpy as np
 import pytest
-import torch
 
 from vllm_omni_plugin.models import thinker_states as ts
 
-# fp32 on both sides; vLLM's CPU kernels (fused norms, MoE, attention) round differently from
-# transformers' eager ops: max |vLLM - transformers| / max |transformers|, per layer.
-REL_TOL = 1e-4
-# Batched against alone: the same kernels on other batch shapes.
-BATCH_REL_TOL = 1e-5
-# Chunked prefill: a text prompt longer than a step's token budget arrives in several steps.
+from .thinker_states_common import (
+    BATCH_REL_TOL,
+    REL_TOL,
+    _generate,
+    accept_layer_of,
+    chat_prompt,
+    check,
+    extract,
+    processor_for,
+    random_image,
+    rel_err,
+    start_engine,
+    transformers_states,
+)
+
 MAX_BATCHED_TOKENS = 64
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 @pytest.fixture(scope="module")
 def accept_layer(omni_dir) -> int:
-    return json.loads((omni_dir / "config.json").read_text())["talker_config"][
-        "accept_hidden_layer"
-    ]
+    return accept_layer_of(omni_dir)
 
 
 @pytest.fixture(scope="module")
 def processor(omni_dir):
-    from transformers import AutoProcessor
-
-    from vllm_omni_plugin.entry_points import patches
-
-    # transformers' Qwen3-Omni processor and vLLM's thinker without torchvision need patch 7
-    # (entry_points/patches.py), which stage pipelines install (vLLM's processes inherit it).
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(patches.STAGE_PIPELINE_ENV, "1")
-        patches.install_torchvision_free_qwen2_vl()
-        yield AutoProcessor.from_pretrained(omni_dir)
+    with processor_for(omni_dir) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
 def engine(omni_dir, processor):
     """(event loop, AsyncLLM, store) for the module; the engine starts once (~30 s)."""
-    from vllm import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    kwargs = dict(
-        model=str(omni_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=2048,
-        max_num_seqs=4,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        limit_mm_per_prompt={"video": 0},
-        additional_config={ts.ADDITIONAL_CONFIG_KEY: {}},
-    )
-    store = ts.attach(kwargs)
-    assert kwargs["enable_prefix_caching"] is False
-    loop = asyncio.new_event_loop()
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    yield loop, llm, store
-    llm.shutdown()
-    store.close()
-    loop.close()
-
-
-async def _generate(llm, store, prompt, key, max_tokens=6):
-    from vllm import SamplingParams
-
-    params = ts.opt_in(SamplingParams(max_tokens=max_tokens, temperature=0), key)
-    store.open(key)
-    final = None
-    async for out in llm.generate(prompt, params, key):
-        final = out
-    ids = list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
-    # The last sampled token never goes through the model: no states for it.
-    store.finish(key, len(ids) - 1)
-    return ids, len(final.prompt_token_ids)
-
-
-def extract(engine, prompt, key, max_tokens=6):
-    loop, llm, store = engine
-    ids, prompt_len = loop.run_until_complete(_generate(llm, store, prompt, key, max_tokens))
-    chunks = []
-    while (got := store.take(key, timeout=30)) is not None:
-        assert got, "thinker states stopped arriving"
-        chunks.extend(got)
-    store.release(key)
-    assert store.held_bytes == 0
-    starts = [c.start for c in chunks]
-    assert starts == sorted(starts)
-    layers = {k: torch.cat([c.layers[k] for c in chunks]) for k in chunks[0].layers}
-    return ids, prompt_len, layers, chunks
-
-
-@torch.no_grad()
-def transformers_states(model, inputs: dict, ids: list[int], layers) -> dict[int, torch.Tensor]:
-    """transformers' thinker over prompt + generated[:-1] in one forward (causal: the same
-    states as its incremental generate), `hidden_states[k]` for each k."""
-    seq = torch.tensor([ids[:-1]])
-    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    out = model.thinker(
-        input_ids=seq, attention_mask=torch.ones_like(seq), output_hidden_states=True, **media
-    )
-    return {k: out.hidden_states[k][0] for k in layers}
-
-
-def chat_prompt(processor, parts: list[dict]) -> str:
-    return processor.apply_chat_template(
-        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
-    )
-
-
-def check(layers, want, accept_layer, prompt_len, ids):
-    n = len(ids) - 1
-    assert set(layers) == {0, accept_layer}
-    for k in (0, accept_layer):
-        assert layers[k].shape == want[k].shape == (n, want[k].shape[-1])
-        err = rel_err(layers[k], want[k])
-        assert err <= REL_TOL, (k, err)
-        # Prompt and generated positions each match (not only the largest values).
-        assert rel_err(layers[k][:prompt_len], want[k][:prompt_len]) <= REL_TOL
-        assert rel_err(layers[k][prompt_len:], want[k][prompt_len:]) <= REL_TOL
+    with start_engine(omni_dir, max_num_batched_tokens=MAX_BATCHED_TOKENS) as started:
+        yield started
 
 
 def test_text_prompt_in_chunks_equals_transformers(engine, omni_model, processor, accept_layer):
@@ -154,19 +69,12 @@ def test_text_prompt_in_chunks_equals_transformers(engine, omni_model, processor
     assert rel_err(layers[accept_layer], want[accept_layer - 1]) > 100 * REL_TOL
 
 
-def _image():
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), "RGB")
-
-
 def _tone():
     return (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
 
 
 def test_image_prompt_equals_transformers(engine, omni_model, processor, accept_layer):
-    image = _image()
+    image = random_image()
     text = chat_prompt(processor, [{"type": "image"}, {"type": "text", "text": "What is it?"}])
     inputs = processor(text=[text], images=[image], return_tensors="pt")
     prompt = {"prompt": text, "multi_modal_data": {"image": image}}
@@ -201,7 +109,7 @@ def test_video_prompt():
 def test_two_requests_batched_equal_each_alone(engine, processor):
     loop, llm, store = engine
     text = chat_prompt(processor, [{"type": "text", "text": "Say something."}])
-    image = _image()
+    image = random_image()
     image_text = chat_prompt(processor, [{"type": "image"}, {"type": "text", "text": "Hm?"}])
     prompts = {
         "b-text": {"prompt": text},

@@ -90,6 +90,7 @@ def test_recomputed_positions_are_kept_once(store, worker):
     worker.step(("a", 0, 6))  # recompute from scratch, two positions further
     store.finish("a", 6)
     assert positions([store.collect("a")]) == list(range(6))
+    assert store.repeated_positions == 4
 
 
 def test_positions_past_the_end_are_dropped(store, worker):

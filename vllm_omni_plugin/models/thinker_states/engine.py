@@ -63,7 +63,7 @@ def attach(kwargs: dict[str, Any]) -> ThinkerStatesStore | None:
     os.environ[V2_RUNNER_ENV] = "0"
     store = ThinkerStatesStore(stage.max_request_bytes, stage.max_total_bytes)
     additional[ADDITIONAL_CONFIG_KEY] = EngineSettings(
-        layers=(0, layer), endpoint=store.endpoint
+        layers=(0, layer), endpoint=store.endpoint, capture=stage.capture
     ).to_dict()
     kwargs["additional_config"] = additional
     kwargs["enable_prefix_caching"] = False

@@ -35,16 +35,23 @@ class EngineSettings:
 
     layers: tuple[int, ...]
     endpoint: str
+    # "auto": the model's auxiliary hidden-state outputs where it has them, else forward
+    # pre-hooks; "hooks": the pre-hooks always (what vLLM < 0.29 runs; tests pick it to check it).
+    capture: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "endpoint": self.endpoint}
+        return {"layers": list(self.layers), "endpoint": self.endpoint, "capture": self.capture}
 
     @classmethod
     def from_additional_config(cls, additional: dict | None) -> EngineSettings | None:
         raw = (additional or {}).get(ADDITIONAL_CONFIG_KEY)
         if not raw or not raw.get("endpoint"):
             return None
-        return cls(layers=tuple(int(x) for x in raw["layers"]), endpoint=str(raw["endpoint"]))
+        return cls(
+            layers=tuple(int(x) for x in raw["layers"]),
+            endpoint=str(raw["endpoint"]),
+            capture=str(raw.get("capture", "auto")),
+        )
 
 
 @dataclass(frozen=True)
@@ -57,17 +64,21 @@ class StageSettings:
     accept_layer: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+    capture: str = "auto"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StageSettings:
-        known = {"accept_layer", "max_request_bytes", "max_total_bytes", "layers", "endpoint"}
+        known = {"accept_layer", "max_request_bytes", "max_total_bytes", "capture"}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{ADDITIONAL_CONFIG_KEY}: unknown keys {sorted(unknown)}")
+        if raw.get("capture", "auto") not in ("auto", "hooks"):
+            raise ValueError(f"{ADDITIONAL_CONFIG_KEY}.capture: 'auto' or 'hooks'")
         return cls(
             accept_layer=raw.get("accept_layer"),
             max_request_bytes=int(raw.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)),
             max_total_bytes=int(raw.get("max_total_bytes", DEFAULT_MAX_TOTAL_BYTES)),
+            capture=str(raw.get("capture", "auto")),
         )
 
 

@@ -84,6 +84,8 @@ class ThinkerStatesStore:
         self.endpoint = endpoint
         self._entries: dict[str, _Entry] = {}
         self._held = 0
+        # Positions received again (a recompute the worker did not filter): kept once, counted.
+        self.repeated_positions = 0
         self._cond = threading.Condition()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -236,6 +238,7 @@ class ThinkerStatesStore:
     def _add(self, entry: _Entry, key, start, layers, tensors) -> None:
         first = max(start, entry.next_pos)  # a position seen already is not kept twice
         last = start + tensors[0].shape[0]
+        self.repeated_positions += max(0, min(last, entry.next_pos) - start)
         if entry.end is not None:
             last = min(last, entry.end)
         if first >= last:

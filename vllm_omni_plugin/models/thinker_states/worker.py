@@ -124,6 +124,7 @@ class _Extraction:
         self.runner = runner
         self.layers = tuple(sorted(set(settings.layers)))
         self.endpoint = settings.endpoint
+        self.capture = settings.capture
         self.step: _Step | None = None
         self.pending: tuple[Any, dict[str, int]] | None = None  # (scheduler output, starts)
         self.sent_upto: dict[str, int] = {}  # request id -> first position not yet sent
@@ -161,7 +162,8 @@ class _Extraction:
             return
         from vllm.model_executor.models.interfaces import supports_eagle3
 
-        if supports_eagle3(model) and hasattr(decoder, "_maybe_add_hidden_state"):
+        aux = supports_eagle3(model) and hasattr(decoder, "_maybe_add_hidden_state")
+        if aux and self.capture == "auto":
             model.set_aux_hidden_state_layers(tuple(deep))
             # vLLM's runner unpacks (hidden, aux) in every forward, dummy runs included, only
             # when this flag is up; nothing else reads it without a speculative config.
