@@ -25,6 +25,7 @@ from .thinker_states_common import (
     accept_layer_of,
     chat_prompt,
     check,
+    collect_engine,
     extract,
     processor_for,
     random_image,
@@ -52,6 +53,8 @@ def engine(omni_dir, processor):
     """(event loop, AsyncLLM, store) for the module; the engine starts once (~30 s)."""
     with start_engine(omni_dir, max_num_batched_tokens=MAX_BATCHED_TOKENS) as started:
         yield started
+    del started
+    collect_engine()
 
 
 def test_text_prompt_in_chunks_equals_transformers(engine, omni_model, processor, accept_layer):

@@ -18,6 +18,7 @@ from .thinker_states_common import (
     accept_layer_of,
     chat_prompt,
     check,
+    collect_engine,
     processor_for,
     random_image,
     start_engine,
@@ -46,6 +47,8 @@ def engine(omni_dir, processor):
         _, llm, _ = started
         assert llm.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["capture"] == "hooks"
         yield started
+    del started
+    collect_engine()
 
 
 def preemptions() -> float:

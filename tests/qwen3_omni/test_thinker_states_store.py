@@ -10,6 +10,10 @@ import time
 import pytest
 import torch
 
+# Imported at collection, before any engine test of the session: building the config's pydantic
+# models parses source with `ast`, which CPython 3.11 can refuse ("AST constructor recursion
+# depth mismatch") once torch's compiler has changed the recursion limit mid-session.
+from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.models.thinker_states import StatesOverflow, ThinkerStatesStore
 from vllm_omni_plugin.models.thinker_states.settings import ChunkHeader, step_frames
 
@@ -159,7 +163,6 @@ def test_stage_config_opt_in_configures_the_engine(omni_dir, monkeypatch):
     import json
     from pathlib import Path
 
-    from vllm_omni_plugin.config import load_deploy_config
     from vllm_omni_plugin.models import thinker_states as ts
     from vllm_omni_plugin.models.thinker_states.settings import WORKER_CLS, EngineSettings
 

@@ -69,9 +69,20 @@ def start_engine(omni_dir, **overrides):
     try:
         yield loop, llm, store
     finally:
-        llm.shutdown()
+        llm.shutdown()  # cancels its output handler task: let the loop finish it before closing
+        loop.run_until_complete(asyncio.sleep(0.1))
         store.close()
         loop.close()
+        del llm
+
+
+def collect_engine() -> None:
+    """Run the finished engine's finalizers now. Left to a later garbage collection, AsyncLLM's
+    `__del__` can run inside another test's `ast.parse`, which CPython 3.11 then fails with
+    "AST constructor recursion depth mismatch" (seen with tests/test_layering.py)."""
+    import gc
+
+    gc.collect()
 
 
 async def _generate(llm, store, prompt, key, max_tokens=6, **sampling):

@@ -132,6 +132,9 @@ class _Extraction:
         self.hooks: list[Any] = []
         self.aux = False
         self.socket = None
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.sender = get_tensor_model_parallel_rank() == 0
         self._check_config(runner.vllm_config)
         self._setup_capture(runner.get_model())
 
@@ -217,6 +220,8 @@ class _Extraction:
             return None
         so, starts = self.pending
         self.pending = None
+        if not self.sender:
+            return None  # the other tensor-parallel ranks hold the same states: one sends
         step = _Step()
         offset = 0
         for rid in self.runner.input_batch.req_ids:
@@ -259,14 +264,7 @@ class _Extraction:
         self._send(step)
 
     # ---- out of the process ------------------------------------------------------------------
-    def _is_sender(self) -> bool:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank() == 0  # every TP rank holds the same states
-
     def _send(self, step: _Step) -> None:
-        if not self._is_sender():
-            return
         frames = step_frames(self.layers, step.chunks, [step.captured[k] for k in self.layers])
         self._socket().send_multipart(frames, copy=False)
 
