@@ -70,6 +70,7 @@ from vllm_seams.report import Report  # noqa: E402
 from vllm_seams.serve import check_cli_seams, check_serve_seams  # noqa: E402
 from vllm_seams.source import Source  # noqa: E402
 from vllm_seams.tables import ROOT, engine_fields_mod, patches  # noqa: E402, F401
+from vllm_seams.thinker_states import check_thinker_states  # noqa: E402
 from vllm_seams.window import check_engine_fields, check_window  # noqa: E402
 
 CHECKS = (
@@ -83,6 +84,7 @@ CHECKS = (
     check_chat_seams,
     check_talker_kernels,
     check_talker_runner,
+    check_thinker_states,
 )
 
 

@@ -276,3 +276,31 @@ def test_worker_title_prefix_follows_vllm_env(monkeypatch):
     assert ef.vllm_worker_title_prefix() == "VLLM::Worker"
     monkeypatch.setenv("VLLM_PROCESS_NAME_PREFIX", "ACME")
     assert ef.vllm_worker_title_prefix() == "ACME::Worker"
+
+
+def test_thinker_states_seams_moved_fail(files):
+    """The thinker's hidden-state extraction (models/thinker_states): its runner hook, the aux
+    outputs' layer numbering, the scheduler output's positions and the worker's runner."""
+    runner = "vllm/v1/worker/gpu_model_runner.py"
+    problems = _moved(files, runner, "def _model_forward(", "def _forward_model(")
+    assert any("GPUModelRunner has no _model_forward" in p for p in problems), problems
+    problems = _moved(
+        files, runner, "model_output = self._model_forward(", "model_output = self.model("
+    )
+    assert any("calls self._model_forward once" in p for p in problems), problems
+    thinker = "vllm/model_executor/models/qwen3_omni_moe_thinker.py"
+    problems = _moved(
+        files,
+        thinker,
+        "aux_hidden_states, layer_idx + 1, hidden_states",
+        "aux_hidden_states, layer_idx, hidden_states",
+    )
+    assert any("no longer layer k's input" in p for p in problems), problems
+    output = "vllm/v1/core/sched/output.py"
+    problems = _moved(
+        files, output, "    num_computed_tokens: list[int]", "    computed: list[int]"
+    )
+    assert any("CachedRequestData lost ['num_computed_tokens']" in p for p in problems), problems
+    cpu = "vllm/v1/worker/cpu_worker.py"
+    problems = _moved(files, cpu, "self.model_runner", "self.runner", count=2)
+    assert any("CPUWorker.init_device no longer builds" in p for p in problems), problems

@@ -27,6 +27,7 @@ from ..common.messages import (
 )
 from ..config.stage_init import StageInit
 from ..config.vllm_engine_fields import vllm_worker_title_prefix
+from ..models import thinker_states
 from ..pipelines.registry import get_pipeline
 from . import engine_metrics
 from .ar_glue import glue_for
@@ -132,6 +133,9 @@ class ARStageRunner(AsyncStageLoop):
         # A pipeline's chat stage (Qwen3-Omni's thinker) needs no pipeline glue of its own.
         chat = get_pipeline(init.pipeline).chat_stage == self.stage_id
         self.glue = glue_for(init.pipeline, init.stage, chat_only=chat)
+        # The thinker's hidden states per request (models/thinker_states), when the stage config
+        # opts in (`additional_config: {omni_thinker_states: {}}`); keyed by the request id.
+        self.thinker_states: thinker_states.ThinkerStatesStore | None = None
         self.engine = self.loop.run_until_complete(self._build_engine())
 
     async def _build_engine(self):
@@ -139,6 +143,7 @@ class ARStageRunner(AsyncStageLoop):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.init.stage.engine_kwargs()
+        self.thinker_states = thinker_states.attach(kwargs)  # None unless opted in
         own = list(self.init.spec.logits_processors)
         if own:
             kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), *own]
@@ -205,6 +210,7 @@ class ARStageRunner(AsyncStageLoop):
             result = await run_text(self.engine, msg, self.reply, self.pulse)
         finally:
             self.tasks.pop(msg.request_id, None)
+            self._release_states(msg.request_id)
         if result is None:
             return  # aborted: AsyncLLM.generate aborted it in the engine
         if result.error is not None and getattr(self.engine, "errored", False):
@@ -231,7 +237,23 @@ class ARStageRunner(AsyncStageLoop):
             return True  # not this request's fault: the stage's death fails it with a 503
         return False
 
+    def on_abort(self, request_id: str) -> None:
+        super().on_abort(request_id)
+        self._release_states(request_id)
+
+    def _release_states(self, request_id: str) -> None:
+        # A request's thinker states live no longer than the request: whatever its consumer did
+        # not take by its end (or abort) is dropped, and later steps' states for it too.
+        if self.thinker_states is not None:
+            self.thinker_states.release(request_id)
+
     async def run_request(self, msg: Submit) -> Result:
+        try:
+            return await self._run_request(msg)
+        finally:
+            self._release_states(msg.request_id)
+
+    async def _run_request(self, msg: Submit) -> Result:
         if msg.params.chat_request:  # speech: vLLM's chat request, rendered by the API server
             return await speak_chat(self, msg)
         rid = msg.request_id
@@ -274,4 +296,8 @@ class ARStageRunner(AsyncStageLoop):
         # the engine core client's own tasks here, on the running loop, and stops the engine
         # core; the base awaits those tasks.
         await _cancel_all([t for t in [getattr(self.engine, "output_handler", None)] if t])
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        finally:
+            if self.thinker_states is not None:
+                self.thinker_states.close()
