@@ -174,33 +174,6 @@ class CodePredictor(nn.Module):
             x = layer(x, positions)
         return self.norm(x[:, -1].contiguous())
 
-    def project_text(self, thinker_ids: torch.Tensor) -> torch.Tensor:
-        """Thinker token ids `[N]` -> the talker's text input entries `[N, H]`."""
-        return self.text_projection(self.thinker_embed(thinker_ids))
-
-    def predict_residuals(
-        self, hidden: torch.Tensor, code0: torch.Tensor, sample=None
-    ) -> torch.Tensor:
-        """Code groups 1.. `[B, G - 1]` of the frames whose first codes `code0` `[B]` the talker
-        sampled from `hidden` `[B, H]`: sub-step j reads [hidden, embed(code0), its codes so
-        far] and its own head. `sample(j, logits)` draws a code; None: greedy."""
-        pred = self.code_predictor
-        x = torch.stack([hidden, self.embed_input_ids(code0).to(hidden.dtype)], dim=1)
-        codes = []
-        for j in range(self.num_code_groups - 1):
-            logits = pred.lm_head[j](pred.hidden(x))
-            code = logits.argmax(-1) if sample is None else sample(j, logits)
-            codes.append(code)
-            if j + 2 < self.num_code_groups:
-                x = torch.cat([x, pred.codec_embedding[j](code)[:, None]], dim=1)
-        return torch.stack(codes, dim=1)
-
-    def residual_embedding(self, residual: torch.Tensor) -> torch.Tensor:
-        """`[B, G - 1]` codes -> the sum of their embeddings `[B, H]`: with the first code's
-        embedding (embed_input_ids) and a text entry, the talker's next input."""
-        tables = self.code_predictor.codec_embedding
-        return torch.stack([tables[j](residual[:, j]) for j in range(len(tables))]).sum(0)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded = set()
