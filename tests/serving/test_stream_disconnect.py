@@ -21,6 +21,7 @@ import json
 import time
 
 import httpx
+import psutil
 import pytest
 from omni_server import API_KEY
 
@@ -41,11 +42,27 @@ def holders(stages: dict[int, dict], rid: str) -> list[int]:
     return [sid for sid, s in stages.items() if rid in s["requests"]]
 
 
-def stream_until(server, body: dict, enough) -> tuple[str, list[tuple[float, dict]], dict, float]:
+def stream_until(
+    server, body: dict, enough, hold: psutil.Process | None = None
+) -> tuple[str, list[tuple[float, dict]], dict, float]:
     """Stream `body`, collecting (time, progress) until `enough(progress list)` is true; then,
     with the connection still open, ask the stages what they hold; then hang up. Returns the
-    request id, the progress seen, the stages' answer and the wall-clock time of the hang-up."""
+    request id, the progress seen, the stages' answer and the wall-clock time of the hang-up.
+
+    `hold`: a process paused (SIGSTOP) from `enough` until the connection is closed, so the
+    request cannot leave the phase it is in while the stages are asked (on a loaded machine an
+    answer can take longer than the rest of a phase); the hang-up time is taken once it runs
+    again."""
     seen: list[tuple[float, dict]] = []
+    try:
+        rid, inside = _stream(server, body, enough, hold, seen)
+    finally:
+        if hold is not None:
+            hold.resume()
+    return rid, seen, inside, time.time()
+
+
+def _stream(server, body, enough, hold, seen) -> tuple[str, dict]:
     with httpx.stream(
         "POST",
         f"{server.url}/v1/images/generations",
@@ -62,13 +79,14 @@ def stream_until(server, body: dict, enough) -> tuple[str, list[tuple[float, dic
                     # Ask while still inside the loop: leaving iter_lines() closes the
                     # connection at once (httpcore closes its stream on GeneratorExit), so a
                     # look after `break` already races the abort.
+                    if hold is not None:
+                        hold.suspend()
                     inside = live(server)
-                    hung_up = time.time()
                     break
             assert not line.startswith("event: image_generation.completed"), "finished first"
         else:
             raise AssertionError(f"the stream ended early: {seen}")
-    return rid, seen, inside, hung_up
+    return rid, inside
 
 
 def wait_gone(server, rid: str, hung_up: float, bound: float) -> tuple[float, dict]:
@@ -96,19 +114,16 @@ def step_time(seen: list[tuple[float, dict]], stage: str) -> float:
 def test_hang_up_in_the_ar_phase_leaves_every_stage(shared_glm_server):
     server = shared_glm_server
     # 1024x1024: 1281 tokens (~5 s of AR work on this CPU), so the AR phase lasts well past
-    # two progress comments (one per 64 tokens, ~0.3 s apart). The stages usually answer the
-    # look within 0.05 s, but on this shared 2-core box an answer took 1.35 s in a probe and
-    # once more than the rest of the AR phase (CI): the request was in the DiT by then. Such
-    # an attempt saw nothing of the AR phase, so it is dropped and the request tried again.
+    # two progress comments (one per 64 tokens, ~0.3 s apart). The AR stage's engine core is
+    # paused while the stages are asked what they hold: on a loaded machine an answer once took
+    # longer than the rest of the AR phase, and the request was in the DiT by then.
     body = {"prompt": "a lighthouse at dusk", "size": "1024x1024", "seed": 5}
-    for _attempt in range(3):
-        before = live(server)
-        rid, seen, inside, hung_up = stream_until(
-            server, body, lambda s: sum(p["stage"] == "ar" for _, p in s) >= 2
-        )
-        if holders(inside, rid) == [0]:
-            break
-        wait_gone(server, rid, hung_up, bound=60)
+    stage = next(p for p in server.descendants() if "omni-stage-0" in " ".join(p.cmdline()))
+    core = next(p for p in stage.children(recursive=True) if "EngineCore" in p.name())
+    before = live(server)
+    rid, seen, inside, hung_up = stream_until(
+        server, body, lambda s: sum(p["stage"] == "ar" for _, p in s) >= 2, hold=core
+    )
     # Mid-stream the AR stage holds it (and vLLM counts it); the DiT never got it.
     assert holders(inside, rid) == [0], (inside, seen)
     assert inside[0]["engine_unfinished"] >= 1, inside
