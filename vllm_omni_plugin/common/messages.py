@@ -178,6 +178,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # and the checkpoint's speaker to answer as. Empty / None for every other request.
     chat_request: list[bytes] = []
     voice: str | None = None
+    # The talker's sampling for this speech request (serving/speech_request.SPEECH_SAMPLING),
+    # over its stage's defaults.
+    speech_sampling: dict[str, float | int] = {}
 
 
 class Submit(msgspec.Struct, tag=True):

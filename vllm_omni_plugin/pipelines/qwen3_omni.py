@@ -62,14 +62,26 @@ QWEN3_OMNI = PipelineTopology(
             stream_output=True,
             stream_window=8,
             runner=TALKER_LOOP,
-            # Its own torch engine, not a vLLM one: what it reads of an AR stage's settings.
+            # vLLM's engine running the talker model: the settings of vLLM's that apply to it
+            # (its prompt is embeddings: no prefix cache; one device).
             settings=(
                 "dtype",
+                "seed",
                 "max_num_seqs",
                 "max_model_len",
+                "max_num_batched_tokens",
+                "enable_chunked_prefill",
+                "gpu_memory_utilization",
+                "kv_cache_memory_bytes",
+                "block_size",
                 "enforce_eager",
+                "compilation_config",
                 "default_sampling_params.max_tokens",
-                "default_sampling_params.temperature=0",
+                "default_sampling_params.temperature",
+                "default_sampling_params.top_k",
+                "default_sampling_params.top_p",
+                "default_sampling_params.repetition_penalty",
+                "default_sampling_params.seed",
             ),
         ),
         StageSpec(

@@ -95,7 +95,9 @@ class SpeechService:
             return JSONResponse(err.body(), status_code=err.status)
         model = request.model or self.text.model_config.served_model_name
         assert self.source is not None
-        events = self.source.speak(request_id, engine_request, prompt_text, speech.voice)
+        events = self.source.speak(
+            request_id, engine_request, prompt_text, speech.voice, speech.sampling
+        )
         if speech.stream:
             options = getattr(request, "stream_options", None)
             include_usage = bool(getattr(options, "include_usage", False))

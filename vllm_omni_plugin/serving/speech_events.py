@@ -39,8 +39,14 @@ class SpeechSource(Protocol):
     sample_rate: int
 
     def speak(
-        self, request_id: str, engine_request: list[bytes], prompt_text: str | None, voice: str
+        self,
+        request_id: str,
+        engine_request: list[bytes],
+        prompt_text: str | None,
+        voice: str,
+        sampling: dict[str, float | int],
     ) -> AsyncIterator[SpeechEvent]:
         """Run one request (vLLM's EngineCoreRequest for the chat stage, encoded as in
-        common.messages.GenerateText) through the pipeline, speaking as `voice`."""
+        common.messages.GenerateText) through the pipeline, speaking as `voice` with the
+        talker's `sampling` settings for it."""
         ...

@@ -9,6 +9,8 @@ Each refusal is an APIError 400 (OpenAI's error object) naming the field:
 - a format outside audio_encode.FORMATS, or a streamed answer in anything but pcm16 (what
   OpenAI streams);
 - `n` > 1 (one voice answers once);
+- `speech_sampling` (the talker's sampling for this request, beside the chat's own settings)
+  with a key outside SPEECH_SAMPLING or a value out of its range;
 - an `input_audio` part whose data is not base64 of audio FFmpeg decodes, or longer than
   `serving.max_input_audio_s`;
 - speech asked for a prompt with image, audio or video parts (not supported yet).
@@ -28,6 +30,16 @@ from .audio_encode import FORMATS
 from .errors import invalid
 
 STREAM_FORMAT = "pcm16"
+# The talker's per-request sampling (`extra_body={"speech_sampling": {...}}`): name -> check.
+# Unset keys take the talker stage's `default_sampling_params`, then the checkpoint's; the
+# chat request's own `seed` seeds the talker too unless `speech_sampling.seed` is set.
+SPEECH_SAMPLING = {
+    "temperature": (float, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+    "top_k": (int, lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 for all"),
+    "top_p": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "repetition_penalty": (float, lambda v: v > 0, "a number > 0 (1: none)"),
+    "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class SpeechRequest:
     voice: str  # the checkpoint's spelling of the speaker
     format: str
     stream: bool
+    sampling: dict[str, float | int]  # the talker's, for this request (SPEECH_SAMPLING)
 
 
 def checkpoint_voices(model_dir: str | Path) -> dict[str, str]:
@@ -125,7 +138,31 @@ def check_speech_request(
             "messages",
             "unsupported_modality",
         )
-    return SpeechRequest(voices[voice.lower()], fmt, stream)
+    sampling = speech_sampling(extra.get("speech_sampling"), getattr(request, "seed", None))
+    return SpeechRequest(voices[voice.lower()], fmt, stream, sampling)
+
+
+def speech_sampling(raw: Any, chat_seed: int | None) -> dict[str, float | int]:
+    """The checked `speech_sampling` object (see SPEECH_SAMPLING), with the chat's seed."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise invalid("`speech_sampling` must be an object", "speech_sampling")
+    out: dict[str, float | int] = {}
+    for key, value in raw.items():
+        if key not in SPEECH_SAMPLING:
+            raise invalid(
+                f"unknown speech_sampling setting {key!r}; known: {', '.join(SPEECH_SAMPLING)}",
+                f"speech_sampling.{key}",
+            )
+        kind, ok, wanted = SPEECH_SAMPLING[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind is int and not isinstance(value, int)) or not ok(value):
+            raise invalid(f"speech_sampling.{key} must be {wanted}", f"speech_sampling.{key}")
+        out[key] = kind(value)
+    if chat_seed is not None and "seed" not in out:
+        out["seed"] = int(chat_seed)
+    return out
 
 
 def media_parts(messages: Any) -> list[str]:

@@ -77,10 +77,19 @@ class PipelineSpeechSource:
         self.samples_per_frame = checkpoint_samples_per_frame(cfg.model)
 
     async def speak(
-        self, request_id: str, engine_request: list[bytes], prompt_text: str | None, voice: str
+        self,
+        request_id: str,
+        engine_request: list[bytes],
+        prompt_text: str | None,
+        voice: str,
+        sampling: dict[str, float | int],
     ) -> AsyncIterator[SpeechEvent]:
         params = GenerationParams(
-            prompt=prompt_text or "", chat_request=engine_request, voice=voice, stream=True
+            prompt=prompt_text or "",
+            chat_request=engine_request,
+            voice=voice,
+            speech_sampling=sampling,
+            stream=True,
         )
         text: list[tuple[str, int]] = []  # pieces not sent yet, with the thinker tokens they end at
         counts = {"prompt": 0, "completion": 0}

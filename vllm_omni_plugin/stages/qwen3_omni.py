@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,10 +36,53 @@ logger = logging.getLogger("vllm_omni_plugin.stages.qwen3_omni")
 
 _MAX_WAITING = 4  # engine outputs of one request waiting for its reader before it is held
 _IDLE_WAIT_S = 0.05  # nothing was ready: wait this long for news before stepping again
+_ENGINE_CHECK_S = 1.0  # how often the talker stage checks that its vLLM engine core is alive
+# The talker's sampling settings a stage's `default_sampling_params` may set (the rest of a
+# request's frame sampling is fixed: talker_runner.frame_sampling_params).
+TALKER_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+_V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def talker_sampling(stage: Any) -> dict[str, Any]:
+    """The talker stage's sampling defaults (set keys only; the checkpoint's where unset)."""
+    return {k: v for k, v in stage.sampling.sampling_kwargs().items() if k in TALKER_SAMPLING_KEYS}
+
+
+def talker_engine_kwargs(stage: Any, text_endpoint: str) -> dict[str, Any]:
+    """vLLM engine arguments of the talker stage: its deploy settings, plus what the talker
+    model needs (built from the checkpoint's talker_config, prompts given as embeddings, frames
+    out through the talker worker's runner, the thinker's text through the feed)."""
+    from ..families.qwen3_omni import talker_hf_config
+    from ..models.qwen3_omni.talker_runner import talker_worker_cls
+    from ..models.qwen3_omni.text_feed import ADDITIONAL_CONFIG_KEY
+
+    kwargs = stage.engine_kwargs()
+    # The talker's runner subclasses vLLM's V1 model runner, which every supported vLLM has.
+    os.environ[_V2_RUNNER_ENV] = "0"
+    kwargs.pop("tokenizer", None)
+    kwargs.pop("scheduler_cls", None)  # vLLM's own scheduler
+    kwargs.update(
+        hf_overrides=talker_hf_config,
+        worker_cls=talker_worker_cls(),
+        skip_tokenizer_init=True,
+        enable_prompt_embeds=True,
+        # The prompt is embeddings: nothing to share between requests' prefixes.
+        enable_prefix_caching=False,
+        # The runner reads each step's sampled codes on the host before the next step.
+        async_scheduling=False,
+        # The checkpoint's generation_config.json is the thinker's.
+        generation_config="vllm",
+        max_model_len=talker_lengths(stage)[0],
+        additional_config={
+            **(kwargs.get("additional_config") or {}),
+            ADDITIONAL_CONFIG_KEY: {"endpoint": text_endpoint},
+        },
+    )
+    return kwargs
 
 
 class _BatchedEngineStage(AsyncStageLoop):
@@ -137,70 +181,166 @@ class _BatchedEngineStage(AsyncStageLoop):
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-class TalkerStage(_BatchedEngineStage):
-    """Thinker ids in, codec frames out (talker/engine.py), greedy, `max_tokens` frames at most."""
+class TalkerStage(AsyncStageLoop):
+    """Thinker ids in, codec frames out: the talker model on vLLM's own engine
+    (models/qwen3_omni/talker.py), many requests per step; at most `max_tokens` frames.
+
+    A request starts on the thinker's first id (its prefill embeds the prompt and that id,
+    talker/prompt.py); the rest of the thinker's text streams into the engine's worker
+    through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames leave as
+    the engine writes them."""
 
     def __init__(self, init: Any, conn: Any):
         super().__init__(init, conn)
-        from ..talker import TalkerEngine
+        from ..models.qwen3_omni.text_feed import TextSender
+        from ..talker.prompt import load_conditioner
 
         stage = init.stage
+        self.max_model_len, self.max_frames = talker_lengths(stage)
+        self.sampling = talker_sampling(stage)
+        # The prefill conditioning runs here, beside the engine: the thinker's embedding and
+        # the talker's projections only (the stage's device, the talker's dtype).
         dtype = stage.model.dtype if stage.model.dtype not in (None, "auto") else None
-        max_model_len, self.max_frames = talker_lengths(stage)
         device = _device()
-        self.engine = TalkerEngine(
-            stage.model_path,
-            device,
-            dtype or ("bfloat16" if device == "cuda" else "float32"),
-            max_batch_size=stage.scheduler.max_num_seqs or 64,
-            enforce_eager=bool(stage.runtime.enforce_eager),
-            max_model_len=max_model_len,
-        )
+        dtype = getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))
+        self.conditioner = load_conditioner(stage.model_path, device, dtype)
+        self.talker_config = self.conditioner.config.talker_config
+        self.text = TextSender()
+        self.engine = self.loop.run_until_complete(self._build_engine())
+
+    async def _build_engine(self):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from .ar_stage import lower_worker_priority, worker_nice
+
+        kwargs = talker_engine_kwargs(self.init.stage, self.text.endpoint)
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        nice = worker_nice()  # as an AR stage's workers (ar_stage.py says why)
+        if nice > 0:
+            lower_worker_priority(nice)
+        return engine
+
+    def info(self) -> StageInfo:
+        return StageInfo(self.kind, RunnerSettings(self.init.spec.runner or ""))
+
+    def background(self) -> list:
+        return [self._watch_engine()]
+
+    async def _watch_engine(self) -> None:
+        # An engine core that died between requests is noticed here, not by the next request.
+        while True:
+            await asyncio.sleep(_ENGINE_CHECK_S)
+            if getattr(self.engine, "errored", False):
+                self.fatal("its vLLM engine died")
+
+    def engine_unfinished(self) -> int | None:
+        processor = getattr(self.engine, "output_processor", None)
+        count = getattr(processor, "get_num_unfinished_requests", None)
+        return count() if callable(count) else None
+
+    def on_request_error(self, msg: Submit, exc: Exception) -> bool:
+        if getattr(self.engine, "errored", False):
+            self.fatal("its vLLM engine died")
+            return True  # not this request's fault: the stage's death fails it with a 503
+        return False
 
     async def run_request(self, msg: Submit) -> Result:
+        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.serial_utils import MsgpackDecoder
+
+        from ..models.qwen3_omni.talker_runner import frame_sampling_params
 
         rid = msg.request_id
         if not msg.params.chat_request or len(msg.stream_inputs) != 1:
             raise RequestRefused("the talker takes a chat request on a streamed edge")
         request = MsgpackDecoder(EngineCoreRequest).decode(msg.params.chat_request)
-        from ..talker import TalkerPromptError
-
+        prompt_ids = list(request.prompt_token_ids or [])
+        speakers = {k.lower(): v for k, v in self.talker_config.speaker_id.items()}
+        speaker = speakers.get((msg.params.voice or "").lower())
+        if speaker is None:
+            raise RequestRefused(f"unknown voice {msg.params.voice!r}", "audio.voice")
         try:
-            self.engine.add_request(
-                rid, list(request.prompt_token_ids or []), msg.params.voice or "", self.max_frames
-            )
-        except TalkerPromptError as exc:
-            raise RequestRefused(str(exc), "messages") from None
+            self.conditioner.check_prompt(prompt_ids, has_hidden=False)
         except ValueError as exc:
-            raise RequestRefused(str(exc), "audio.voice") from None
+            raise RequestRefused(str(exc), "messages") from None
         (source,) = msg.stream_inputs
+        chunks = self.chunks(msg, source).__aiter__()
+        first = await _next_ids(chunks)
+        if not first:  # the thinker wrote nothing: nothing to say
+            await _drain(chunks)
+            return Result(rid, metrics={"codec_frames": 0})
+        self.text.send(rid, first)
+        prefill = self.conditioner.prefill(prompt_ids, first[0], speaker)
+        params = frame_sampling_params(
+            self.talker_config,
+            rid,
+            self.max_frames,
+            output_kind=RequestOutputKind.DELTA,
+            **{**self.sampling, **msg.params.speech_sampling},
+        )
 
         async def feed() -> None:
-            open_ = True
-            async for ids in self.chunks(msg, source):
-                if open_:  # after the frame cap the rest of the thinker's text is only drained
-                    open_ = self.engine.add_text(rid, [int(i) for i in ids.tolist()])
-                    self.news.set()
-            if open_:
-                self.engine.add_text(rid, [], finished=True)
-                self.news.set()
+            # The thinker's text to its end, also after the last frame: the thinker (and the
+            # transcript) is never held back by the talker.
+            while ids := await _next_ids(chunks):
+                self.text.send(rid, ids)
+            self.text.send(rid, [], final=True)
 
-        async def emit(out: Any) -> int:
-            if out.codes.shape[1] == 0:
-                return 0
-            await self.emit_chunk(msg, out.codes.contiguous())
-            return out.codes.shape[1]
-
-        frames = await self.serve_request(msg, feed, emit)
+        feeder = asyncio.ensure_future(feed())
+        frames = 0
+        try:
+            prompt = {"prompt_embeds": prefill.to("cpu")}
+            async for out in self.engine.generate(prompt, params, rid):
+                self.pulse()
+                codes = self._frames(out.outputs[0].logprobs or [])
+                if codes.shape[1]:
+                    frames += codes.shape[1]
+                    await self.emit_chunk(msg, codes)
+            await feeder
+        finally:
+            feeder.cancel()
+            self.text.close_request(rid)
         return Result(rid, metrics={"codec_frames": frames})
 
-    def merge(self, outs: list) -> Any:
-        from ..talker import TalkerOutput
+    def _frames(self, logprobs: list) -> torch.Tensor:
+        """New sample logprobs -> frames `[G, n]` (the codec EOS ends the speech: no frame)."""
+        from ..models.qwen3_omni.talker_runner import frames_from_logprobs
 
-        codes = torch.cat([o.codes for o in outs], dim=1)
-        return TalkerOutput(outs[0].request_id, codes, outs[-1].finished)
+        cfg = self.talker_config
+        frames = frames_from_logprobs(
+            logprobs,
+            cfg.text_config.vocab_size,
+            cfg.code_predictor_config.vocab_size,
+            cfg.num_code_groups,
+        )
+        keep = frames[0] != cfg.codec_eos_token_id
+        return frames if bool(keep.all()) else frames[:, keep]
+
+    async def close_engine(self) -> None:
+        # As the AR stage: AsyncLLM's output handler is cancelled before its sockets close.
+        from .loop import _cancel_all
+
+        await _cancel_all([t for t in [getattr(self.engine, "output_handler", None)] if t])
+        try:
+            self.engine.shutdown()
+        finally:
+            self.text.close()
+
+
+async def _next_ids(chunks) -> list[int]:
+    """The next chunk of thinker ids (empty at the stream's end)."""
+    try:
+        ids = await chunks.__anext__()
+    except StopAsyncIteration:
+        return []
+    return [int(i) for i in ids.tolist()] or await _next_ids(chunks)
+
+
+async def _drain(chunks) -> None:
+    while await _next_ids(chunks):
+        pass
 
 
 class Code2WavStage(_BatchedEngineStage):

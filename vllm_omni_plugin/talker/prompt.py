@@ -129,3 +129,65 @@ class TalkerConditioner:
         previous = torch.cummax(starts, dim=0).values.clamp_min(0)
         role = ids[(previous + 1).clamp_max(len(ids) - 1)]
         return role == cfg.user_token_id
+
+
+class _ConditionerWeights(torch.nn.Module):
+    """The talker tensors the conditioning reads: the two projections and the codec embedding."""
+
+    def __init__(self, talker_config):
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+        super().__init__()
+        self.text_projection = hf.Qwen3OmniMoeTalkerResizeMLP(talker_config)
+        self.hidden_projection = hf.Qwen3OmniMoeTalkerResizeMLP(talker_config)
+        text = talker_config.text_config
+        self.codec_embedding = torch.nn.Embedding(text.vocab_size, text.hidden_size)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.codec_embedding
+
+
+_OWN = {
+    "thinker.model.embed_tokens.weight": "embed",
+    "talker.model.codec_embedding.weight": "codec_embedding.weight",
+}
+_PROJECTIONS = ("talker.text_projection.", "talker.hidden_projection.")
+
+
+def load_conditioner(model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A TalkerConditioner from a Qwen3-Omni checkpoint, reading only the tensors it needs (the
+    thinker's token embedding, the talker's projections and codec embedding), not the talker."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import Qwen3OmniMoeConfig
+
+    model_dir = Path(model_dir)
+    config = Qwen3OmniMoeConfig.from_pretrained(model_dir)
+    weights = _ConditionerWeights(config.talker_config)
+    text = config.thinker_config.text_config
+    embed = torch.nn.Embedding(text.vocab_size, text.hidden_size)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    state = {}
+    for shard in shards:
+        with safe_open(str(model_dir / shard), framework="pt") as f:
+            for key in f.keys():
+                if key in _OWN:
+                    state[_OWN[key]] = f.get_tensor(key)
+                elif key.startswith(_PROJECTIONS):
+                    state[key.removeprefix("talker.")] = f.get_tensor(key)
+                else:
+                    continue
+    if "embed" not in state:
+        raise ValueError(f"{model_dir}: no thinker.model.embed_tokens.weight")
+    embed.weight.data.copy_(state.pop("embed"))
+    missing, unexpected = weights.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: talker conditioning weights missing {missing}")
+    weights = weights.to(device, dtype).eval()
+    return TalkerConditioner(config, embed.to(device, dtype).eval(), weights)

@@ -18,7 +18,9 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   of the sampled first code) gets the embeddings of the frame's other codes and the text entry
   of its step added: the projected thinker id `k + 1` at frame step k, then `tts_eos`, then
   `tts_pad` (talker/prompt.py), from the thinker ids the request carries in
-  `SamplingParams.extra_args[TEXT_IDS]`.
+  `SamplingParams.extra_args[TEXT_IDS]` (the whole text, known up front) or streams in through
+  the engine's text feed (`extra_args[TEXT_STREAM]`, text_feed.py: the served talker, which
+  starts while the thinker is still writing; a step waits for an id not written yet).
 
 - sampling: the first code through vLLM's sampler with the request's settings (the
   checkpoint's by default: `frame_sampling_params`); the predictor's codes through vLLM's
@@ -38,6 +40,8 @@ from typing import Any
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
+from .text_feed import ADDITIONAL_CONFIG_KEY, TEXT_STREAM, TextFeed
+
 TEXT_IDS = "talker_text_ids"
 _SAMPLING_EPS = 1e-5  # vLLM's sampler: a temperature below this is greedy
 
@@ -45,6 +49,7 @@ _SAMPLING_EPS = 1e-5  # vLLM's sampler: a temperature below this is greedy
 @dataclass
 class _FrameState:
     text_ids: list[int]  # the thinker's generated ids (the first one is in the prefill)
+    stream: str | None = None  # or the text feed's key for them
     frames: int = 0  # frames written so far
     residual_embed: torch.Tensor | None = None  # the last frame's groups 1.., embedded
 
@@ -65,24 +70,36 @@ class TalkerRunnerMixin:
             self._add_frame_inputs(scheduler_output, inputs_embeds)
         return out
 
+    def _text_feed(self) -> TextFeed | None:
+        feed = getattr(self, "_talker_text_feed", None)
+        if feed is None:
+            settings = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+            if settings:
+                feed = self._talker_text_feed = TextFeed(settings["endpoint"])
+        return feed
+
     def _add_frame_inputs(self, scheduler_output, inputs_embeds: torch.Tensor) -> None:
         model, states = self.get_model(), self._frame_states()
-        bos, eos, pad = model.tts_ids
-        rows, embeds, text = [], [], []
+        rows, embeds, steps = [], [], []
         offset = 0
         for req_id in self.input_batch.req_ids:
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             state = states.get(req_id)
             if state is not None and state.residual_embed is not None and n == 1:
-                # Frame step k (the frame its input code begins) reads generated id k + 1.
-                k = state.frames - 1
-                ids = state.text_ids
                 rows.append(offset)
                 embeds.append(state.residual_embed)
-                text.append(ids[k + 1] if k + 1 < len(ids) else eos if k + 1 == len(ids) else pad)
+                # Frame step k (the frame its input code begins) reads generated id k + 1.
+                steps.append((state, state.frames))
             offset += n
         if not rows:
             return
+        feed = self._text_feed()
+        streamed = {s.stream: i for s, i in steps if s.stream is not None}
+        if streamed:
+            if feed is None:
+                raise RuntimeError("a streamed-text talker request, but the engine has no feed")
+            feed.wait_for(streamed)
+        text = [_text_entry(model.tts_ids, state, i, feed) for state, i in steps]
         device = inputs_embeds.device
         index = torch.tensor(rows, device=device)
         entries = model.project_text(torch.tensor(text, device=device))
@@ -95,7 +112,9 @@ class TalkerRunnerMixin:
             raise NotImplementedError("the talker takes no speculative decoding")
         model, states = self.get_model(), self._frame_states()
         for req_id in [r for r in states if r not in self.requests]:
-            del states[req_id]  # finished or aborted
+            gone = states.pop(req_id)  # finished or aborted
+            if gone.stream is not None and self._text_feed() is not None:
+                self._text_feed().forget(gone.stream)
         req_ids = self.input_batch.req_ids
         chunks = set()  # rows of a prefill chunk: vLLM discards their sample
         for i, req_id in enumerate(req_ids):
@@ -111,8 +130,10 @@ class TalkerRunnerMixin:
                 continue
             state = states.get(req_id)
             if state is None:
-                extra = req.sampling_params.extra_args or {}
-                state = states[req_id] = _FrameState(list(extra.get(TEXT_IDS, ())))
+                extra = self.requests[req_id].sampling_params.extra_args or {}
+                stream = extra.get(TEXT_STREAM)
+                state = _FrameState(list(extra.get(TEXT_IDS, ())), stream)
+                states[req_id] = state
             state.frames += 1
             state.residual_embed = embeds[i]
         out.logprobs_tensors = _frame_logprobs(model, code0, residual)
@@ -143,6 +164,19 @@ class TalkerRunnerMixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._talker_scheduled = scheduler_output.num_scheduled_tokens
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+def _text_entry(tts_ids, state: _FrameState, index: int, feed: TextFeed | None) -> int:
+    """The thinker id the talker's input reads at text position `index` (>= 1): the generated
+    id there, `tts_eos` just past the text's end, then `tts_pad`."""
+    _, eos, pad = tts_ids
+    if state.stream is None:
+        ids = state.text_ids
+        return ids[index] if index < len(ids) else eos if index == len(ids) else pad
+    entry = feed.entry(state.stream, index)
+    if entry is not None:
+        return entry
+    return eos if index == feed.length(state.stream) else pad
 
 
 def _predictor_sampler(metadata, discarded: set[int]):
@@ -201,22 +235,24 @@ def frames_from_logprobs(
     return frames
 
 
-def frame_sampling_params(config, text_ids: list[int], max_frames: int, **kwargs):
+def frame_sampling_params(config, text: list[int] | str, max_frames: int, **kwargs):
     """vLLM `SamplingParams` for one talker request: `config` the talker's (hf_overrides'd)
-    config, `text_ids` the thinker's generated ids, at most `max_frames` frames; sampling as
-    the checkpoint samples (families.qwen3_omni.TALKER_SAMPLING) unless `kwargs` say otherwise
-    (temperature=0: greedy, the code predictor too; seed=...: reproducible frames)."""
+    config; `text` the thinker's generated ids, or the text feed's key that streams them
+    (text_feed.py); at most `max_frames` frames; sampling as the checkpoint samples
+    (families.qwen3_omni.TALKER_SAMPLING) unless `kwargs` say otherwise (temperature=0: greedy,
+    the code predictor too; seed=...: reproducible frames)."""
     from vllm import SamplingParams
 
     from vllm_omni_plugin.families.qwen3_omni import TALKER_SAMPLING
 
     kwargs = {**TALKER_SAMPLING, **kwargs}
+    extra = {TEXT_STREAM: text} if isinstance(text, str) else {TEXT_IDS: list(text)}
     return SamplingParams(
         max_tokens=max_frames,
         stop_token_ids=[config.codec_eos_token_id],
         logprobs=config.num_code_groups - 1,
         detokenize=False,
-        extra_args={TEXT_IDS: list(text_ids)},
+        extra_args=extra,
         **kwargs,
     )
 
@@ -235,6 +271,8 @@ class _TalkerWorkerMixin:
             )
         base = type(runner)
         runner.__class__ = type(f"Talker{base.__name__}", (TalkerRunnerMixin, base), {})
+        # Connected now: the stage's sends wait for a connected feed.
+        runner._text_feed()
 
 
 def __getattr__(name: str):
