@@ -3,8 +3,8 @@ graphs against its eager path on the same inputs, and its time per step. vLLM ad
 methods to the talker's worker when the engine is built with
 `worker_extension_cls=PREDICTOR_PROBE`; `LLM.collective_rpc(name, args=...)` calls them.
 
-Every method builds its own random inputs (hidden states at the scale of the talker's, first
-codes, seeds) and returns plain numbers.
+Every method builds its own random inputs (hidden states, first codes, seeds) and returns plain
+values, and runs under inference mode as the engine's step does.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class PredictorProbe:
             self._kept_predictor_graphs = graphs
             runner._talker_predictor_graphs = PredictorGraphs(graphs.model, graphs.buckets[-1])
 
+    @torch.inference_mode()
     def compare_predictor_paths(self, rows_list: list[int], seed: int) -> list[dict]:
         """For each batch size: the graphs' codes against the eager path's, all rows greedy
         and with mixed rows (greedy, seeded, global draws). A batch between buckets is also
@@ -66,6 +67,7 @@ class PredictorProbe:
             out.append(row)
         return out
 
+    @torch.inference_mode()
     def time_predictor(self, rows_list: list[int], iters: int) -> list[dict]:
         """Milliseconds per step of the predictor alone (every row sampled from the global
         generator, its noise drawn in the step), eager and graphed, per batch size."""
@@ -74,22 +76,17 @@ class PredictorProbe:
         for rows in rows_list:
             hidden, code0 = _inputs(model, rows, 0)
             draws = PredictorDraws(torch.zeros(rows, dtype=torch.bool, device=hidden.device))
+            paths = {"eager_ms": lambda h, c, d: predict_eagerly(model, h, c, d)}
+            if graphs.captured:
+                paths["graphed_ms"] = graphs
             row = {"rows": rows}
-            for name, fn in (("eager_ms", predict_eagerly), ("graphed_ms", None)):
-                if fn is None and not graphs.captured:
-                    continue
-
-                def step(fn=fn):
-                    if fn is None:
-                        return graphs(hidden, code0, draws)
-                    return fn(model, hidden, code0, draws)
-
+            for name, step in paths.items():
                 for _ in range(3):
-                    step()
+                    step(hidden, code0, draws)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 for _ in range(iters):
-                    step()
+                    step(hidden, code0, draws)
                 torch.cuda.synchronize()
                 row[name] = (time.perf_counter() - start) * 1e3 / iters
             out.append(row)
