@@ -112,12 +112,17 @@ def predictor_frames(llm, requests: Requests, graphs: bool, count: int, **sampli
 
 def check(model_dir: Path, dtype: str, eager_engine: bool) -> dict:
     requests = Requests(model_dir)
-    report: dict = {"device": torch.cuda.get_device_name(0), "dtype": dtype}
     import vllm
 
-    report["vllm"] = vllm.__version__
+    cuda = torch.cuda.is_available()
+    report: dict = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "dtype": dtype,
+        "vllm": vllm.__version__,
+    }
     start = time.perf_counter()
-    llm = engine(model_dir, dtype, eager=False)
+    # Off CUDA (a dry run of this script) the predictor has no graphs: both paths are eager.
+    llm = engine(model_dir, dtype, eager=not cuda)
     report["graphed_engine_start_s"] = round(time.perf_counter() - start, 1)
     (report["predictor_graphed"],) = llm.collective_rpc("predictor_graphed")
     (report["paths"],) = llm.collective_rpc("compare_predictor_paths", args=([1, 3, 8, 32], 0))
@@ -134,11 +139,13 @@ def check(model_dir: Path, dtype: str, eager_engine: bool) -> dict:
             "frames": len(greedy[0][0][0]),
         }
     report["frames"] = frames
-    (report["predictor_ms"],) = llm.collective_rpc("time_predictor", args=([1, 8, 32], 50))
+    (report["predictor_ms"],) = llm.collective_rpc(
+        "time_predictor", args=([1, 8, 32], 50 if cuda else 3)
+    )
     graphed_greedy = requests.frames(llm, 4, temperature=0.0)
     del llm
     gc.collect()
-    if eager_engine:
+    if eager_engine and cuda:
         start = time.perf_counter()
         llm = engine(model_dir, dtype, eager=True)
         report["eager_engine"] = {

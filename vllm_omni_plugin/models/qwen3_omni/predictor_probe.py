@@ -83,14 +83,19 @@ class PredictorProbe:
             for name, step in paths.items():
                 for _ in range(3):
                     step(hidden, code0, draws)
-                torch.cuda.synchronize()
+                _sync(hidden.device)
                 start = time.perf_counter()
                 for _ in range(iters):
                     step(hidden, code0, draws)
-                torch.cuda.synchronize()
+                _sync(hidden.device)
                 row[name] = (time.perf_counter() - start) * 1e3 / iters
             out.append(row)
         return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _inputs(model, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
