@@ -54,11 +54,15 @@ def request_ids(omni_dir):
 
 def test_predictor_graphs_give_the_eager_codes(graphed_llm):
     """Batch sizes on a bucket (1, 2, 8) and between (3, 5): greedy rows and mixed rows
-    (greedy, seeded, global draws) give exactly the eager path's codes."""
+    (greedy, seeded, global draws) give exactly the eager path's codes; a batch between
+    buckets the eager path's over its bucket (a replay's shapes: the GPU's matrix kernels
+    may round differently for another number of rows)."""
     assert graphed_llm.collective_rpc("predictor_graphed") == [True]
     (rows,) = graphed_llm.collective_rpc("compare_predictor_paths", args=([1, 2, 3, 5, 8], 0))
     for row in rows:
-        assert all(v for k, v in row.items() if k.endswith("_equal")), row
+        on_bucket = row["rows"] == row["bucket"]
+        checked = [k for k in row if k.endswith("_equal") and (on_bucket or "padded" in k)]
+        assert len(checked) == 2 and all(row[k] for k in checked), row
 
 
 def test_engine_frames_with_graphs_equal_eager(
