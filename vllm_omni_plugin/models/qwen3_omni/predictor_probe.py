@@ -88,7 +88,7 @@ class PredictorProbe:
                 for _ in range(iters):
                     step(hidden, code0, draws)
                 _sync(hidden.device)
-                row[name] = (time.perf_counter() - start) * 1e3 / iters
+                row[name] = round((time.perf_counter() - start) * 1e3 / iters, 3)
             out.append(row)
         return out
 
