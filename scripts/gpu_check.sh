@@ -40,6 +40,7 @@
 #   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker engine's step time at full size (no
 #                                           server, ~3 min); TALKER_BASELINE=DIR (an older `talker/` package)
 #                                           and TALKER_BASELINE_LABEL time that one too
+#   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (default /tmp/gpu-check).
 set -euo pipefail
@@ -266,6 +267,12 @@ while [ $# -gt 0 ]; do
       timeout 420 python3 benchmarks/bench_talker_step.py --work "${TALKER_WORK:-/dev/shm/talker-full}" \
         --out "$OUT/talker_step" ${TALKER_BASELINE:+--baseline "$TALKER_BASELINE"} \
         ${TALKER_BASELINE_LABEL:+--baseline-label "$TALKER_BASELINE_LABEL"} 2>&1 | tail -20 || true
+      ;;
+    talker-predictor)
+      # The talker engine's code predictor, tiny checkpoint: its CUDA graphs vs its eager
+      # path (codes, frames, seeds) and its time per step at batch 1/8/32. Under 2 min.
+      timeout 300 python3 benchmarks/talker_predictor_gpu_check.py \
+        --out "$OUT/talker_predictor.json" 2>&1 | tail -80 || true
       ;;
     collect-omni)
       stop_servers

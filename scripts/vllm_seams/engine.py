@@ -158,12 +158,14 @@ def check_fixed_kv_cache_skips_profiling(r: Report) -> None:
 def check_talker_runner(r: Report) -> None:
     """models/qwen3_omni/talker_runner.py: the talker's worker builds vLLM's V1 model runner in
     `init_device` and mixes `TalkerRunnerMixin` into it, which overrides `_preprocess`,
-    `_sample`, `_update_states` and `execute_model`, marks prompt-embeds rows of the input
-    batch's token table and sampling metadata, samples the code predictor with vLLM's top-k /
-    top-p / random-sample ops, reads `input_batch.req_ids`, `requests` (their
-    `num_computed_tokens`, `num_prompt_tokens`, `sampling_params`) and `get_model()`, and
-    hands the frames out as the step's `LogprobsTensors`, which the scheduler slices per
-    request (`slice_request`) for requests that asked for logprobs."""
+    `_sample`, `_update_states`, `execute_model` and `capture_model` (which the worker calls
+    after the KV cache is allocated, only without `enforce_eager`; the runner's returns early
+    when `compilation_config.cudagraph_mode` is NONE), marks prompt-embeds rows of the input
+    batch's token table and sampling metadata, reads `input_batch.req_ids`, `requests` (their
+    `num_computed_tokens`, `num_prompt_tokens`, `sampling_params`), `get_model()`, `device`,
+    `scheduler_config`, `compilation_config` and `parallel_config`, and hands the frames out
+    as the step's `LogprobsTensors`, which the scheduler slices per request (`slice_request`)
+    for requests that asked for logprobs."""
     src = r.src
     for module, name in (
         ("vllm.v1.worker.gpu_worker", "Worker"),
@@ -187,6 +189,17 @@ def check_talker_runner(r: Report) -> None:
                 any("self.model_runner" in ast.unparse(b) for b in bodies),
                 f"talker: {name}.init_device no longer builds self.model_runner",
             )
+    worker = _fn(r, "vllm.v1.worker.gpu_worker", "Worker", "talker")
+    if isinstance(worker, ast.ClassDef):
+        # compile_or_warm_up_model itself, or (0.33) its `_compile_or_warm_up_model` helper.
+        names = ("compile_or_warm_up_model", "_compile_or_warm_up_model")
+        warm = [class_method(worker, name) for name in names]
+        text = "".join(ast.unparse(m) for m in warm if m is not None)
+        r.check(
+            "self.model_runner.capture_model()" in text and "enforce_eager" in text,
+            "talker: Worker.compile_or_warm_up_model no longer calls the runner's "
+            "capture_model (after the KV cache, unless enforce_eager)",
+        )
     runner = _fn(r, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "talker")
     if isinstance(runner, ast.ClassDef):
         want = {
@@ -195,6 +208,7 @@ def check_talker_runner(r: Report) -> None:
             "execute_model": ["scheduler_output"],
             "get_model": [],
             "_update_states": ["scheduler_output"],
+            "capture_model": [],
         }
         for name, args in want.items():
             m = class_method(runner, name)
@@ -203,8 +217,21 @@ def check_talker_runner(r: Report) -> None:
                 f"talker: GPUModelRunner.{name}({', '.join(args)}) changed",
             )
         text = ast.unparse(runner)
-        for attr in ("self.input_batch.req_ids", "self.requests", "self.sampler("):
+        for attr in (
+            "self.input_batch.req_ids",
+            "self.requests",
+            "self.sampler(",
+            "self.device =",
+            "self.scheduler_config =",
+            "self.compilation_config =",
+            "self.parallel_config =",
+        ):
             r.check(attr in text, f"talker: GPUModelRunner no longer uses {attr}")
+        capture = class_method(runner, "capture_model")
+        r.check(
+            capture is not None and "CUDAGraphMode.NONE" in ast.unparse(capture),
+            "talker: GPUModelRunner.capture_model no longer skips cudagraph_mode NONE",
+        )
     state = _fn(r, "vllm.v1.worker.gpu_input_batch", "CachedRequestState", "talker")
     if isinstance(state, ast.ClassDef):
         text = ast.unparse(state)
@@ -235,17 +262,6 @@ def check_talker_runner(r: Report) -> None:
             {"req_id", "prompt_embeds"} <= set(class_fields(new_req)),
             "talker: NewRequestData lost req_id/prompt_embeds",
         )
-    ops = "vllm.v1.sample.ops.topk_topp_sampler"
-    for name, args in (
-        ("apply_top_k_top_p", ["logits", "k", "p"]),
-        ("random_sample", ["probs", "generators"]),
-    ):
-        fn = _fn(r, ops, name, "talker")
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            r.check(
-                params(fn).positional[: len(args)] == args,
-                f"talker: {ops}.{name}({', '.join(args)}) changed",
-            )
     lp = _fn(r, "vllm.v1.outputs", "LogprobsTensors", "talker")
     if isinstance(lp, ast.ClassDef):
         r.check(

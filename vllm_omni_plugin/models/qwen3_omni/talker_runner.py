@@ -23,10 +23,12 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   starts while the thinker is still writing; a step waits for an id not written yet).
 
 - sampling: the first code through vLLM's sampler with the request's settings (the
-  checkpoint's by default: `frame_sampling_params`); the predictor's codes through vLLM's
-  top-k/top-p and sampling ops with the checkpoint's sub-talker settings, from the request's
-  seeded generator, greedy where the request is (temperature 0). A prompt given as embeddings
-  has no codec ids for the repetition penalty to count (`_update_states`).
+  checkpoint's by default: `frame_sampling_params`); the predictor's codes with the
+  checkpoint's sub-talker settings from noise drawn before the predictor runs, from the
+  request's seeded generator, greedy where the request is (temperature 0)
+  (predictor_sampling.py). On CUDA the predictor's whole frame replays as a CUDA graph per
+  batch bucket, captured after vLLM's own graphs (predictor_graphs.py). A prompt given as
+  embeddings has no codec ids for the repetition penalty to count (`_update_states`).
 
 Per-request frame state lives in the runner, keyed by request id, and ends with the request.
 Synchronous scheduling only: the step reads the previous step's codes on the host.
@@ -38,8 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.v1.outputs import LogprobsTensors
 
+from .predictor_graphs import PredictorGraphs
+from .predictor_sampling import PredictorDraws
 from .text_feed import ADDITIONAL_CONFIG_KEY, TEXT_STREAM, TextFeed
 
 TEXT_IDS = "talker_text_ids"
@@ -122,8 +127,8 @@ class TalkerRunnerMixin:
             if req.num_computed_tokens + self._num_scheduled(req_id) < req.num_prompt_tokens:
                 chunks.add(i)
         code0 = out.sampled_token_ids[:, 0].to(torch.long)
-        sample = _predictor_sampler(self.input_batch.sampling_metadata, chunks)
-        residual = model.predict_residuals(model.sampled_hidden, code0, sample)
+        draws = _predictor_sampler(self.input_batch.sampling_metadata, chunks, len(req_ids))
+        residual = self._predictor_graphs()(model.sampled_hidden, code0, draws)
         embeds = model.residual_embedding(residual)
         for i, req_id in enumerate(req_ids):
             if i in chunks:
@@ -138,6 +143,26 @@ class TalkerRunnerMixin:
             state.residual_embed = embeds[i]
         out.logprobs_tensors = _frame_logprobs(model, code0, residual)
         return out
+
+    def _predictor_graphs(self) -> PredictorGraphs:
+        graphs = getattr(self, "_talker_predictor_graphs", None)
+        if graphs is None:
+            max_rows = self.scheduler_config.max_num_seqs
+            graphs = self._talker_predictor_graphs = PredictorGraphs(self.get_model(), max_rows)
+        return graphs
+
+    def capture_model(self) -> int:
+        # vLLM calls this once its KV cache is allocated, and only without `enforce_eager`.
+        captured = super().capture_model()
+        if (
+            self.device.type == "cuda"
+            and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+            # The predictor's layers all-reduce under tensor parallelism, outside the
+            # communicator setup vLLM's own captures run in: those stay eager.
+            and self.parallel_config.tensor_parallel_size == 1
+        ):
+            captured += self._predictor_graphs().capture()
+        return captured
 
     def _update_states(self, scheduler_output):
         out = super()._update_states(scheduler_output)
@@ -179,31 +204,19 @@ def _text_entry(tts_ids, state: _FrameState, index: int, feed: TextFeed | None) 
     return eos if index == feed.length(state.stream) else pad
 
 
-def _predictor_sampler(metadata, discarded: set[int]):
-    """`sample(j, logits)` for the code predictor's sub-step j: the rows the talker sampled
-    greedily (temperature 0) take the argmax, the others a draw with the predictor's own
-    settings (families.qwen3_omni.PREDICTOR_SAMPLING) through vLLM's top-k/top-p and sampling
-    ops, from each request's own generator where it has a seed (so a seed fixes whole frames).
-    The `discarded` rows (prefill chunks) draw from the global generator: a request's seeded
-    draws do not depend on how its prefill was chunked. None when every row is greedy."""
+def _predictor_sampler(metadata, discarded: set[int], rows: int) -> PredictorDraws:
+    """How the code predictor chooses each row's codes (predictor_sampling.py): the rows the
+    talker sampled greedily (temperature 0) take the argmax, the others a draw with the
+    predictor's own settings (families.qwen3_omni.PREDICTOR_SAMPLING) from noise drawn before
+    the predictor runs, from each request's own generator where it has a seed (one draw per
+    frame, so a seed fixes whole frames). The `discarded` rows (prefill chunks) draw from the
+    global generator: a request's seeded draws do not depend on how its prefill was chunked.
+    No noise at all when every row is greedy."""
     if metadata.all_greedy:
-        return None
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
-
-    from vllm_omni_plugin.families.qwen3_omni import PREDICTOR_SAMPLING as cfg
-
-    greedy = metadata.temperature < _SAMPLING_EPS
+        return PredictorDraws(None)
+    greedy = metadata.temperature[:rows] < _SAMPLING_EPS
     generators = {i: g for i, g in metadata.generators.items() if i not in discarded}
-
-    def sample(j: int, logits: torch.Tensor) -> torch.Tensor:
-        rows = logits.shape[0]
-        k = torch.full((rows,), cfg["top_k"], dtype=torch.long, device=logits.device)
-        p = torch.full((rows,), cfg["top_p"], dtype=torch.float32, device=logits.device)
-        scaled = apply_top_k_top_p(logits.float() / cfg["temperature"], k, p)
-        drawn = random_sample(scaled.softmax(dim=-1), generators)
-        return torch.where(greedy[:rows], logits.argmax(dim=-1), drawn.to(torch.long))
-
-    return sample
+    return PredictorDraws(greedy, generators)
 
 
 def _frame_logprobs(model, code0: torch.Tensor, residual: torch.Tensor) -> LogprobsTensors:
