@@ -242,32 +242,38 @@ def time_batch(
             f"{sampling}-{batch}-{i}", {"prompt_embeds": p["embeds"].to(dtype)}, params
         )
         lengths.append(p["embeds"].shape[0])
-    made = {}
-    times, per_step = [], []
+    # A step is timed (from the previous step's return to its own) when every request of the
+    # batch was decoding in it: requests reach the running engine one by one, so the first ones
+    # may prefill (and finish) a step or two before the last ones.
+    made: dict[str, int] = {}
+    prefill_ms, decode = None, []
+    steps = 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
         if not outs:
             continue
         now = time.perf_counter()
-        times.append(now - t0)
+        steps += 1
+        running = len(made) == batch and all(made.values())
+        if prefill_ms is None:
+            prefill_ms = (now - t0) * 1000
+        elif running and len(outs) == batch:
+            decode.append(now - t0)
         t0 = now
-        new = 0
         for out in outs:
-            n = len(out.outputs[0].token_ids)
-            new += n - made.get(out.request_id, 0)
-            made[out.request_id] = n
-        per_step.append(new)
-    decode = times[1:] or times
+            made[out.request_id] = len(out.outputs[0].token_ids)
+    if not decode:
+        raise RuntimeError(f"batch {batch}: no step with every request decoding; more --frames")
     step_ms = statistics.median(decode) * 1000
     return {
         "sampling": sampling,
         "batch": batch,
         "frames": frames,
         "frames_made": sorted(set(made.values())),
-        "steps": len(times),
-        "frames_per_decode_step": statistics.median(per_step[1:] or per_step),
-        "prefill_ms": round(times[0] * 1000, 2),
+        "steps": steps,
+        "decode_steps_timed": len(decode),
+        "first_step_ms": round(prefill_ms, 2),
         "step_ms": round(step_ms, 3),
         "step_ms_p90": round(sorted(decode)[int(0.9 * (len(decode) - 1))] * 1000, 3),
         "mean_prompt_len": statistics.mean(lengths),
