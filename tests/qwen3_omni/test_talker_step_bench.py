@@ -17,8 +17,8 @@ BATCHES, FRAMES = (1, 4), 6
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> dict:
-    """The bench as the GPU runs it, on the tiny checkpoint: over 60 s on a loaded 2-core box,
-    nearly all of it one vLLM CPU engine's start (~60 s), the only way to run its stepping."""
+    """The bench as the GPU runs it, on the tiny checkpoint (~40 s, nearly all of it one vLLM
+    CPU engine's start)."""
     tmp = tmp_path_factory.mktemp("talker-step")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
