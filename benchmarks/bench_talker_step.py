@@ -1,18 +1,28 @@
-"""Qwen3-Omni's speech engines at full size on one GPU, without the server: the talker's time per
-decode step (eager, CUDA graphs, and optionally an older engine for comparison) and Code2Wav's
-audio per wall second, at batch 1, 8 and 32. The stage that was slowest in the first served speech benchmark, profiled.
+"""Qwen3-Omni's speech engines at full size on one GPU, without the server.
 
-    python3 benchmarks/bench_talker_step.py --work /dev/shm/talker-full --out OUT \
+`--engine vllm` (the default): the talker as vLLM's model, stepped by vLLM's engine
+(talker_step_vllm.py), its decode step time at batch 1, 8 and 32, greedy and with the
+checkpoint's sampling, beside the step's memory-bandwidth floor (the bytes of weights it reads
+over the H200's 4.8 TB/s) and their ratio.
+
+`--engine torch`: the torch talker engine (talker/engine.py), eager and with CUDA graphs
+(optionally an older `talker/` package too), and Code2Wav's audio per wall second.
+
+    python3 benchmarks/bench_talker_step.py --work /dev/shm/talker-full --out OUT [--eager]
+    python3 benchmarks/bench_talker_step.py --engine torch --work /dev/shm/talker-full --out OUT \
         [--baseline DIR --baseline-label TEXT]  # DIR holds an older `talker/` package (timed too)
     python3 benchmarks/bench_talker_step.py report OUT/talker_step.json [MORE.json] \
-        --write BENCHMARKS.md  # the table between <!-- talker-step:begin/end -->
+        --write BENCHMARKS.md  # the tables between <!-- talker-step:begin/end -->
+    python3 benchmarks/bench_talker_step.py --device cpu --tiny --work DIR --out OUT
+        # the vLLM path on the tiny checkpoint, small batches: a CPU dry run (< 1 min)
 
 The checkpoint: the full-size talker, Code2Wav and the thinker's token embedding only (what the
-two engines load, ~8 GB), random bf16 weights (testing/full_qwen3_omni.py's config). Every
-request is ~20 prompt ids + 64 thinker ids and runs `--frames` frames: the talker's end code is
-ignored (random weights would end answers at random). One frame is 80 ms of audio, so a step
-time under 80 ms is faster than real time for every request of the batch. Graphed and eager
-frames are compared (same inputs, bf16): the fraction of equal frames is reported.
+engines load, ~8 GB), random bf16 weights (testing/full_qwen3_omni.py's config), and the
+prefill embeddings of 8 chat prompts conditioned as the talker stage does (talker/prompt.py).
+Every request runs `--frames` frames: the talker's end code is ignored (random weights would
+end answers at random). One frame is 80 ms of audio, so a step time under 80 ms is faster than
+real time for every request of the batch. Graphed and eager frames of the torch engine are
+compared (same inputs, bf16): the fraction of equal frames is reported.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 FRAME_S = 0.08
 BEGIN, END = "<!-- talker-step:begin -->", "<!-- talker-step:end -->"
 DEVICE = "cuda"
@@ -38,9 +50,33 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+BUILT = ".built"  # written last: the folder holds a whole checkpoint in the hub's layout
+
+
+def hub_experts(state: dict) -> dict:
+    """transformers' 3-D expert tensors (`...mlp.experts.gate_up_proj` `[E, 2I, H]`,
+    `down_proj` `[E, H, I]`) -> the hub's per-expert `...experts.N.{gate,up,down}_proj.weight`,
+    the names vLLM's loader reads (and talker/runner.py merges back)."""
+    out = {}
+    for key, value in state.items():
+        prefix, _, name = key.rpartition(".")
+        if not prefix.endswith(".mlp.experts") or name not in ("gate_up_proj", "down_proj"):
+            out[key] = value
+            continue
+        for e in range(value.shape[0]):
+            if name == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = value[e]
+            else:
+                gate, up = value[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+    return out
+
+
 def build(work: Path, num_layers: int | None = None) -> Path:
-    """Talker + Code2Wav + thinker embedding at full size, random, in `work` (kept if there)."""
-    if (work / ".complete").exists():
+    """Talker + Code2Wav + thinker embedding at full size, random, in `work` (kept if there),
+    and the prompts' prefill embeddings (talker_step_vllm.write_prompts)."""
+    if (work / BUILT).exists():
         return work
     from safetensors.torch import save_file
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
@@ -74,13 +110,31 @@ def build(work: Path, num_layers: int | None = None) -> Path:
             embed = torch.randn(text.vocab_size, text.hidden_size) * text.initializer_range
     finally:
         torch.set_default_dtype(previous)
-    state = {f"talker.{k}": v for k, v in talker.state_dict().items()}
+    state = {f"talker.{k}": v for k, v in hub_experts(talker.state_dict()).items()}
+    embedding = torch.nn.Embedding.from_pretrained(embed)
     state.update({f"code2wav.{k}": v for k, v in code2wav.state_dict().items()})
     state["thinker.model.embed_tokens.weight"] = embed
     save_file({k: v.contiguous() for k, v in state.items()}, str(work / "model.safetensors"))
     config.save_pretrained(work)
     write_processor_files(work, tokenizer)
-    (work / ".complete").touch()
+    from talker_step_vllm import write_prompts
+
+    write_prompts(work, config, talker, embedding)
+    (work / BUILT).touch()
+    return work
+
+
+def build_tiny(work: Path) -> Path:
+    """The tiny checkpoint (testing/tiny_qwen3_omni.py, float32) and its prompts, in `work`."""
+    if (work / BUILT).exists():
+        return work
+    from talker_step_vllm import load_prompts
+
+    from vllm_omni_plugin.testing.tiny_qwen3_omni import build as build_tiny_checkpoint
+
+    build_tiny_checkpoint(work, seed=0)
+    load_prompts(work)
+    (work / BUILT).touch()
     return work
 
 
@@ -200,9 +254,49 @@ def talker_engine(package: str, model_dir: Path, **kw):
     return module.TalkerEngine(str(model_dir), DEVICE, "bfloat16", max_batch_size=64, **kw)
 
 
+def vllm_table(runs: list[tuple[Path, dict]]) -> str:
+    """The vLLM talker's rows (sampling, batch) beside their bandwidth floors."""
+    lines = [
+        "| talker on vLLM's engine, sampling | batch | frames each | step ms (median) | p90 "
+        "| floor ms (weights read / 4.8 TB/s) | step / floor | weights read MB "
+        "| of which routed experts MB | floor ms with KV reads | audio s per wall s "
+        "| result file |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path, run in runs:
+        for r in run.get("talker_vllm", ()):
+            mb = r["weight_bytes"]
+            lines.append(
+                f"| {r['sampling']} | {r['batch']} | {r['frames']} | {r['step_ms']} "
+                f"| {r['step_ms_p90']} | {r['floor_ms']} | {r['step_over_floor']} "
+                f"| {mb['total'] / 1e6:.1f} | {mb['routed_experts'] / 1e6:.1f} "
+                f"| {r['floor_with_kv_ms']} | {r['audio_s_per_wall_s']} | {path.name} |"
+            )
+    lines.append("")
+    for path, run in runs:
+        if "talker_vllm" in run:
+            lines.append(
+                f"- {path.name}: {run['device']}, torch {run['torch']}, vLLM {run['vllm']}, "
+                f"{run['dtype']}, CUDA graphs: {run['cuda_graphs']}; engine load (s): "
+                f"{run['load_s']}; checkpoint build (s): {run['build_s']}"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def report_table(paths: list[Path]) -> str:
-    """Markdown from result files: the talker's rows (variant, batch), then Code2Wav's."""
+    """Markdown from result files: the vLLM engine's table, then the torch engine's."""
     runs = [(p, json.loads(p.read_text())) for p in paths]
+    parts = []
+    if any("talker_vllm" in r for _, r in runs):
+        parts.append(vllm_table(runs))
+    if any("talker" in r for _, r in runs):
+        parts.append(torch_table(runs))
+    return "\n".join(parts)
+
+
+def torch_table(runs: list[tuple[Path, dict]]) -> str:
+    """The torch talker engine's rows (variant, batch), then Code2Wav's."""
+    runs = [(p, r) for p, r in runs if "talker" in r]
     lines = [
         "| talker engine | batch | frames each | step ms (median) | p90 | real-time factor "
         "| audio s per wall s | result file |",
@@ -269,32 +363,56 @@ def main() -> None:
     if sys.argv[1:2] == ["report"]:
         return report_cmd(sys.argv[2:])
     ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=("vllm", "torch"), default="vllm")
     ap.add_argument("--work", default="/dev/shm/talker-full")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--frames", type=int, default=48)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--baseline", help="a folder holding an older talker package, `talker/`")
-    ap.add_argument("--baseline-label", help="the baseline's row name in the table")
-    ap.add_argument("--num-layers", type=int, help="every stack this deep (a CPU dry run)")
+    ap.add_argument("--frames", type=int)
+    ap.add_argument("--batches")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variants", default="eager,baseline,graphs")
+    ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint (a CPU dry run)")
+    ap.add_argument("--eager", action="store_true", help="vllm: no CUDA graphs")
+    ap.add_argument("--samplings", default="greedy,checkpoint", help="vllm: greedy, checkpoint")
+    ap.add_argument("--baseline", help="torch: a folder holding an older talker package, `talker/`")
+    ap.add_argument("--baseline-label", help="torch: the baseline's row name in the table")
+    ap.add_argument("--num-layers", type=int, help="torch: every stack this deep (a CPU dry run)")
+    ap.add_argument("--variants", default="eager,baseline,graphs", help="torch: what to time")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model_dir = build(Path(args.work), args.num_layers)
+    if args.tiny:
+        model_dir = build_tiny(Path(args.work))
+    else:
+        model_dir = build(Path(args.work), args.num_layers)
     report = {
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
         "torch": torch.__version__,
         "build_s": round(time.perf_counter() - t0, 1),
-        "talker": [],
-        "code2wav": [],
     }
+    default_batches = "1,4" if args.tiny else "1,8,32"
+    batches = [int(b) for b in (args.batches or default_batches).split(",")]
+    frames = args.frames or (6 if args.tiny else 48)
+    if args.engine == "vllm":
+        return run_vllm(args, model_dir, batches, frames, report, out)
+    run_torch(args, model_dir, batches, frames, report, out)
+
+
+def run_vllm(args, model_dir: Path, batches, frames, report: dict, out: Path) -> None:
+    from talker_step_vllm import run
+
+    samplings = args.samplings.split(",")
+    path = out / "talker_step.json"
+    save = lambda: path.write_text(json.dumps(report, indent=1))  # noqa: E731
+    run(model_dir, DEVICE, batches, frames, samplings, args.eager, report, save)
+    print(vllm_table([(Path("talker_step.json"), report)]))
+
+
+def run_torch(args, model_dir: Path, batches, frames, report: dict, out: Path) -> None:
+    report.update({"engine": "torch", "talker": [], "code2wav": []})
     if args.baseline_label:
         report["labels"] = {"baseline": args.baseline_label}
-    batches = [int(b) for b in args.batches.split(",")]
     ids = prompts(model_dir, 8)
     variants = [("eager", "vllm_omni_plugin.talker", {"enforce_eager": True})]
     if args.baseline:
@@ -315,7 +433,7 @@ def main() -> None:
                 report["fused_vs_modules"] = fused_vs_modules(engine.runner)
                 print("fused stack vs transformers' modules:", report["fused_vs_modules"])
             for b in batches:
-                row = time_talker(engine, b, args.frames, ids)
+                row = time_talker(engine, b, frames, ids)
                 codes[(name, b)] = row.pop("codes")
                 row["variant"] = name
                 print(json.dumps(row), flush=True)
@@ -335,7 +453,7 @@ def main() -> None:
             total = sum(g[r].shape[1] for r in g)
             report.setdefault(f"graphs_vs_{other}_equal_frames", {})[b] = f"{equal}/{total}"
     for b in batches:
-        row = time_code2wav(model_dir, b, args.frames)
+        row = time_code2wav(model_dir, b, frames)
         print(json.dumps(row), flush=True)
         report["code2wav"].append(row)
     save()

@@ -37,9 +37,11 @@
 #                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
 #   scripts/gpu_check.sh omni-parity        the tiny Qwen3-Omni served here (bf16) vs transformers on this GPU
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
-#   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker engine's step time at full size (no
-#                                           server, ~3 min); TALKER_BASELINE=DIR (an older `talker/` package)
-#                                           and TALKER_BASELINE_LABEL time that one too
+#   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker (vLLM's engine) at full size, decode
+#                                           step time at batch 1, 8, 32 beside its bandwidth floor (no server,
+#                                           <= 4 min with the ~8 GB build in /dev/shm); TALKER_ENGINE=torch times
+#                                           the torch talker engine instead (TALKER_BASELINE=DIR, an older
+#                                           `talker/` package, and TALKER_BASELINE_LABEL time that one too)
 #   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (default /tmp/gpu-check).
@@ -264,9 +266,16 @@ while [ $# -gt 0 ]; do
       stop_servers
       ;;
     talker-step)
-      timeout 420 python3 benchmarks/bench_talker_step.py --work "${TALKER_WORK:-/dev/shm/talker-full}" \
-        --out "$OUT/talker_step" ${TALKER_BASELINE:+--baseline "$TALKER_BASELINE"} \
-        ${TALKER_BASELINE_LABEL:+--baseline-label "$TALKER_BASELINE_LABEL"} 2>&1 | tail -20 || true
+      if [ "${TALKER_ENGINE:-vllm}" = torch ]; then
+        timeout 420 python3 benchmarks/bench_talker_step.py --engine torch \
+          --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
+          ${TALKER_BASELINE:+--baseline "$TALKER_BASELINE"} \
+          ${TALKER_BASELINE_LABEL:+--baseline-label "$TALKER_BASELINE_LABEL"} 2>&1 | tail -20 || true
+      else
+        timeout 240 python3 benchmarks/bench_talker_step.py --engine vllm \
+          --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
+          2>&1 | tee "$OUT/talker_step.log" | tail -30 || true
+      fi
       ;;
     talker-predictor)
       # The talker engine's code predictor, tiny checkpoint: its CUDA graphs vs its eager
