@@ -64,8 +64,10 @@ TALKER = 1
 
 # ---- what each system serves -----------------------------------------------------------------
 def ours_overrides(frames: int, extra: str | None = None) -> dict:
-    """Our --stage-overrides: the talker's frame cap, merged under any `extra` JSON."""
-    out: dict = {str(TALKER): {"default_sampling_params": {"max_tokens": frames}}}
+    """Our --stage-overrides: the talker writes exactly `frames` frames (random weights would
+    end a sampled answer at random), merged under any `extra` JSON."""
+    fixed = {"max_tokens": frames, "min_tokens": frames}
+    out: dict = {str(TALKER): {"default_sampling_params": fixed}}
     for sid, over in json.loads(extra or "{}").items():
         merged = {**out.get(sid, {}), **over}
         if "default_sampling_params" in over and "default_sampling_params" in out.get(sid, {}):
@@ -292,7 +294,7 @@ def phase_run(args) -> None:
 
 CAPS = {
     "ours": "thinker: request max_tokens + ignore_eos; talker: --stage-overrides "
-    '{"1": {"default_sampling_params": {"max_tokens": FRAMES}}}',
+    '{"1": {"default_sampling_params": {"max_tokens": FRAMES, "min_tokens": FRAMES}}}',
     "omni": "thinker: request max_tokens + ignore_eos (its thinker stage takes them); talker: "
     f"stage 1 default_sampling_params.max_tokens = FRAMES + {QWEN3_OMNI_TALKER_EXTRA_TOKENS} in "
     "the deploy file (it voices one frame fewer than its max_tokens)",

@@ -60,7 +60,8 @@ def test_incumbent_deploy_on_one_gpu_is_written_valid_and_otherwise_as_shipped(t
 
 def test_ours_caps_the_talker_through_stage_overrides():
     over = bench.ours_overrides(128, '{"1": {"default_sampling_params": {"temperature": 0}}}')
-    assert over == {"1": {"default_sampling_params": {"max_tokens": 128, "temperature": 0}}}
+    fixed = {"max_tokens": 128, "min_tokens": 128, "temperature": 0}
+    assert over == {"1": {"default_sampling_params": fixed}}
     reserved = bench.ours_reserved(bench.ours_overrides(96))  # qwen3_omni_1gpu, resolved
     assert reserved["talker_max_tokens"] == 96
     assert reserved["shares"]["stage_0"] == 0.75

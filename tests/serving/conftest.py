@@ -51,6 +51,11 @@ SHARED_ENV = {"VLLM_OMNI_DESCRIBE_STAGES": "1"}
 GREEDY_GLM_OVERRIDES = '{"0": {"default_sampling_params": {"temperature": 0.0}}}'
 # test_soak.py runs 64 clients at once against both shared servers: all are admitted.
 SOAK_QUEUE = 64
+# The served Qwen3-Omni tests compare with transformers' greedy generate (no repetition
+# penalty: testing/qwen3_omni_reference.py): the talker greedy, without the checkpoint's 1.05.
+OMNI_GREEDY_TALKER = (
+    '{"1": {"default_sampling_params": {"temperature": 0, "repetition_penalty": 1.0}}}'
+)
 # Step caching enabled (test_step_cache_serve.py); requests without `cache` run as without it.
 SMALL_QWEN_OVERRIDES = (
     '{"0": {"max_height": 128, "max_width": 128, "max_num_inference_steps": 4, '
@@ -313,10 +318,14 @@ def chat_servers(tmp_path_factory):
 # ---- Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav on the tiny checkpoint ----
 @pytest.fixture(scope="module")
 def omni_speech_server(tiny_models, tmp_path_factory):
-    """The bundled CPU config (talker greedy, at most 64 frames per request)."""
+    """The bundled CPU config, its talker made greedy (at most 64 frames per request)."""
     root = tmp_path_factory.mktemp("omni-speech-server")
     server = start_shared(
-        tiny_models("qwen3-omni"), REPO / "stage_configs" / "qwen3_omni_tiny.yaml", root
+        tiny_models("qwen3-omni"),
+        REPO / "stage_configs" / "qwen3_omni_tiny.yaml",
+        root,
+        "--stage-overrides",
+        OMNI_GREEDY_TALKER,
     )
     try:
         yield server

@@ -2,7 +2,8 @@
 tiny checkpoint, thinker (vLLM's own model) -> talker -> Code2Wav, every edge streamed, through the
 official `openai` client.
 
-Parity, greedy (the thinker at temperature 0, the talker greedy by config, 64 frames at most):
+Parity, greedy (the thinker at temperature 0, the talker greedy by the server's
+--stage-overrides, 64 frames at most):
 - the transcript is the text the same server answers for the text-only request, whose token ids
   equal transformers' thinker's;
 - the WAV equals transformers' `generate(..., return_audio=True)` within max abs 0.01: the bound of
@@ -215,6 +216,38 @@ def test_bad_speech_requests_are_openai_400s(omni_speech_server):
     with pytest.raises(openai.BadRequestError) as err:
         chat(omni_speech_server, extra_body={"add_generation_prompt": False}, **SPEECH)
     assert "add_generation_prompt" in str(err.value.body), err.value.body
+
+
+def test_speech_sampling_seed_reproduces_the_audio(omni_speech_server):
+    """The talker sampling per request (`speech_sampling`, over the deploy file's greedy talker):
+    the checkpoint's temperature with a seed gives the same WAV twice, another seed another WAV;
+    the chat's own `seed` seeds the talker too. The thinker is greedy, so the text is equal."""
+
+    def sampled(**kw) -> tuple[str, np.ndarray]:
+        audio = chat(omni_speech_server, **SPEECH, **kw).choices[0].message.audio
+        return audio.transcript, wav_samples(audio.data)
+
+    sampling = {"temperature": 0.9, "top_k": 50}
+    t1, first = sampled(extra_body={"speech_sampling": {**sampling, "seed": 11}})
+    t2, again = sampled(extra_body={"speech_sampling": {**sampling, "seed": 11}})
+    t3, other = sampled(extra_body={"speech_sampling": {**sampling, "seed": 12}})
+    assert t1 == t2 == t3
+    np.testing.assert_array_equal(first, again)
+    assert first.shape != other.shape or not np.array_equal(first, other)
+    _, by_chat_seed = sampled(seed=11, extra_body={"speech_sampling": sampling})
+    np.testing.assert_array_equal(by_chat_seed, first)
+
+
+def test_bad_speech_sampling_is_an_openai_400(omni_speech_server):
+    for sampling, field in (
+        ({"top_p": 2}, "speech_sampling.top_p"),
+        ({"temperature": -1}, "speech_sampling.temperature"),
+        ({"top_k": 1.5}, "speech_sampling.top_k"),
+        ({"beam_width": 2}, "speech_sampling.beam_width"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(omni_speech_server, extra_body={"speech_sampling": sampling}, **SPEECH)
+        assert err.value.body["error"]["param"] == field, err.value.body
 
 
 def _live(server) -> list[dict]:

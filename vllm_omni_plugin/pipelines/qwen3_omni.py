@@ -77,6 +77,7 @@ QWEN3_OMNI = PipelineTopology(
                 "enforce_eager",
                 "compilation_config",
                 "default_sampling_params.max_tokens",
+                "default_sampling_params.min_tokens",
                 "default_sampling_params.temperature",
                 "default_sampling_params.top_k",
                 "default_sampling_params.top_p",

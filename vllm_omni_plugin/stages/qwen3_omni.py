@@ -39,7 +39,14 @@ _IDLE_WAIT_S = 0.05  # nothing was ready: wait this long for news before steppin
 _ENGINE_CHECK_S = 1.0  # how often the talker stage checks that its vLLM engine core is alive
 # The talker's sampling settings a stage's `default_sampling_params` may set (the rest of a
 # request's frame sampling is fixed: talker_runner.frame_sampling_params).
-TALKER_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+TALKER_SAMPLING_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "min_tokens",  # frames before the codec EOS may end the speech
+)
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
