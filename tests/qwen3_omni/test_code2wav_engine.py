@@ -131,18 +131,15 @@ def test_frames_arriving_during_a_decode_are_not_dropped(decoder, omni_dir):
     engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir)), decoder)
     engine.add_request("a")
     engine.add_frames("a", codes[:, :4])
-    decode = decoder.decode
+    decode = engine.chunks.decode
 
     def decode_while_the_rest_arrives(windows):
         engine.add_frames("a", codes[:, 4:], finished=True)
         return decode(windows)
 
-    engine.decoder = type("D", (), {})()  # the same decoder, with frames arriving mid-decode
-    for name in ("num_groups", "samples_per_frame", "output_length"):
-        setattr(engine.decoder, name, getattr(decoder, name))
-    engine.decoder.decode = decode_while_the_rest_arrives
+    engine.chunks.decode = decode_while_the_rest_arrives  # this engine's instance only
     first = engine.step()
-    engine.decoder = decoder
+    del engine.chunks.decode
     assert [c.finished for c in first] == [False]
     chunks = first
     while engine.has_unfinished():
