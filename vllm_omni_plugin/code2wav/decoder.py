@@ -8,6 +8,7 @@ convolutions and the attention of a window's first frames would read the padding
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -108,6 +109,8 @@ class Code2WavDecoder:
             "past_key_values": None,
             "position_ids": positions,
         }
+        if "cache_position" in inspect.signature(create_causal_mask).parameters:
+            kwargs["cache_position"] = positions[0]  # transformers before 5.19 takes it
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if body.has_sliding_layers:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
