@@ -47,11 +47,11 @@ def test_keys_the_speech_stages_do_not_read_are_refused_by_name():
         "stage 1: block_size",
         "stage 1: default_sampling_params.top_p",
         "stage 2: memory_budget_gb",
-        "stage 2: enforce_eager",
     ):
         assert field in text and "runs its own engine" in text, (field, text)
     assert "default_sampling_params.temperature: is 0.7" in text and "only 0" in text
-    assert "stage 1: enforce_eager" not in text  # the talker's CUDA graphs: it reads the key
+    # The talker's and Code2Wav's CUDA graphs: both read the key.
+    assert "stage 1: enforce_eager" not in text and "stage 2: enforce_eager" not in text
 
 
 def test_talker_max_model_len_bounds_speech_prompts_and_must_leave_room():
@@ -63,10 +63,15 @@ def test_talker_max_model_len_bounds_speech_prompts_and_must_leave_room():
     assert len(lines) == 1 and "max_model_len leaves -3 prompt ids" in lines[0], lines
 
 
-def test_talker_enforce_eager_is_read_and_shown():
-    cfg = load_deploy_config(TINY, stage_overrides='{"1": {"enforce_eager": true}}')
-    assert cfg.stage(1).runtime.enforce_eager is True
-    assert cfg.stage(1).provenance["enforce_eager"] == "stage-overrides"
+def test_talker_and_code2wav_enforce_eager_is_read_and_shown():
+    cfg = load_deploy_config(
+        TINY, stage_overrides='{"1": {"enforce_eager": true}, "2": {"enforce_eager": true}}'
+    )
+    for sid in (1, 2):
+        assert cfg.stage(sid).runtime.enforce_eager is True
+        assert cfg.stage(sid).provenance["enforce_eager"] == "stage-overrides"
+    # read, so not warned about as having no effect (as on other diffusion stages)
+    assert not any("enforce_eager" in w for w in cfg.warnings), cfg.warnings
 
 
 def test_thinker_defaults_vllm_handlers_do_not_take_are_refused():

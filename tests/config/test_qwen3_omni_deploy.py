@@ -91,7 +91,6 @@ TALKER_REFUSED = {
 CODE2WAV_REFUSED = {
     "max_num_batched_tokens",
     "gpu_memory_utilization",
-    "enforce_eager",
     "trust_remote_code",
     "enable_prefix_caching",
     "enable_chunked_prefill",
@@ -123,10 +122,7 @@ def test_incumbent_file_is_refused_field_by_field(name):
         "temperature: is 0.9, but stage 1 (talker) supports only 0 here: it decodes greedily"
         in (text)
     )
-    assert (
-        "stage 2: enforce_eager: stage 2 (code2wav) runs its own engine: it has no CUDA graphs"
-        in (text)
-    )
+    assert "stage 2: enforce_eager" not in text  # Code2Wav's CUDA graphs follow it
     assert "gpu_memory_utilization: stage 1 (talker) runs its own engine: it reserves no share" in (
         text
     )
@@ -161,6 +157,7 @@ def test_incumbent_file_loads_once_the_refused_keys_are_removed(name, tmp_path):
     assert (thinker.sampling.temperature, thinker.sampling.max_tokens) == (0.0, 2048)
     assert (talker.scheduler.max_num_seqs, talker.sampling.max_tokens) == (64, 4096)
     assert code2wav.diffusion.max_batch_size == 64  # vLLM-Omni's max_num_seqs of the stage
+    assert code2wav.runtime.enforce_eager is False  # its CUDA graphs, as there
     # input_connectors name vLLM-Omni's SharedMemoryConnector: shared memory on both edges
     assert [(e.from_stage, e.to_stage, e.connector) for e in cfg.edges] == [
         (0, 1, "connector_of_shared_memory"),
@@ -192,11 +189,10 @@ def test_incumbent_platform_sections_refuse_talker_keys(name, tmp_path):
         for x in lines
     )
     lines = problems(path, platform="xpu")
-    eager = {"enforce_eager"} if name.startswith("vo30") else set()  # 0.30 added it to stage 2
-    # Its talker's enforce_eager: true is read (our talker then runs without CUDA graphs).
+    # Its talker's and Code2Wav's enforce_eager: true is read (they run without CUDA graphs).
     assert _refused(lines) == {
         1: {"max_cudagraph_capture_size"},
-        2: {"gpu_memory_utilization", "max_cudagraph_capture_size"} | eager,
+        2: {"gpu_memory_utilization", "max_cudagraph_capture_size"},
     }, lines
     if name.startswith("vo30"):  # musa clears a quantization config the talker never reads
         hf = {"hf_overrides.quantization_config"}

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from vllm_omni_plugin.code2wav import Code2WavDecoder, Code2WavEngine, Code2WavEngineConfig
+from vllm_omni_plugin.code2wav.batching import batch_buckets, smallest_fitting, window_shapes
+from vllm_omni_plugin.code2wav.chunk_decoder import ChunkDecoder
 from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
@@ -40,6 +42,20 @@ def _stream(engine: Code2WavEngine, feeds: dict[str, torch.Tensor], piece: int =
         for c in engine.step():
             chunks[c.request_id].append(c)
     return chunks
+
+
+def _chunking_alone(decoder: Code2WavDecoder, codes: torch.Tensor) -> list[np.ndarray]:
+    """The chunking (4 frames, then 25 with up to 25 frames of left context), each chunk's
+    window decoded alone without padding: what the engine gave before it padded and batched."""
+    out, decoded, emitted, total = [], 0, 0, codes.shape[1]
+    while decoded < total:
+        end = min(decoded + (4 if decoded == 0 else 25), total)
+        w0 = max(0, decoded - 25)
+        wav = decoder.decode([codes[:, w0:end]])[0].numpy()
+        stop = decoder.output_length(end)
+        out.append(wav[emitted - w0 * 1920 : stop - w0 * 1920])
+        decoded, emitted = end, stop
+    return out
 
 
 def test_one_shot_equals_transformers_exactly(decoder, omni_model, omni_dir):
@@ -131,18 +147,15 @@ def test_frames_arriving_during_a_decode_are_not_dropped(decoder, omni_dir):
     engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir)), decoder)
     engine.add_request("a")
     engine.add_frames("a", codes[:, :4])
-    decode = decoder.decode
+    decode = engine.chunks.decode
 
     def decode_while_the_rest_arrives(windows):
         engine.add_frames("a", codes[:, 4:], finished=True)
         return decode(windows)
 
-    engine.decoder = type("D", (), {})()  # the same decoder, with frames arriving mid-decode
-    for name in ("num_groups", "samples_per_frame", "output_length"):
-        setattr(engine.decoder, name, getattr(decoder, name))
-    engine.decoder.decode = decode_while_the_rest_arrives
+    engine.chunks.decode = decode_while_the_rest_arrives  # this engine's instance only
     first = engine.step()
-    engine.decoder = decoder
+    del engine.chunks.decode
     assert [c.finished for c in first] == [False]
     chunks = first
     while engine.has_unfinished():
@@ -191,3 +204,100 @@ def test_engine_runs_without_vllm(omni_dir):
         "samples": 5 * 1920 - 555,
         "vllm": [],
     }
+
+
+def test_window_shapes_and_batch_buckets():
+    cfg = Code2WavEngineConfig(model="x")
+    assert window_shapes(cfg) == (4, 50)  # first chunk; 25 new frames + 25 of context
+    assert window_shapes(Code2WavEngineConfig(model="x", first_chunk_frames=50)) == (50,)
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(12) == (1, 2, 4, 8, 12)
+    assert batch_buckets(1) == (1,)
+    assert [smallest_fitting(n, (1, 2, 4, 8, 12)) for n in (1, 2, 3, 5, 8, 9, 12)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        12,
+        12,
+    ]
+    with pytest.raises(ValueError, match="more than the largest"):
+        smallest_fitting(51, (4, 50))
+    with pytest.raises(ValueError, match="enforce_eager"):
+        Code2WavEngineConfig(model="x", enforce_eager="yes")
+
+
+def test_forwards_are_grouped_by_window_shape_and_padded_to_a_bucket(decoder):
+    """Each forward: (bucket, window shape, the windows in it); more windows of one shape than
+    the largest bucket take several forwards."""
+    chunks = ChunkDecoder(decoder, (4, 50), max_batch_size=4, cuda_graphs=False)
+    lengths = [4, 50, 3, 29, 1, 50, 5, 50, 50]
+    assert chunks.plan(lengths) == [
+        (4, 4, [0, 2, 4]),  # three first chunks padded to a batch of 4
+        (4, 50, [1, 3, 5, 6]),
+        (2, 50, [7, 8]),
+    ]
+    assert chunks.plan([]) == []
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        ChunkDecoder(decoder, (4, 50), max_batch_size=4, cuda_graphs=True)
+
+
+def test_padded_batches_equal_each_window_decoded_alone_atol_1e_4(decoder):
+    """Windows of both shapes, right-padded to their shape and to a batch bucket (rows of code
+    0 added), equal each window decoded alone unpadded within atol 1e-4 in float32 (waveform
+    std ~0.2; CPU reduction order depends on the batch shape)."""
+    lengths = [4, 50, 3, 29, 1, 50, 5]
+    windows = [_codes(20 + i, n) for i, n in enumerate(lengths)]
+    chunks = ChunkDecoder(decoder, (4, 50), max_batch_size=4, cuda_graphs=False)
+    together = chunks.decode(windows)
+    for w, wav in zip(windows, together, strict=True):
+        alone = decoder.decode([w])[0]
+        assert wav.shape == alone.shape == (w.shape[1] * 1920 - 555,)
+        torch.testing.assert_close(wav, alone, atol=1e-4, rtol=0)
+    # Padding rows and frames are not all the same as the real ones: a window next to other
+    # content than code 0 gives the same samples.
+    again = chunks.decode([windows[3], _codes(99, 50)])[0]
+    torch.testing.assert_close(again, together[3], atol=1e-4, rtol=0)
+
+
+def test_left_padding_would_change_the_samples(decoder):
+    """Why windows are right-padded: frames put in front of a window (left padding) reach its
+    samples through the causal convolutions and the attention."""
+    w = _codes(30, 29)
+    alone = decoder.decode([w])[0]
+    left = decoder.decode([torch.cat([torch.zeros(4, 21, dtype=torch.long), w], 1)])[0]
+    assert (left[21 * 1920 :] - alone).abs().max() > 0.01
+
+
+def test_streamed_chunks_equal_each_chunk_decoded_alone_atol_1e_4(decoder, omni_dir):
+    """Eight requests of different lengths streamed together through batches of at most 4
+    (padded to buckets 1, 2, 4 and to the two window shapes): each chunk equals that chunk's
+    window decoded alone without padding (the engine's output before batching at static
+    shapes) within atol 1e-4 in float32."""
+    feeds = {f"r{i}": _codes(40 + i, n) for i, n in enumerate((3, 4, 5, 29, 30, 54, 80, 121))}
+    cfg = Code2WavEngineConfig(model=str(omni_dir), max_batch_size=4)
+    streamed = _stream(Code2WavEngine(cfg, decoder), feeds, piece=9)
+    for rid, codes in feeds.items():
+        expected = _chunking_alone(decoder, codes)
+        # pieces of 9 frames: a chunk is decoded as soon as it is ready, as in the reference
+        got = [c.samples for c in streamed[rid] if len(c.samples)]
+        assert [len(x) for x in got] == [len(x) for x in expected], rid
+        for x, y in zip(got, expected, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
+        total = sum(len(x) for x in got)
+        assert total == codes.shape[1] * 1920 - 555
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_equal_eager_on_cuda(omni_dir):
+    """On CUDA: the captured graphs give the eager padded batch's samples (atol 1e-5, float32;
+    the same kernels at the same shapes)."""
+    decoder = Code2WavDecoder(omni_dir, "cuda")
+    graphed = ChunkDecoder(decoder, (4, 50), max_batch_size=8, cuda_graphs=True)
+    eager = ChunkDecoder(decoder, (4, 50), max_batch_size=8, cuda_graphs=False)
+    assert graphed.graphed and not eager.graphed
+    windows = [_codes(50 + i, n) for i, n in enumerate((4, 50, 2, 29, 50, 50, 4, 17, 9))]
+    for _ in range(2):  # replays reuse the buffers
+        for x, y in zip(graphed.decode(windows), eager.decode(windows), strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)

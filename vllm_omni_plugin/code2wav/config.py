@@ -24,8 +24,13 @@ class Code2WavEngineConfig:
     #: frames already decoded that are decoded again in front of a chunk (the decoder's
     #: attention and convolutions look back; more context, closer to the one-shot waveform)
     left_context_frames: int = 25
+    #: decode eagerly on CUDA too; otherwise each (batch bucket, window shape) is a CUDA graph
+    #: captured at start (see chunk_decoder.py). Off CUDA the decoder always runs eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: expected true or false, got {self.enforce_eager!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_batch_size", "max_requests", "first_chunk_frames", "chunk_frames"):

@@ -13,6 +13,10 @@ not write yet (they needed this chunk's first frame). Concatenated, a request's 
 one-shot waveform's length and differ from it only where the decoder would have looked further
 back than the context (its sliding-window attention spans 72 frames).
 
+A step decodes the windows at two static shapes (`first_chunk_frames`, and
+`left_context_frames + chunk_frames`), right-padded and batched to a bucket: CUDA graphs on a
+GPU, eager elsewhere (`chunk_decoder.py`).
+
 Thread-safe: `add_request` / `add_frames` / `abort` may come from other threads while one
 thread drives `step()`; the lock covers the bookkeeping, not the decode.
 """
@@ -25,6 +29,8 @@ import numpy as np
 import torch
 
 from ..common.request_table import RequestTable
+from .batching import window_shapes
+from .chunk_decoder import ChunkDecoder
 from .config import Code2WavEngineConfig
 from .decoder import Code2WavDecoder
 
@@ -64,6 +70,12 @@ class Code2WavEngine(RequestTable):
         super().__init__()
         self.config = config
         self.decoder = decoder or Code2WavDecoder(config.model, config.device, config.dtype)
+        self.chunks = ChunkDecoder(
+            self.decoder,
+            window_shapes(config),
+            config.max_batch_size,
+            cuda_graphs=self.decoder.device.type == "cuda" and not config.enforce_eager,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -103,7 +115,7 @@ class Code2WavEngine(RequestTable):
         if not plan:
             return out
         windows = [window for _, _, window, _, _ in plan]
-        wavs = self.decoder.decode(windows)
+        wavs = self.chunks.decode(windows)
         with self._lock:
             for (rid, req, _, w0, end), wav in zip(plan, wavs, strict=True):
                 if self._requests.get(rid) is not req:  # aborted meanwhile

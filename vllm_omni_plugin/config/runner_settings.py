@@ -15,7 +15,7 @@ _NO_SHARE = "it reserves no share of the GPU's memory: it allocates what its wei
 _NO_SCHEDULER = "it has no vLLM scheduler"
 _GRAPH_SIZES = (
     "it takes no CUDA graph sizes (a talker captures every batch size 1, 2, 4, ... up to its "
-    "max_num_seqs; Code2Wav captures none)"
+    "max_num_seqs; Code2Wav the same up to its max_batch_size, at its two chunk lengths)"
 )
 
 # Top-level stage key -> the reason.
@@ -28,10 +28,10 @@ BY_KEY = {
     "enable_chunked_prefill": "it has no chunked prefill",
     "async_scheduling": _NO_SCHEDULER,
     "scheduler_cls": _NO_SCHEDULER,
-    "enforce_eager": "it has no CUDA graphs yet: it always runs eagerly",
-    # The talker reads enforce_eager (its CUDA graphs); it takes none of vLLM's graph settings.
+    # The talker and Code2Wav read enforce_eager (their CUDA graphs); they take none of
+    # vLLM's graph settings.
     "compilation_config": (
-        "it is not compiled (no torch.compile; a talker's CUDA graphs follow enforce_eager)"
+        "it is not compiled (no torch.compile; its CUDA graphs follow enforce_eager)"
     ),
     "max_cudagraph_capture_size": _GRAPH_SIZES,
     "cudagraph_capture_sizes": _GRAPH_SIZES,

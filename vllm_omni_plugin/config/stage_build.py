@@ -118,7 +118,7 @@ def build_stage(
     else:
         _check_diffusion(owners["diffusion"], sampling, sid, sink)
         _check_diffusion_ranks(owners["diffusion"], owners["runtime"], sid, sink)
-    _check_without_effect(owners, kind, sid, sink, warnings)
+    _check_without_effect(owners, kind, sid, sink, warnings, spec.settings or ())
     if len(sink.problems) > before:
         return None
 
@@ -310,8 +310,15 @@ _WHY_ONE = {
 
 
 def _check_without_effect(
-    owners: dict[str, Any], kind: str, sid: int, sink: ProblemSink, warnings: list[str]
+    owners: dict[str, Any],
+    kind: str,
+    sid: int,
+    sink: ProblemSink,
+    warnings: list[str],
+    read: tuple[str, ...] = (),
 ) -> None:
+    """`read`: the keys a stage with its own runner reads (StageSpec.settings): never warned
+    about as having no effect."""
     refused = [_REFUSED_ABOVE_ONE] + ([_REFUSED_ABOVE_ONE_DIFFUSION] if kind == "diffusion" else [])
     warned = [_WARNED_IF_SET] + ([_WARNED_IF_SET_DIFFUSION] if kind == "diffusion" else [])
     for owner_name, name in ((o, n) for table in refused for o, ns in table.items() for n in ns):
@@ -321,7 +328,7 @@ def _check_without_effect(
             sink.add(sid, name, f"{value} is not supported: {why}; set 1 or remove it")
     for owner_name, name in ((o, n) for table in warned for o, ns in table.items() for n in ns):
         owner = owners.get(owner_name)
-        if owner is not None and name in owner.model_fields_set:
+        if owner is not None and name in owner.model_fields_set and name not in read:
             what = "an AR" if kind == "ar" else "a diffusion"
             warnings.append(
                 f"stage {sid}: {name} has no effect on {what} stage of this plugin "

@@ -95,7 +95,7 @@ QWEN3_OMNI = PipelineTopology(
             stream_output=True,
             stream_window=8,
             runner=CODE2WAV_LOOP,
-            settings=("dtype", "device", "max_batch_size", "max_num_seqs"),
+            settings=("dtype", "device", "max_batch_size", "max_num_seqs", "enforce_eager"),
         ),
     ),
     hf_model_types=("qwen3_omni_moe",),

@@ -365,6 +365,7 @@ class Code2WavStage(_BatchedEngineStage):
                 device=diffusion.device or _device(),
                 dtype=diffusion.dtype,
                 max_batch_size=diffusion.max_batch_size,
+                enforce_eager=bool(init.stage.runtime.enforce_eager),
             )
         )
         self.groups = self.engine.decoder.num_groups

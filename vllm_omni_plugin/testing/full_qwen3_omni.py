@@ -67,6 +67,25 @@ def _mrope() -> dict:
     }
 
 
+def code2wav_sizes(num_layers: int | None = None) -> dict:
+    """The published Code2Wav's `code2wav_config` (`num_layers`: its transformer's depth)."""
+    return {
+        "codebook_size": 2048,
+        "num_quantizers": 16,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 8 if num_layers is None else num_layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "sliding_window": 72,
+        "max_position_embeddings": 8000,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": 1536,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+
+
 def build_config(ids: dict[str, int], num_layers: int | None = None):
     from transformers import Qwen3OmniMoeConfig
 
@@ -170,21 +189,7 @@ def build_config(ids: dict[str, int], num_layers: int | None = None):
             "rope_parameters": _mrope(),
         },
     }
-    code2wav = {
-        "codebook_size": 2048,
-        "num_quantizers": 16,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": depth(8),
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "sliding_window": 72,
-        "max_position_embeddings": 8000,
-        "upsample_rates": [8, 5, 4, 3],
-        "upsampling_ratios": [2, 2],
-        "decoder_dim": 1536,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    }
+    code2wav = code2wav_sizes(num_layers)
     config = Qwen3OmniMoeConfig(
         thinker_config=thinker,
         talker_config=talker,
