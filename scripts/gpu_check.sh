@@ -42,6 +42,7 @@
 #                                           <= 4 min with the ~8 GB build in /dev/shm); TALKER_ENGINE=torch times
 #                                           the torch talker engine instead (TALKER_BASELINE=DIR, an older
 #                                           `talker/` package, and TALKER_BASELINE_LABEL time that one too)
+#   scripts/gpu_check.sh code2wav           Code2Wav's batched decode: CUDA graphs vs eager, time per chunk
 #   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (default /tmp/gpu-check).
@@ -276,6 +277,12 @@ while [ $# -gt 0 ]; do
           --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
           2>&1 | tee "$OUT/talker_step.log" | tail -30 || true
       fi
+      ;;
+    code2wav)
+      # Code2Wav's batched decode, tiny and full-size widths: CUDA graphs vs eager, time per
+      # chunk at batch 1/8/32 for both window lengths. Under 2 min.
+      timeout 300 python3 benchmarks/code2wav_gpu_check.py --out "$OUT/code2wav_gpu.json" \
+        2>&1 | tail -60 || true
       ;;
     talker-predictor)
       # The talker engine's code predictor, tiny checkpoint: its CUDA graphs vs its eager
