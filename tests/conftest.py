@@ -19,6 +19,57 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # orchestrator/private_files.py) go to a runtime folder of this test session, never the user's.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 
+# Under pytest-xdist (`make test`: -n 2 --dist loadgroup), tests that start vLLM engines, served
+# pipelines, stage processes, Ray or node clusters run one after another in one worker: two such
+# start-ups at once would double the memory and make each other's timing bounds meaningless on a
+# 2-core machine. Engine-free tests run beside them in the other worker, a module at a time so
+# that its module-scoped fixtures are built once. Whole folders whose tests start engines (and
+# where new ones keep arriving) count as engine tests; so does anything marked `slow`.
+ENGINE_DIRS = ("tests/multinode/", "tests/ray/", "tests/streaming/")
+ENGINE_MODULES = {
+    "tests/connectors/test_netns.py",
+    "tests/qwen3_omni/test_talker_vllm.py",
+    "tests/qwen3_omni/test_thinker_states.py",
+    "tests/qwen3_omni/test_thinker_states_preemption.py",
+    "tests/serving/test_bench_fair_tiny.py",
+    "tests/serving/test_payload_kinds.py",
+    "tests/serving/test_step_cache_serve.py",
+    "tests/vllm_window/test_serve_modes.py",
+}
+ENGINE_GROUP = "engines"
+
+
+def starts_engines(item: pytest.Item) -> bool:
+    module = item.nodeid.split("::", 1)[0]
+    return (
+        item.get_closest_marker("slow") is not None
+        or module in ENGINE_MODULES
+        or module.startswith(ENGINE_DIRS)
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = ENGINE_GROUP if starts_engines(item) else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def engine_free_on_one_torch_thread(request):
+    """Beside the engine worker, an engine-free test's torch runs on one thread: the two
+    workers already fill both cores, and OpenMP threads that outnumber the free cores spin
+    waiting on each other (see one_torch_thread)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or starts_engines(request.node):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
