@@ -318,6 +318,8 @@ def test_value_error_from_vllm_is_not_a_bad_size(glm):
 
 
 def test_dead_vllm_engine_takes_the_ar_stage_down_and_it_comes_back(glm):
+    """Close to 60 s on 2 cores: the AR stage is restarted for real, a new vLLM engine core
+    and worker included, and the test waits until it serves again."""
     # vLLM's engine core dies (as after a CUDA error): the AR stage must not stay "ready" and
     # fail every request; it exits within seconds, requests get 503, and it is restarted.
     ar = next(
