@@ -37,10 +37,15 @@ ENGINE_MODULES = {
     "tests/vllm_window/test_serve_modes.py",
 }
 ENGINE_GROUP = "engines"
+IN_ENGINE_GROUP = pytest.StashKey[bool]()
+
+
+def module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def starts_engines(item: pytest.Item) -> bool:
-    module = item.nodeid.split("::", 1)[0]
+    module = module_of(item)
     return (
         item.get_closest_marker("slow") is not None
         or module in ENGINE_MODULES
@@ -50,9 +55,14 @@ def starts_engines(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
+    # A module with one engine test goes to the engine worker whole: split between the two
+    # workers, its module-scoped fixtures (an engine, a server) would be built twice.
+    engine_modules = {module_of(item) for item in items if starts_engines(item)}
     for item in items:
-        group = ENGINE_GROUP if starts_engines(item) else item.nodeid.split("::", 1)[0]
+        module = module_of(item)
+        group = ENGINE_GROUP if module in engine_modules else module
         item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[IN_ENGINE_GROUP] = module in engine_modules
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +70,7 @@ def engine_free_on_one_torch_thread(request):
     """Beside the engine worker, an engine-free test's torch runs on one thread: the two
     workers already fill both cores, and OpenMP threads that outnumber the free cores spin
     waiting on each other (see one_torch_thread)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ or starts_engines(request.node):
+    if "PYTEST_XDIST_WORKER" not in os.environ or request.node.stash.get(IN_ENGINE_GROUP, True):
         yield
         return
     import torch
