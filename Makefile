@@ -19,9 +19,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 # Two workers: one runs the engine tests in order, the other the engine-free tests beside it
-# (tests/conftest.py, pytest_collection_modifyitems). The 15 slowest phases close the report.
+# (tests/conftest.py, pytest_xdist_make_scheduler). The 15 slowest phases close the report.
 test: setup lint
-	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 -n 2 $(PYTEST_ARGS)
 
 serve: setup
 	@[ -f $(TINY_GLM)/model_index.json ] || $(VENV)/bin/vllm-omni-plugin make-tiny-model glm-image $(TINY_GLM)

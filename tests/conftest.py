@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -19,12 +20,15 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # orchestrator/private_files.py) go to a runtime folder of this test session, never the user's.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 
-# Under pytest-xdist (`make test`: -n 2 --dist loadgroup), tests that start vLLM engines, served
-# pipelines, stage processes, Ray or node clusters run one after another in one worker: two such
-# start-ups at once would double the memory and make each other's timing bounds meaningless on a
-# 2-core machine. Engine-free tests run beside them in the other worker, a module at a time so
-# that its module-scoped fixtures are built once. Whole folders whose tests start engines (and
-# where new ones keep arriving) count as engine tests; so does anything marked `slow`.
+# Under pytest-xdist (`make test`: -n 2), tests that start vLLM engines, served pipelines, stage
+# processes, Ray or node clusters run one after another in one worker: two such start-ups at once
+# would double the memory and make each other's timing bounds meaningless on a 2-core machine.
+# Engine-free tests run beside them in the other worker, a module at a time so that its
+# module-scoped fixtures are built once. A module is an engine module when any of its tests is
+# marked `slow`, when it is listed here, or when it lies in a folder whose tests start engines
+# (new ones keep arriving there). Decided from the module's path and source: the xdist controller
+# schedules by test id, without collecting.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_DIRS = ("tests/multinode/", "tests/ray/", "tests/streaming/")
 ENGINE_MODULES = {
     "tests/connectors/test_netns.py",
@@ -36,33 +40,32 @@ ENGINE_MODULES = {
     "tests/serving/test_step_cache_serve.py",
     "tests/vllm_window/test_serve_modes.py",
 }
-ENGINE_GROUP = "engines"
-IN_ENGINE_GROUP = pytest.StashKey[bool]()
+ENGINE_SCOPE = "engines"
 
 
-def module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+@functools.cache
+def is_engine_module(module: str) -> bool:
+    """`module`: a test file's path from the repository root, as in test ids."""
+    if module in ENGINE_MODULES or module.startswith(ENGINE_DIRS):
+        return True
+    path = REPO_ROOT / module
+    return path.is_file() and "mark.slow" in path.read_text()
 
 
-def starts_engines(item: pytest.Item) -> bool:
-    module = module_of(item)
-    return (
-        item.get_closest_marker("slow") is not None
-        or module in ENGINE_MODULES
-        or module.startswith(ENGINE_DIRS)
-    )
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
 
+    class EngineWorkerScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with every engine module in one scope (one worker, file
+        order) and each other module its own scope. The largest scope is handed out first, so
+        the engine worker starts at once."""
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
-def pytest_collection_modifyitems(config, items):
-    # A module with one engine test goes to the engine worker whole: split between the two
-    # workers, its module-scoped fixtures (an engine, a server) would be built twice.
-    engine_modules = {module_of(item) for item in items if starts_engines(item)}
-    for item in items:
-        module = module_of(item)
-        group = ENGINE_GROUP if module in engine_modules else module
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.stash[IN_ENGINE_GROUP] = module in engine_modules
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return ENGINE_SCOPE if is_engine_module(module) else module
+
+    return EngineWorkerScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +73,8 @@ def engine_free_on_one_torch_thread(request):
     """Beside the engine worker, an engine-free test's torch runs on one thread: the two
     workers already fill both cores, and OpenMP threads that outnumber the free cores spin
     waiting on each other (see one_torch_thread)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ or request.node.stash.get(IN_ENGINE_GROUP, True):
+    module = request.node.nodeid.split("::", 1)[0]
+    if "PYTEST_XDIST_WORKER" not in os.environ or is_engine_module(module):
         yield
         return
     import torch
