@@ -31,6 +31,8 @@ os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_DIRS = ("tests/multinode/", "tests/ray/", "tests/streaming/")
 ENGINE_MODULES = {
+    # Compares the nice values of processes it starts with 0 (an engine-free worker runs niced).
+    "tests/ar/test_ar_worker_priority.py",
     "tests/connectors/test_netns.py",
     "tests/qwen3_omni/test_talker_vllm.py",
     "tests/qwen3_omni/test_thinker_states.py",
@@ -41,6 +43,7 @@ ENGINE_MODULES = {
     "tests/vllm_window/test_serve_modes.py",
 }
 ENGINE_SCOPE = "engines"
+LOWEST_PRIORITY = 19
 
 
 @functools.cache
@@ -69,14 +72,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.fixture(autouse=True)
-def engine_free_on_one_torch_thread(request):
-    """Beside the engine worker, an engine-free test's torch runs on one thread: the two
-    workers already fill both cores, and OpenMP threads that outnumber the free cores spin
-    waiting on each other (see one_torch_thread)."""
+def engine_free_beside_the_engines(request):
+    """Beside the engine worker, an engine-free test runs at the lowest CPU priority (nice 19,
+    its subprocesses too) and its torch on one thread. The engine tests' processes (a stage's
+    OpenMP threads above all) then keep both cores whenever they compute, the engine-free tests
+    take the cycles they leave idle, and the engine tests' timing is what it is alone: measured
+    with equal priorities, served tests took 2-3x as long beside the engine-free worker."""
     module = request.node.nodeid.split("::", 1)[0]
     if "PYTEST_XDIST_WORKER" not in os.environ or is_engine_module(module):
         yield
         return
+    os.nice(LOWEST_PRIORITY - os.nice(0))  # once per worker: later calls add 0
     import torch
 
     before = torch.get_num_threads()
