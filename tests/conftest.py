@@ -24,15 +24,15 @@ os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 # processes, Ray or node clusters run one after another in one worker: two such start-ups at once
 # would double the memory and make each other's timing bounds meaningless on a 2-core machine.
 # Engine-free tests run beside them in the other worker, a module at a time so that its
-# module-scoped fixtures are built once. A module is an engine module when any of its tests is
-# marked `slow`, when it is listed here, or when it lies in a folder whose tests start engines
-# (new ones keep arriving there). Decided from the module's path and source: the xdist controller
-# schedules by test id, without collecting.
+# module-scoped fixtures are built once. A module runs in the engine worker when any of its tests
+# is marked `slow`, when it is listed here (a test whose checks bound wall-clock time belongs
+# here too), or when it lies in a folder whose tests start engines (new ones keep arriving
+# there). Decided from the module's path and source: the xdist controller schedules by test id,
+# without collecting.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_DIRS = ("tests/multinode/", "tests/ray/", "tests/streaming/")
 ENGINE_MODULES = {
-    # Compares the nice values of processes it starts with 0 (an engine-free worker runs niced).
-    "tests/ar/test_ar_worker_priority.py",
+    # Engines or servers without a `slow` mark.
     "tests/connectors/test_netns.py",
     "tests/qwen3_omni/test_talker_vllm.py",
     "tests/qwen3_omni/test_thinker_states.py",
@@ -41,6 +41,15 @@ ENGINE_MODULES = {
     "tests/serving/test_payload_kinds.py",
     "tests/serving/test_step_cache_serve.py",
     "tests/vllm_window/test_serve_modes.py",
+    # Engine-free, but their checks bound wall-clock time (a deadline, a wake-up, a lease, a
+    # wait), or compare nice values: niced beside the engines they could be starved of CPU.
+    "tests/ar/test_ar_worker_priority.py",
+    "tests/connectors/test_nixl.py",
+    "tests/connectors/test_shm_inproc.py",
+    "tests/qwen3_omni/test_thinker_states_store.py",
+    "tests/serving/test_frames.py",
+    "tests/test_fair_harness.py",
+    "tests/test_parent_watch.py",
 }
 ENGINE_SCOPE = "engines"
 LOWEST_PRIORITY = 19
