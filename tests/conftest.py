@@ -42,7 +42,8 @@ ENGINE_MODULES = {
     "tests/serving/test_step_cache_serve.py",
     "tests/vllm_window/test_serve_modes.py",
     # Engine-free, but their checks bound wall-clock time (a deadline, a wake-up, a lease, a
-    # wait), or compare nice values: niced beside the engines they could be starved of CPU.
+    # wait), or compare nice values: beside the engines, under SCHED_IDLE, they could be
+    # starved of CPU.
     "tests/ar/test_ar_worker_priority.py",
     "tests/connectors/test_nixl.py",
     "tests/connectors/test_shm_inproc.py",
@@ -52,7 +53,6 @@ ENGINE_MODULES = {
     "tests/test_parent_watch.py",
 }
 ENGINE_SCOPE = "engines"
-LOWEST_PRIORITY = 19
 
 
 @functools.cache
@@ -82,16 +82,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(autouse=True)
 def engine_free_beside_the_engines(request):
-    """Beside the engine worker, an engine-free test runs at the lowest CPU priority (nice 19,
-    its subprocesses too) and its torch on one thread. The engine tests' processes (a stage's
-    OpenMP threads above all) then keep both cores whenever they compute, the engine-free tests
-    take the cycles they leave idle, and the engine tests' timing is what it is alone: measured
-    with equal priorities, served tests took 2-3x as long beside the engine-free worker."""
+    """Beside the engine worker, an engine-free test runs under SCHED_IDLE (its subprocesses
+    too) and its torch on one thread. The engine tests' processes then take a core back the
+    moment they wake: a stage's OpenMP threads meet at a barrier after every small op, and
+    beside a runnable engine-free test at equal priority (or at nice 19, which still waits for
+    the scheduler's wake-up granularity) the served tests took 2-3x as long."""
     module = request.node.nodeid.split("::", 1)[0]
     if "PYTEST_XDIST_WORKER" not in os.environ or is_engine_module(module):
         yield
         return
-    os.nice(LOWEST_PRIORITY - os.nice(0))  # once per worker: later calls add 0
+    if os.sched_getscheduler(0) != os.SCHED_IDLE:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     import torch
 
     before = torch.get_num_threads()
