@@ -340,7 +340,7 @@ def _in_flight(server) -> float:
     raise AssertionError("metric missing")
 
 
-# ~12 s here (the engine does 200 tiny steps at 256x256 in ~1 s): outlasts the 1.5 s below.
+# ~12 s here (the engine does 200 tiny steps at 256x256 in ~1 s): still running at the kill.
 LONG = {"prompt": PROMPT, "size": "1024x1024", "num_inference_steps": 200, "seed": 2}
 
 
@@ -413,7 +413,11 @@ def test_killed_stage_fails_fast_then_recovers(qwen_server):
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.5)
+    # Killed once the request is at the stage (in flight there), however long that takes.
+    deadline = time.monotonic() + 60
+    while _in_flight(qwen_server) < 1:
+        assert time.monotonic() < deadline, "the long request never reached the stage"
+        time.sleep(0.05)
     killed_at = time.monotonic()
     stage.kill()
     thread.join(30)
