@@ -350,5 +350,7 @@ def test_sigterm_stops_stages_concurrently(glm):
     glm.stop()
     took = time.monotonic() - t0
     assert took < 12, f"shutdown took {took:.1f} s"
-    time.sleep(0.5)
-    assert not [p.pid for p in everything if alive(p)]
+    # Killed processes leave once the kernel has torn them down; one that was not killed stays.
+    wait_for(
+        lambda: not [p.pid for p in everything if alive(p)], 10, "a process outlived its server"
+    )
