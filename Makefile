@@ -18,8 +18,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers: one runs the engine tests in order, the other the engine-free tests beside it
+# (tests/conftest.py, pytest_xdist_make_scheduler); TEST_WORKERS=0 runs everything in one
+# process. The 15 slowest phases close the report.
+TEST_WORKERS ?= 2
+
 test: setup lint
-	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 serve: setup
 	@[ -f $(TINY_GLM)/model_index.json ] || $(VENV)/bin/vllm-omni-plugin make-tiny-model glm-image $(TINY_GLM)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +19,86 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # Secrets the project keeps per user and host (the node link's key, a local Ray cluster's token:
 # orchestrator/private_files.py) go to a runtime folder of this test session, never the user's.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
+
+# Under pytest-xdist (`make test`: -n 2), tests that start vLLM engines, served pipelines, stage
+# processes, Ray or node clusters run one after another in one worker: two such start-ups at once
+# would double the memory and make each other's timing bounds meaningless on a 2-core machine.
+# Engine-free tests run beside them in the other worker, a module at a time so that its
+# module-scoped fixtures are built once. A module runs in the engine worker when any of its tests
+# is marked `slow`, when it is listed here (a test whose checks bound wall-clock time belongs
+# here too), or when it lies in a folder whose tests start engines (new ones keep arriving
+# there). Decided from the module's path and source: the xdist controller schedules by test id,
+# without collecting.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENGINE_DIRS = ("tests/multinode/", "tests/ray/", "tests/streaming/")
+ENGINE_MODULES = {
+    # Engines or servers without a `slow` mark.
+    "tests/connectors/test_netns.py",
+    "tests/qwen3_omni/test_talker_vllm.py",
+    "tests/qwen3_omni/test_thinker_states.py",
+    "tests/qwen3_omni/test_thinker_states_preemption.py",
+    "tests/serving/test_bench_fair_tiny.py",
+    "tests/serving/test_payload_kinds.py",
+    "tests/serving/test_step_cache_serve.py",
+    "tests/vllm_window/test_serve_modes.py",
+    # Engine-free, but their checks bound wall-clock time (a deadline, a wake-up, a lease, a
+    # wait), or compare nice values: niced beside the engines, they could be starved of CPU.
+    "tests/ar/test_ar_worker_priority.py",
+    "tests/connectors/test_nixl.py",
+    "tests/connectors/test_shm_inproc.py",
+    "tests/qwen3_omni/test_thinker_states_store.py",
+    "tests/serving/test_frames.py",
+    "tests/test_fair_harness.py",
+    "tests/test_parent_watch.py",
+}
+ENGINE_SCOPE = "engines"
+LOWEST_PRIORITY = 19
+
+
+@functools.cache
+def is_engine_module(module: str) -> bool:
+    """`module`: a test file's path from the repository root, as in test ids."""
+    if module in ENGINE_MODULES or module.startswith(ENGINE_DIRS):
+        return True
+    path = REPO_ROOT / module
+    return path.is_file() and "mark.slow" in path.read_text()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineWorkerScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with every engine module in one scope (one worker, file
+        order) and each other module its own scope. The largest scope is handed out first, so
+        the engine worker starts at once."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return ENGINE_SCOPE if is_engine_module(module) else module
+
+    return EngineWorkerScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def engine_free_beside_the_engines(request):
+    """Beside the engine worker, an engine-free test runs at nice 19 (its subprocesses too) and
+    its torch on one thread, so that the engine tests' processes get the CPU first. Measured on 2
+    cores, served tests still took about twice as long while engine-free tests ran beside them
+    (a stage's OpenMP threads meet at a barrier after every small op; SCHED_IDLE did no better),
+    and the engine-free tests about 1.3 times as long: the whole still ends sooner than one
+    after the other (TEST_WORKERS=0 in the Makefile runs them so)."""
+    module = request.node.nodeid.split("::", 1)[0]
+    if "PYTEST_XDIST_WORKER" not in os.environ or is_engine_module(module):
+        yield
+        return
+    os.nice(LOWEST_PRIORITY - os.nice(0))  # the first call sets it, later ones add 0
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

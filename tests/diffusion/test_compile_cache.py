@@ -53,6 +53,9 @@ def run_child(cache_dir) -> dict:
 
 
 def test_a_restarted_process_loads_the_compiled_graphs_from_the_cache_dir(tmp_path):
+    """30 s on an idle 2-core machine, over 60 s beside the engine tests: two fresh processes
+    import torch and inductor, and the first compiles every region of the DiT (the cost whose
+    caching is under test)."""
     cache = tmp_path / "inductor"
     cold = run_child(cache)
     warm = run_child(cache)

@@ -53,6 +53,9 @@ def diffusers_image(pipe, prompt: str, tokens: list[int], seed: int) -> np.ndarr
 def test_ours_and_stock_serve_the_same_tokens_and_report_per_token_times(
     shared_glm_server, tmp_path
 ):
+    """Over 60 s on 2 cores: a stock `vllm serve` starts here (the comparison needs it), and
+    as the session's first user of the shared GLM-Image server this test also waits for that
+    server's start-up (an AR stage with its vLLM engine, and a DiT stage)."""
     model = shared_glm_server.model
     config = str(REPO / "stage_configs" / "glm_image_tiny.yaml")
     stage = bench.ar_stage(config, GREEDY_GLM_OVERRIDES, model)

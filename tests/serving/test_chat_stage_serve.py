@@ -40,7 +40,10 @@ def chat(server, **kw):
 def test_chat_equals_stock_vllm_same_tokens_logprobs_within_1e4(chat_servers):
     """Same tokens and text, finish reason and usage as stock vLLM; the top-2 logprobs of each
     token within 1e-4 (the same vLLM engine code and weights; two engine processes may order
-    their CPU reductions differently)."""
+    their CPU reductions differently).
+
+    Over 60 s on 2 cores: as the module's first test it waits for both servers' start-ups,
+    ours (API server, chat stage, its vLLM engine core) and stock `vllm serve`, side by side."""
     ours, stock = chat_servers
     kw = {"max_tokens": 12, "logprobs": True, "top_logprobs": 2, "seed": 3}
     a, b = chat(ours, **kw), chat(stock, **kw)

@@ -3,7 +3,8 @@ qwen_image_edit_tiny.yaml`: the official openai client's `images.edit`, against 
 QwenImageEditPipeline at its own defaults (the source image conditioned at 1024x1024 pixels),
 streaming with `image_edit.*` events, and bad uploads answered 4xx before any stage.
 
-One server for the module. Each edit costs several seconds on a CPU (the 1 MP condition image
+The session's shared Qwen-Image-Edit server (also test_lora_serve.py's and
+test_request_fields_serve.py's). Each edit costs several seconds on a CPU (the 1 MP condition image
 goes through the tiny VAE encoder, vision tower and transformer), so the module runs three.
 """
 
@@ -16,7 +17,7 @@ import os
 import httpx
 import numpy as np
 import pytest
-from omni_server import API_KEY, REPO, Server
+from omni_server import API_KEY
 from openai import BadRequestError, OpenAI
 from PIL import Image
 
@@ -45,25 +46,10 @@ def source_png() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def edit_server(tiny_models, tmp_path_factory):
-    model = tiny_models("qwen-image-edit")
-    root = tmp_path_factory.mktemp("edit-server")
-    server = Server(
-        [
-            str(model),
-            "--stage-config",
-            str(REPO / "stage_configs" / "qwen_image_edit_tiny.yaml"),
-            "--api-key",
-            API_KEY,
-        ],
-        root / "server.log",
-    )
-    try:
-        server.startup_s = server.wait_healthy()
-        server.model = str(model)
-        yield server
-    finally:
-        server.stop()
+def edit_server(shared_edit_server):
+    """The session's Qwen-Image-Edit server (conftest.py): the bundled CPU config. Its LoRA
+    adapters are only loaded for requests that name one, which none here does."""
+    return shared_edit_server
 
 
 def reference(model_dir, image: bytes, seed: int) -> np.ndarray:

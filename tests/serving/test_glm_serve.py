@@ -318,6 +318,8 @@ def test_value_error_from_vllm_is_not_a_bad_size(glm):
 
 
 def test_dead_vllm_engine_takes_the_ar_stage_down_and_it_comes_back(glm):
+    """Close to 60 s on 2 cores: the AR stage is restarted for real, a new vLLM engine core
+    and worker included, and the test waits until it serves again."""
     # vLLM's engine core dies (as after a CUDA error): the AR stage must not stay "ready" and
     # fail every request; it exits within seconds, requests get 503, and it is restarted.
     ar = next(
@@ -348,5 +350,7 @@ def test_sigterm_stops_stages_concurrently(glm):
     glm.stop()
     took = time.monotonic() - t0
     assert took < 12, f"shutdown took {took:.1f} s"
-    time.sleep(0.5)
-    assert not [p.pid for p in everything if alive(p)]
+    # Killed processes leave once the kernel has torn them down; one that was not killed stays.
+    wait_for(
+        lambda: not [p.pid for p in everything if alive(p)], 10, "a process outlived its server"
+    )

@@ -33,6 +33,8 @@ from PIL import Image
 
 pytestmark = pytest.mark.slow
 PROMPT = "a red bicycle in the snow"
+# How long a stage may take to end after its server did (test_shutdown_serve.py's bound).
+ORPHAN_BOUND_S = 10.0
 
 
 def client(server) -> OpenAI:
@@ -338,7 +340,7 @@ def _in_flight(server) -> float:
     raise AssertionError("metric missing")
 
 
-# ~12 s here (the engine does 200 tiny steps at 256x256 in ~1 s): outlasts the 1.5 s below.
+# ~12 s here (the engine does 200 tiny steps at 256x256 in ~1 s): still running at the kill.
 LONG = {"prompt": PROMPT, "size": "1024x1024", "num_inference_steps": 200, "seed": 2}
 
 
@@ -411,7 +413,11 @@ def test_killed_stage_fails_fast_then_recovers(qwen_server):
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.5)
+    # Killed once the request is at the stage (in flight there), however long that takes.
+    deadline = time.monotonic() + 60
+    while _in_flight(qwen_server) < 1:
+        assert time.monotonic() < deadline, "the long request never reached the stage"
+        time.sleep(0.05)
     killed_at = time.monotonic()
     stage.kill()
     thread.join(30)
@@ -433,8 +439,11 @@ def test_sigterm_leaves_no_orphans(qwen_server):
     assert any("omni-stage-0" in t for t in titles), titles
     qwen_server.stop()
     assert qwen_server.proc.returncode is not None
-    time.sleep(1)
-    left = [p for p in procs if alive(p)]
+    # The stages end with the server, each at its own pace on a busy machine: wait for that
+    # (an orphan never ends, so it still fails after the bound).
+    deadline = time.monotonic() + ORPHAN_BOUND_S
+    while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not left, [(p.pid, p.cmdline()) for p in left]
     assert not [
         p

@@ -145,6 +145,9 @@ def _stop_and_check(server: Server, tree: ProcessTree, sig: int) -> float:
 
 
 def test_sigterm_ends_an_open_speech_stream_and_every_process(tiny_models, tmp_path):
+    """Close to 60 s on 2 cores: the signal ends the server, so the test starts its own
+    Qwen3-Omni server (the thinker's vLLM engine, the talker, Code2Wav) and no other test can
+    share it."""
     server = start_shared(
         tiny_models("qwen3-omni"),
         REPO / "stage_configs" / "qwen3_omni_tiny.yaml",
@@ -202,6 +205,9 @@ def test_sigterm_ends_an_open_speech_stream_and_every_process(tiny_models, tmp_p
 
 
 def test_sigint_answers_the_request_in_flight_503_and_ends_every_process(tiny_models, tmp_path):
+    """Close to 60 s on 2 cores: the signal ends the server, so the test starts its own
+    GLM-Image server (the AR stage's vLLM engine, the DiT stage) and no other test can share
+    it."""
     server = start_shared(
         tiny_models("glm-image"), REPO / "stage_configs" / "glm_image_tiny.yaml", tmp_path
     )
