@@ -30,13 +30,21 @@ def test_tiny_file_streams_three_stages_and_takes_the_issue_override():
 
 
 def test_keys_the_speech_stages_do_not_read_are_refused_by_name():
+    """The talker's vLLM engine reads vLLM's engine keys that apply to it (block_size, sampling)
+    and refuses the rest (prefix caching: its prompt is embeddings; penalties it has no use for);
+    Code2Wav reads only its own."""
     lines = problems(
         TINY,
         stage_overrides=json.dumps(
             {
                 "1": {
                     "block_size": 16,
-                    "default_sampling_params": {"temperature": 0.7, "top_p": 0.5},
+                    "enable_prefix_caching": True,
+                    "default_sampling_params": {
+                        "temperature": 0.7,
+                        "top_p": 0.5,
+                        "presence_penalty": 0.5,
+                    },
                 },
                 "2": {"memory_budget_gb": 4, "enforce_eager": True},
             }
@@ -44,14 +52,14 @@ def test_keys_the_speech_stages_do_not_read_are_refused_by_name():
     )
     text = "\n".join(lines)
     for field in (
-        "stage 1: block_size",
-        "stage 1: default_sampling_params.top_p",
+        "stage 1: enable_prefix_caching",
+        "stage 1: default_sampling_params.presence_penalty",
         "stage 2: memory_budget_gb",
     ):
-        assert field in text and "runs its own engine" in text, (field, text)
-    assert "default_sampling_params.temperature: is 0.7" in text and "only 0" in text
-    # The talker's and Code2Wav's CUDA graphs: both read the key.
-    assert "stage 1: enforce_eager" not in text and "stage 2: enforce_eager" not in text
+        assert field in text and "does not read it" in text, (field, text)
+    for read in ("block_size", "default_sampling_params.temperature", "top_p", "enforce_eager"):
+        assert f"stage 1: {read}" not in text, (read, text)
+    assert "stage 2: enforce_eager" not in text  # Code2Wav's CUDA graphs
 
 
 def test_talker_max_model_len_bounds_speech_prompts_and_must_leave_room():

@@ -247,7 +247,7 @@ def test_bad_speech_sampling_is_an_openai_400(omni_speech_server):
     ):
         with pytest.raises(openai.BadRequestError) as err:
             chat(omni_speech_server, extra_body={"speech_sampling": sampling}, **SPEECH)
-        assert err.value.body["error"]["param"] == field, err.value.body
+        assert err.value.param == field, err.value.body
 
 
 def _live(server) -> list[dict]:
@@ -307,7 +307,10 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
     data = asyncio.run(measure(url, model, lengths, 1, [1, 4], api_key=API_KEY))
     assert data["warmup_ok"] and data["http_5xx"] == 0 and data["stage_restarts"] == 0
     assert data["text_c1"]["completed"] == 1 and data["text_c1"]["tokens"] == 32
-    assert data["text_c1"]["decode_tokens_per_s"] > 0
+    # None when the whole answer reached the client in one piece (vLLM merges the deltas of a
+    # reader that falls behind, as a loaded machine's client does): no span to rate.
+    decode = data["text_c1"]["decode_tokens_per_s"]
+    assert decode is None or decode > 0
     c1, c4 = data["speech_c1"], data["speech_c4"]
     samples = {**c1["samples_by_prompt"], **c4["samples_by_prompt"]}
     assert set(samples) == {"0", "1", "2", "3"}

@@ -48,9 +48,25 @@ BY_KEY = {
     "max_model_len": "it has no vLLM context limit",
 }
 
+# An AR-kind stage with its own loop runs vLLM's engine on a model of ours (Qwen3-Omni's
+# talker): the vLLM keys it refuses, and why.
+BY_KEY_VLLM_RUNNER = {
+    "enable_prefix_caching": "its prompt is embeddings: there is no prefix to share",
+    "async_scheduling": (
+        "it schedules synchronously (its model runner reads each step's codes before the next)"
+    ),
+    "scheduler_cls": "it runs vLLM's own scheduler",
+    "hf_overrides": "the stage builds its config from the checkpoint's talker_config",
+    "tensor_parallel_size": "it runs on one device",
+    "trust_remote_code": "it runs no code from the checkpoint",
+}
+
 # Sampling, by the stage's kind.
 SAMPLING = {
-    "ar": "it decodes greedily only (temperature 0): no sampling, seed, top-k/top-p or penalties",
+    "ar": (
+        "it samples with temperature, top_k, top_p, repetition_penalty, seed and min_tokens "
+        "only (a frame's other code groups follow the checkpoint's code-predictor settings)"
+    ),
     "diffusion": "it decodes every frame it is given: it samples nothing and caps nothing",
 }
 
@@ -59,7 +75,10 @@ def why_unread(path: str, kind: str) -> str:
     """The reason a runner stage of `kind` does not read `path` (a flattened stage key)."""
     if path.startswith("default_sampling_params"):
         return SAMPLING.get(kind, "it takes no sampling defaults")
-    return BY_KEY.get(path.split(".")[0], "it has no such setting")
+    top = path.split(".")[0]
+    if kind == "ar":
+        return BY_KEY_VLLM_RUNNER.get(top, "it has no use for it")
+    return BY_KEY.get(top, "it has no such setting")
 
 
 # Layers a user writes (the deploy file and its platform sections, the command line,
@@ -95,7 +114,7 @@ def check_runner_settings(
             sink.add(
                 spec.stage_id,
                 path,
-                f"stage {spec.stage_id} ({spec.name}) runs its own engine: "
+                f"stage {spec.stage_id} ({spec.name}) does not read it: "
                 f"{why_unread(path, spec.kind)}. It reads only {', '.join(spec.settings)} (and "
                 f"{', '.join(_EVERY_RUNNER_KEYS)}, connectors); remove it",
                 unread=True,
