@@ -25,7 +25,10 @@ BY_KEY = {
     "kv_cache_memory_bytes": _NO_SHARE,
     "memory_budget_gb": _NO_SHARE,
     "max_num_batched_tokens": "it has no per-step token budget",
-    "enable_prefix_caching": "it has no prefix cache",
+    "enable_prefix_caching": (
+        "it has no prefix cache (the talker's prompt is embeddings: its vLLM engine runs with "
+        "prefix caching off)"
+    ),
     "enable_chunked_prefill": "it has no chunked prefill",
     "async_scheduling": _NO_SCHEDULER,
     "scheduler_cls": _NO_SCHEDULER,
