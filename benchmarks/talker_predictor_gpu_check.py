@@ -67,12 +67,10 @@ class Requests:
         from transformers import AutoTokenizer, Qwen3OmniMoeConfig
 
         from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
-        from vllm_omni_plugin.talker.prompt import TalkerConditioner
-        from vllm_omni_plugin.talker.runner import load_talker
+        from vllm_omni_plugin.models.qwen3_omni.prompt import load_conditioner
         from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids
 
-        config, talker, embed = load_talker(model_dir)
-        self.conditioner = TalkerConditioner(config, embed, talker)
+        self.conditioner = load_conditioner(model_dir)
         self.config = talker_hf_config(Qwen3OmniMoeConfig.from_pretrained(model_dir))
         tok = AutoTokenizer.from_pretrained(model_dir)
         self.text = tok.encode(TEXT, add_special_tokens=False)

@@ -1,5 +1,5 @@
 """The talker as vLLM's model (models/qwen3_omni/talker.py) stepped by vLLM's own engine, and the
-memory-bandwidth floor of its decode step. bench_talker_step.py's `--engine vllm` runs it.
+memory-bandwidth floor of its decode step. bench_talker_step.py runs it.
 
 Each batch size B: B requests submitted at once, each running a fixed number of frames (the
 codec end code is masked until then: `min_tokens`), greedy and with the checkpoint's sampling.
@@ -160,13 +160,13 @@ def _ms(seconds: float) -> float:
     return float(f"{seconds * 1000:.5g}")
 
 
-def write_prompts(work: Path, config, talker, embed) -> None:
-    """Each prompt's prefill embeddings, as the talker stage conditions them (talker/prompt.py),
-    and the thinker ids its text entries come from, into `work/PROMPTS_FILE`."""
-    from vllm_omni_plugin.talker.prompt import TalkerConditioner
+def write_prompts(work: Path, conditioner) -> None:
+    """Each prompt's prefill embeddings, conditioned as the talker stage does (a
+    TalkerConditioner, models/qwen3_omni/prompt.py), and the thinker ids its text entries come
+    from, into `work/PROMPTS_FILE`."""
     from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids
 
-    conditioner = TalkerConditioner(config, embed, talker)
+    config = conditioner.config
     speaker = config.talker_config.speaker_id["ethan"]
     vocab = config.thinker_config.text_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -183,10 +183,9 @@ def write_prompts(work: Path, config, talker, embed) -> None:
 def load_prompts(model_dir: Path) -> list[dict]:
     path = model_dir / PROMPTS_FILE
     if not path.exists():  # a checkpoint built elsewhere: condition on the CPU
-        from vllm_omni_plugin.talker.runner import load_talker
+        from vllm_omni_plugin.models.qwen3_omni.prompt import load_conditioner
 
-        config, talker, embed = load_talker(model_dir)
-        write_prompts(model_dir, config, talker, embed)
+        write_prompts(model_dir, load_conditioner(model_dir))
     return torch.load(path)
 
 

@@ -53,7 +53,7 @@ from pathlib import Path
 # against) are re-exported for tests/vllm_window/test_seams.py.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_seams import project  # noqa: E402, F401
-from vllm_seams.chat import check_chat_seams, check_talker_kernels  # noqa: E402
+from vllm_seams.chat import check_chat_seams  # noqa: E402
 from vllm_seams.engine import (  # noqa: E402
     check_fixed_kv_cache_skips_profiling,
     check_registration,
@@ -83,7 +83,6 @@ CHECKS = (
     check_fixed_kv_cache_skips_profiling,
     check_engine_fields,
     check_chat_seams,
-    check_talker_kernels,
     check_talker_runner,
     check_thinker_states,
 )

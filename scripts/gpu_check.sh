@@ -39,9 +39,7 @@
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
 #   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker (vLLM's engine) at full size, decode
 #                                           step time at batch 1, 8, 32 beside its bandwidth floor (no server,
-#                                           <= 4 min with the ~8 GB build in /dev/shm); TALKER_ENGINE=torch times
-#                                           the torch talker engine instead (TALKER_BASELINE=DIR, an older
-#                                           `talker/` package, and TALKER_BASELINE_LABEL time that one too)
+#                                           <= 4 min with the ~8 GB build in /dev/shm)
 #   scripts/gpu_check.sh code2wav           Code2Wav's batched decode: CUDA graphs vs eager, time per chunk
 #   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
@@ -267,16 +265,9 @@ while [ $# -gt 0 ]; do
       stop_servers
       ;;
     talker-step)
-      if [ "${TALKER_ENGINE:-vllm}" = torch ]; then
-        timeout 420 python3 benchmarks/bench_talker_step.py --engine torch \
-          --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
-          ${TALKER_BASELINE:+--baseline "$TALKER_BASELINE"} \
-          ${TALKER_BASELINE_LABEL:+--baseline-label "$TALKER_BASELINE_LABEL"} 2>&1 | tail -20 || true
-      else
-        timeout 240 python3 benchmarks/bench_talker_step.py --engine vllm \
-          --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
-          2>&1 | tee "$OUT/talker_step.log" | tail -30 || true
-      fi
+      timeout 240 python3 benchmarks/bench_talker_step.py \
+        --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
+        2>&1 | tee "$OUT/talker_step.log" | tail -30 || true
       ;;
     code2wav)
       # Code2Wav's batched decode, tiny and full-size widths: CUDA graphs vs eager, time per
@@ -285,7 +276,7 @@ while [ $# -gt 0 ]; do
         2>&1 | tail -60 || true
       ;;
     talker-predictor)
-      # The talker engine's code predictor, tiny checkpoint: its CUDA graphs vs its eager
+      # The vLLM talker's code predictor, tiny checkpoint: its CUDA graphs vs its eager
       # path (codes, frames, seeds) and its time per step at batch 1/8/32. Under 2 min.
       timeout 300 python3 benchmarks/talker_predictor_gpu_check.py \
         --out "$OUT/talker_predictor.json" 2>&1 | tail -80 || true

@@ -9,7 +9,7 @@ them; nothing in the package imports entry_points):
     stages        the stage processes: each drives one engine
     diffusion | models | core | connectors   the engines (ours; vLLM's model and scheduler
                   parts) and the payload transports: independent of each other
-    talker | code2wav   torch engines a model composes (Qwen3-Omni's speech)
+    code2wav      the torch engine a stage drives (Qwen3-Omni's Code2Wav)
     config        the typed deploy config
     pipelines     the frozen topologies (stage graphs)
     families      what one model family's engines share (GLM-Image's processing)
@@ -44,7 +44,6 @@ RANK = {
     "models": 5,
     "core": 5,
     "connectors": 5,
-    "talker": 4,
     "code2wav": 4,
     "config": 3,
     "pipelines": 2,
@@ -58,7 +57,6 @@ MAY_IMPORT = {
     "stages": {
         "diffusion",
         "models",
-        "talker",
         "code2wav",
         "connectors",
         "config",
@@ -67,8 +65,7 @@ MAY_IMPORT = {
         "common",
     },
     "diffusion": {"families", "common"},
-    "models": {"talker", "code2wav", "config", "families", "common"},
-    "talker": {"config", "families", "common"},
+    "models": {"config", "families", "common"},
     "code2wav": {"config", "families", "common"},
     "core": {"config", "common"},
     "connectors": {"common"},

@@ -87,15 +87,3 @@ def check_chat_seams(r: Report) -> None:
             params(route).positional == ["request", "raw_request"],
             "chat: vLLM's create_chat_completion route no longer takes (request, raw_request)",
         )
-
-
-def check_talker_kernels(r: Report) -> None:
-    """talker/runner.py launches vLLM's fused kernels: rope and residual-add RMSNorm through
-    `vllm._custom_ops` (whose signatures check_project_calls checks), SiLU x up as the raw op
-    `torch.ops._C.silu_and_mul(out, x)` that vLLM's own SiluAndMul binds."""
-    cls = _fn(r, "vllm.model_executor.layers.activation", "SiluAndMul", "talker")
-    if isinstance(cls, ast.ClassDef):
-        r.check(
-            "torch.ops._C.silu_and_mul" in ast.unparse(cls),
-            "talker: SiluAndMul no longer binds torch.ops._C.silu_and_mul",
-        )

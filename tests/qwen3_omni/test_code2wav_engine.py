@@ -301,3 +301,41 @@ def test_cuda_graphs_equal_eager_on_cuda(omni_dir):
     for _ in range(2):  # replays reuse the buffers
         for x, y in zip(graphed.decode(windows), eager.decode(windows), strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_audio_that_queued_up_leaves_the_stage_as_one_chunk(decoder, omni_dir):
+    """The Code2Wav stage's reader takes every chunk a request has waiting, merged in order
+    (samples concatenated, the last one's `finished`) and resumes the request in the engine;
+    one waiting chunk leaves as it is."""
+    import asyncio
+
+    from vllm_omni_plugin.stages.qwen3_omni import Code2WavStage
+
+    engine = Code2WavEngine(Code2WavEngineConfig(model=str(omni_dir)), decoder)
+    engine.add_request("r")
+    codes = _codes(9, 30)
+    chunks = []
+    for i in range(0, 30, 10):
+        engine.add_frames("r", codes[:, i : i + 10], finished=i + 10 == 30)
+        chunks += engine.step()
+    while engine.has_unfinished():
+        chunks += engine.step()
+    assert len(chunks) >= 2 and chunks[-1].finished
+
+    async def read(waiting):
+        stage = object.__new__(Code2WavStage)
+        stage.engine, stage.news, stage.outputs = engine, asyncio.Event(), {"r": asyncio.Queue()}
+        engine.add_request("r")
+        engine.hold("r", True)
+        for chunk in waiting:
+            stage.outputs["r"].put_nowait(chunk)
+        first = await stage.next_output("r")
+        assert stage.outputs["r"].empty() and stage.news.is_set()
+        assert engine._requests["r"].held is False
+        engine.abort("r")
+        return first
+
+    merged = asyncio.run(read(chunks))
+    assert np.array_equal(merged.samples, np.concatenate([c.samples for c in chunks]))
+    assert merged.finished and merged.request_id == "r"
+    assert asyncio.run(read(chunks[:1])) is chunks[0]

@@ -19,12 +19,10 @@ MAX_FRAMES = 10
 
 @pytest.fixture(scope="module")
 def conditioner(omni_dir):
-    """Builds the prefill conditioning as the talker stage does (talker/prompt.py)."""
-    from vllm_omni_plugin.talker.prompt import TalkerConditioner
-    from vllm_omni_plugin.talker.runner import load_talker
+    """Builds the prefill conditioning as the talker stage does (models/qwen3_omni/prompt.py)."""
+    from vllm_omni_plugin.models.qwen3_omni.prompt import load_conditioner
 
-    config, talker, embed = load_talker(omni_dir)
-    return TalkerConditioner(config, embed, talker)
+    return load_conditioner(omni_dir)
 
 
 @pytest.fixture(scope="module")

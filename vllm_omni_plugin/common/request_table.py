@@ -1,5 +1,5 @@
 """The requests of a batched engine stepped in one thread while others add, hold and abort
-them (the speech stages' talker and Code2Wav engines): one table, one lock."""
+them (the Code2Wav stage's engine): one table, one lock."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ from vllm_omni_plugin.pipelines import StageSpec
 _NO_SHARE = "it reserves no share of the GPU's memory: it allocates what its weights and batch need"
 _NO_SCHEDULER = "it has no vLLM scheduler"
 _GRAPH_SIZES = (
-    "it takes no CUDA graph sizes (a talker captures every batch size 1, 2, 4, ... up to its "
-    "max_num_seqs; Code2Wav the same up to its max_batch_size, at its two chunk lengths)"
+    "it takes no top-level CUDA graph sizes (the talker's vLLM engine captures the sizes its "
+    "compilation_config sets; Code2Wav captures every batch size 1, 2, 4, ... up to its "
+    "max_batch_size, at its two chunk lengths)"
 )
 
 # Top-level stage key -> the reason.
@@ -24,12 +25,15 @@ BY_KEY = {
     "kv_cache_memory_bytes": _NO_SHARE,
     "memory_budget_gb": _NO_SHARE,
     "max_num_batched_tokens": "it has no per-step token budget",
-    "enable_prefix_caching": "it has no prefix cache",
+    "enable_prefix_caching": (
+        "it has no prefix cache (the talker's prompt is embeddings: its vLLM engine runs with "
+        "prefix caching off)"
+    ),
     "enable_chunked_prefill": "it has no chunked prefill",
     "async_scheduling": _NO_SCHEDULER,
     "scheduler_cls": _NO_SCHEDULER,
-    # The talker and Code2Wav read enforce_eager (their CUDA graphs); they take none of
-    # vLLM's graph settings.
+    # Code2Wav reads enforce_eager (its CUDA graphs) and none of vLLM's graph settings; the
+    # talker's vLLM engine reads its compilation_config.
     "compilation_config": (
         "it is not compiled (no torch.compile; its CUDA graphs follow enforce_eager)"
     ),
@@ -39,8 +43,8 @@ BY_KEY = {
     "kv_cache_dtype": "its KV cache is in the stage's dtype",
     "quantization": "it runs the checkpoint's weights as they are (no quantization)",
     "moe_backend": (
-        "it has no vLLM MoE layer to configure (a talker picks its MoE kernel at load: vLLM's "
-        "fused_experts on a GPU where it agrees with transformers' experts)"
+        "it has no MoE backend to choose (the talker's MoE layers run on vLLM's default "
+        "backend for the device; Code2Wav has none)"
     ),
     "trust_remote_code": "it runs no code from the checkpoint",
     "hf_overrides": "it reads the checkpoint's config.json as it is",

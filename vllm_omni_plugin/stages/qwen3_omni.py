@@ -193,14 +193,14 @@ class TalkerStage(AsyncStageLoop):
     (models/qwen3_omni/talker.py), many requests per step; at most `max_tokens` frames.
 
     A request starts on the thinker's first id (its prefill embeds the prompt and that id,
-    talker/prompt.py); the rest of the thinker's text streams into the engine's worker
+    models/qwen3_omni/prompt.py); the rest of the thinker's text streams into the engine's worker
     through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames leave as
     the engine writes them."""
 
     def __init__(self, init: Any, conn: Any):
         super().__init__(init, conn)
+        from ..models.qwen3_omni.prompt import load_conditioner
         from ..models.qwen3_omni.text_feed import TextSender
-        from ..talker.prompt import load_conditioner
 
         stage = init.stage
         self.max_model_len, self.max_frames = talker_lengths(stage)

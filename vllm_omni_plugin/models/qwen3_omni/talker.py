@@ -12,7 +12,7 @@ The engine is built from the full Qwen3-Omni checkpoint: the talker stage passes
 `talker_config` under our architecture, and `load_weights` keeps the `talker.*` tensors.
 
 Prefill conditioning arrives as `prompt_embeds` (built as transformers' `generate` builds it:
-talker/prompt.py). The codec head's logits have the codec specials masked (all but EOS among
+prompt.py). The codec head's logits have the codec specials masked (all but EOS among
 the top 1024 ids of the codec vocabulary), as transformers' `generate` suppresses them. The
 code predictor (`CodePredictor`, groups 1.. of each frame) and the per-step input (the frame's
 code embeddings plus the thinker's text entry) run in the model runner's step around vLLM's

@@ -17,7 +17,7 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
 - before the forward (`_preprocess`): each decoding request's input embedding (vLLM's embedding
   of the sampled first code) gets the embeddings of the frame's other codes and the text entry
   of its step added: the projected thinker id `k + 1` at frame step k, then `tts_eos`, then
-  `tts_pad` (talker/prompt.py), from the thinker ids the request carries in
+  `tts_pad` (prompt.py), from the thinker ids the request carries in
   `SamplingParams.extra_args[TEXT_IDS]` (the whole text, known up front) or streams in through
   the engine's text feed (`extra_args[TEXT_STREAM]`, text_feed.py: the served talker, which
   starts while the thinker is still writing; a step waits for an id not written yet).

@@ -1,6 +1,6 @@
 """The thinker's text, streamed from the talker stage into the talker's vLLM worker.
 
-The talker's input at frame step k carries the thinker's generated token k + 1 (talker/prompt.py),
+The talker's input at frame step k carries the thinker's generated token k + 1 (prompt.py),
 and the thinker is still writing while the talker speaks. vLLM gives a running request no stock
 per-step input, so the stage pushes each request's text ids over a ZMQ socket of its own
 (`TextSender`, bound in the stage process) and the worker's runner reads them (`TextFeed`) before
