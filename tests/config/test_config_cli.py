@@ -96,9 +96,10 @@ def test_every_shipped_stage_config_validates():
 
 
 def test_validate_says_what_a_custom_runner_stage_runs(capsys):
-    """The Qwen3-Omni talker and Code2Wav run their own torch engines: `validate` names that
-    engine and the settings it reads, not a vLLM scheduler (they have none), and no diffusion
-    engine lines (step_cache, lora) under Code2Wav; the thinker keeps its scheduler line."""
+    """The Qwen3-Omni talker (vLLM's engine in its own loop) and Code2Wav (its own engine):
+    `validate` names the loop and the settings it reads, not the plugin's scheduler pair (the
+    talker runs vLLM's own), and no diffusion engine lines (step_cache, lora) under Code2Wav;
+    the thinker keeps its scheduler line."""
     assert main(["config", "validate", "stage_configs/qwen3_omni_tiny.yaml"]) == 0
     out = capsys.readouterr().out
     lines = {line.split(" (")[0].strip(): line for line in out.splitlines()}
@@ -107,7 +108,8 @@ def test_validate_says_what_a_custom_runner_stage_runs(capsys):
     )
     assert "OmniARAsyncScheduler async_scheduling=True" in thinker
     assert "Scheduler" not in talker and "async_scheduling" not in talker
-    assert "runs qwen3_omni.talker (its own engine, no vLLM scheduler)" in talker
-    assert "max_num_seqs=4 max_model_len=1024 default_sampling_params.max_tokens=64" in talker
+    assert "runs qwen3_omni.talker (its own loop; reads only)" in talker
+    assert "max_num_seqs=4 max_model_len=1024 enforce_eager=True" in talker
+    assert "default_sampling_params.max_tokens=64" in talker
     assert "runs qwen3_omni.code2wav" in code2wav and "device=cpu max_batch_size=4" in code2wav
     assert "step_cache:" not in out and "lora:" not in out

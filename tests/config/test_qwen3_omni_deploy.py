@@ -65,29 +65,26 @@ def test_two_gpu_and_one_gpu_layouts():
     assert thinker.model.dtype == talker.model.dtype == code2wav.diffusion.dtype == "bfloat16"
     assert thinker.scheduler.max_num_seqs == talker.scheduler.max_num_seqs == 64
     assert code2wav.diffusion.max_batch_size == 64 and code2wav.diffusion.device == "cuda"
-    assert (talker.sampling.temperature, talker.sampling.max_tokens) == (0, 4096)
+    # the talker samples as the checkpoint does (no temperature set), on half of GPU 1
+    assert (talker.sampling.temperature, talker.sampling.max_tokens) == (None, 4096)
+    assert talker.cache.gpu_memory_utilization == 0.5
     assert thinker.cache.gpu_memory_utilization == 0.9
     assert two.serving.max_input_audio_s == 300
     one = load_deploy_config("qwen3_omni_1gpu", platform="cuda")
     assert {s.devices for s in one.stages} == {"0"}
-    # the thinker's share leaves a quarter of the GPU (35 GB of an H200) to the talker's ~7 GB
-    # and Code2Wav's ~0.5 GB of weights, their caches and activations
+    # the thinker's share leaves a quarter of the GPU (35 GB of an H200): 12% to the talker's
+    # vLLM engine, the rest to Code2Wav's ~0.5 GB of weights and its activations
     assert one.stage(0).cache.gpu_memory_utilization == 0.75
-    assert one.stage(1).gpu_share is None and one.stage(2).gpu_share is None
+    assert one.stage(1).cache.gpu_memory_utilization == 0.12
+    assert one.stage(2).gpu_share is None
     # the rest is qwen3_omni.yaml's
     assert one.stage(1).sampling.max_tokens == 4096 and one.stage(2).diffusion.max_batch_size == 64
 
 
-# The keys of vLLM-Omni's talker / Code2Wav stages our engines do not read: refused by name.
-TALKER_REFUSED = {
-    "max_num_batched_tokens",
-    "gpu_memory_utilization",
-    "trust_remote_code",
-    "enable_prefix_caching",
-    "default_sampling_params.temperature",  # 0.9: the talker decodes greedily only
-    "default_sampling_params.top_k",
-    "default_sampling_params.repetition_penalty",
-}
+# The keys of vLLM-Omni's talker / Code2Wav stages our stages do not read: refused by name.
+# The talker runs vLLM's engine and reads its engine and sampling keys, but not prefix caching
+# (its prompt is embeddings) nor remote code.
+TALKER_REFUSED = {"trust_remote_code", "enable_prefix_caching"}
 CODE2WAV_REFUSED = {
     "max_num_batched_tokens",
     "gpu_memory_utilization",
@@ -114,16 +111,15 @@ def _refused(lines: list[str]) -> dict[int, set[str]]:
 @pytest.mark.parametrize("name", INCUMBENT)
 def test_incumbent_file_is_refused_field_by_field(name):
     lines = problems(FIXTURES / name, platform="cuda")
-    extra = {"moe_backend", "default_sampling_params.seed"} if name.startswith("vo30") else set()
+    extra = {"moe_backend"} if name.startswith("vo30") else set()
     # every refusal names a talker or Code2Wav key; the thinker's settings are all vLLM's
     assert _refused(lines) == {1: TALKER_REFUSED | extra, 2: CODE2WAV_REFUSED}, lines
     text = "\n".join(lines)
-    assert (
-        "temperature: is 0.9, but stage 1 (talker) supports only 0 here: it decodes greedily"
-        in (text)
-    )
     assert "stage 2: enforce_eager" not in text  # Code2Wav's CUDA graphs follow it
-    assert "gpu_memory_utilization: stage 1 (talker) runs its own engine: it reserves no share" in (
+    assert "enable_prefix_caching: stage 1 (talker) does not read it: its prompt is embeddings" in (
+        text
+    )
+    assert "gpu_memory_utilization: stage 2 (code2wav) does not read it: it reserves no share" in (
         text
     )
 
@@ -176,22 +172,17 @@ def test_incumbent_file_loads_once_the_refused_keys_are_removed(name, tmp_path):
 def test_incumbent_platform_sections_refuse_talker_keys(name, tmp_path):
     path = _without_refused(name, tmp_path)
     lines = problems(path, platform="npu")
+    # The talker's vLLM engine reads its share, token budget and compilation settings.
     assert _refused(lines) == {
-        1: {
-            "gpu_memory_utilization",
-            "max_num_batched_tokens",
-            "compilation_config.cudagraph_mode",
-        },
         2: {"gpu_memory_utilization", "compilation_config.cudagraph_mode"},
     }, lines
     assert any(
-        "cudagraph_mode: stage 1 (talker) runs its own engine: it is not compiled" in x
+        "cudagraph_mode: stage 2 (code2wav) does not read it: it is not compiled" in x
         for x in lines
     )
     lines = problems(path, platform="xpu")
     # Its talker's and Code2Wav's enforce_eager: true is read (they run without CUDA graphs).
     assert _refused(lines) == {
-        1: {"max_cudagraph_capture_size"},
         2: {"gpu_memory_utilization", "max_cudagraph_capture_size"},
     }, lines
     if name.startswith("vo30"):  # musa clears a quantization config the talker never reads
@@ -208,8 +199,10 @@ def test_config_migrate_drops_exactly_the_refused_keys(name, tmp_path):
         for sid, fields in _refused(problems(FIXTURES / name, platform="cuda")).items()
         for field in fields
     }
-    assert "#   stage 1: default_sampling_params.top_k: it decodes greedily only" in text
-    assert "#   platforms.npu: stage 1: gpu_memory_utilization: it reserves no share" in text
+    assert (
+        "#   stage 1: enable_prefix_caching: stage 1 (talker) does not read it: its prompt" in text
+    )
+    assert "#   platforms.npu: stage 2: gpu_memory_utilization: stage 2 (code2wav) does not" in text
     migrated = write(tmp_path, text, "migrated.yaml")
     edited = load_deploy_config(_without_refused(name, tmp_path), platform="cuda")
     cfg = load_deploy_config(migrated, platform="cuda")
@@ -255,7 +248,7 @@ def test_async_chunk_warns_only_where_it_says_otherwise(tmp_path):
     assert any("start after their inputs complete" in w for w in warned.warnings)
     with pytest.raises(ConfigError):  # stage overrides are refused alike
         load_deploy_config(
-            "qwen3_omni_tiny", stage_overrides={"1": {"gpu_memory_utilization": 0.5}}
+            "qwen3_omni_tiny", stage_overrides={"1": {"enable_prefix_caching": True}}
         )
 
 

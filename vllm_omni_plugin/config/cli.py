@@ -121,7 +121,7 @@ def _runner_text(stage, spec) -> str:
         if value is not None:
             read.append(f"{path}={value}")
     name = spec.runner.rsplit(":", 1)[-1]
-    return f", runs {name} (its own engine, no vLLM scheduler): {' '.join(read) or '-'}"
+    return f", runs {name} (its own loop; reads only): {' '.join(read) or '-'}"
 
 
 def _lora_line(stage) -> str:

@@ -76,6 +76,8 @@ QWEN3_OMNI = PipelineTopology(
                 "block_size",
                 "enforce_eager",
                 "compilation_config",
+                "max_cudagraph_capture_size",
+                "cudagraph_capture_sizes",
                 "default_sampling_params.max_tokens",
                 "default_sampling_params.min_tokens",
                 "default_sampling_params.temperature",
