@@ -132,7 +132,7 @@ def _without_refused(name: str, tmp_path: Path) -> Path:
         if stage["stage_id"] == 0:
             continue  # the thinker's keys are all vLLM's
         refused = {1: TALKER_REFUSED, 2: CODE2WAV_REFUSED}[stage["stage_id"]]
-        for field in refused | {"moe_backend", "default_sampling_params.seed"}:
+        for field in refused | {"moe_backend"}:
             head, _, rest = field.partition(".")
             holder = stage.get(head) if rest else stage
             if isinstance(holder, dict):
