@@ -8,6 +8,11 @@ payloads never pass through here: the descriptor in a Submit is resolved by the 
 itself (NIXL READ from the producer). The stages' Progress and Pulse messages are relayed to
 the head as they arrive (the same Progress and Pulse messages): streaming works across nodes, and the
 head's stall watchdog sees a stage that stops producing while this node still heartbeats.
+Streamed edges: each stage here also listens on TCP, on the address this node reaches the head
+from (its status tells the head, which hands it to producers on other nodes; a producer on this
+node gets the stage's local address instead). A Submit's edge tokens arrive masked under the
+link's key and are unmasked here (edge_tokens.py); a final stage's Chunks go to the head over
+the link and its Credits come back, and its StreamWaits are relayed like its Pulses.
 The node's own StageClient runs the same watchdog and restarts such a stage here. The node
 heartbeats; if the head goes silent or away it aborts its in-flight work and registers again
 once the head is back. No HTTP server runs here.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +37,8 @@ import socket
 import threading
 import time
 from typing import Any
+
+import msgspec
 
 from ..common.link_messages import (
     Heartbeat,
@@ -43,9 +51,11 @@ from ..common.link_messages import (
     Unavailable,
     Welcome,
 )
-from ..common.messages import Abort, Progress, Pulse, Result, Submit
+from ..common.messages import Abort, Chunk, Credit, Progress, Pulse, Result, StreamWait, Submit
 from ..common.parent_watch import end_process_tree, watch_parent
 from ..config.stage_init import StageInit
+from ..connectors.edge_channel import EDGE_TCP_HOST_ENV
+from .edge_tokens import unmask_tokens
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect
 from .node_protocol import (
@@ -64,6 +74,22 @@ OUTLIVE_PARENT_ENV = "OMNI_NODE_OUTLIVES_PARENT"
 # After the node's parent died: how long the node may take to stop its stages cleanly (each
 # gets stage_process.STOP_WAIT_S) before it kills them and itself.
 PARENT_GONE_GRACE_S = 9.0
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP socket's connect
+    only picks the route)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(addr)
+        return probe.getsockname()[0]
+
+
+def listening_on(init: StageInit, host: str) -> StageInit:
+    """The stage's StageInit with its TCP listener for streamed edges on `host`."""
+    runtime = init.stage.runtime
+    runtime = runtime.model_copy(update={"env": {**runtime.env, EDGE_TCP_HOST_ENV: host}})
+    return dataclasses.replace(init, stage=init.stage.model_copy(update={"runtime": runtime}))
 
 
 def stage_init(cfg: Any, stage_id: int) -> StageInit:
@@ -93,8 +119,11 @@ class HeadlessNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.key = key
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        edge_host = local_address_towards(*head)
         self.stages = {
-            sid: StageClient(stage_init(cfg, sid), startup_timeout_s=startup_timeout_s)
+            sid: StageClient(
+                listening_on(stage_init(cfg, sid), edge_host), startup_timeout_s=startup_timeout_s
+            )
             for sid in stage_ids
         }
         self.tasks: dict[str, asyncio.Task] = {}
@@ -102,10 +131,19 @@ class HeadlessNode:
         self.superseded = False
         for stage in self.stages.values():
             stage.on_pulse = self._relay_pulse
+            stage.on_wait = self._relay_pulse
 
     def statuses(self) -> dict[int, StageStatus]:
         return {
-            sid: StageStatus(s.kind, s.ready, s.describe(), s.restarts, s.deaths, s.pid)
+            sid: StageStatus(
+                s.kind,
+                s.ready,
+                s.describe(),
+                s.restarts,
+                s.deaths,
+                s.pid,
+                s.edge_tcp_address or "",
+            )
             for sid, s in self.stages.items()
         }
 
@@ -231,7 +269,7 @@ class HeadlessNode:
                 link.drop(f"head silent for {silent:.1f} s")
                 return
 
-    def _relay_pulse(self, msg: Pulse) -> None:
+    def _relay_pulse(self, msg: Pulse | StreamWait) -> None:
         link = self.link
         if link is not None:
             with contextlib.suppress(OSError):  # a lost head is noticed by the reader
@@ -241,17 +279,39 @@ class HeadlessNode:
     def _on_message(self, link: Link, msg: Any) -> None:
         if isinstance(msg, ToStage) and isinstance(msg.msg, Submit):
             rid = msg.msg.request_id
-            self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, msg.msg))
+            try:
+                submit = self._local_submit(msg)
+            except ValueError as exc:
+                link.drop(f"a Submit for {rid} this node cannot read: {exc}")
+                return
+            self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, submit))
         elif isinstance(msg, ToStage) and isinstance(msg.msg, Abort):
             task = self.tasks.pop(msg.msg.request_id, None)
             if task is not None:
                 task.cancel()  # StageClient.submit aborts the request in the stage
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, Credit):
+            stage = self.stages.get(msg.stage_id)
+            if stage is not None:
+                stage.send_stream(msg.msg)
         elif isinstance(msg, Superseded):
             logger.error("superseded: %s; exiting", msg.reason)
             self.superseded = True
             link.drop("superseded")
         elif not isinstance(msg, (Ping, Welcome, Rejected)):  # Ping: only feeds last_seen
             link.drop(f"unexpected {type(msg).__name__} from the head")
+
+    def _local_submit(self, msg: ToStage) -> Submit:
+        """The Submit as the stage takes it: its edge tokens unmasked, and an edge to a stage
+        of this node through that stage's local address instead of its TCP one."""
+        submit = msg.msg
+        assert isinstance(submit, Submit)
+        if msg.token_nonce:
+            submit = unmask_tokens(submit, self.key, msg.token_nonce)
+        if submit.stream_to is not None:
+            for stage in self.stages.values():
+                if submit.stream_to == stage.edge_tcp_address and stage.edge_address:
+                    submit = msgspec.structs.replace(submit, stream_to=stage.edge_address)
+        return submit
 
     async def _run(self, link: Link, stage_id: int, msg: Submit) -> None:
         rid = msg.request_id
@@ -261,11 +321,12 @@ class HeadlessNode:
             if stage is None:
                 raise StageUnavailableError(f"node {self.name} does not run stage {stage_id}")
 
-            def relay(progress: Progress) -> None:
+            def relay(progress: Progress | Chunk) -> None:
                 with contextlib.suppress(OSError):
                     link.send(progress)
 
-            reply = await stage.submit(msg, on_progress=relay)
+            on_stream = relay if msg.stream_output and msg.stream_to is None else None
+            reply = await stage.submit(msg, on_progress=relay, on_stream=on_stream)
         except StageUnavailableError as exc:
             reply = Unavailable(rid, str(exc))
         except asyncio.CancelledError:

@@ -5,7 +5,10 @@ registered the stage. With no live node the stage is not ready and `submit` rais
 StageUnavailableError at once (HTTP 503); losing the node fails its in-flight requests at once.
 
 The node relays its stages' Progress (streaming requests get their steps from a remote stage
-too) and Pulses. A remote stage holding requests that relays neither for its stall_timeout_s
+too), Pulses and StreamWaits. Streamed edges: a producer elsewhere opens its channel to the
+stage's TCP listener (`edge_address`, from the node's status; the Submit's tokens cross the
+link masked, edge_tokens.py), and a final stage's Chunks come over the link, its Credits go
+back the same way. A remote stage holding requests that relays neither for its stall_timeout_s
 plus STALL_GRACE_S is stuck though its node still heartbeats: the head drops that node's link,
 which fails the requests with 503; the node registers again. The grace leaves the first move
 to the node's own watchdog, which sees the stage directly and restarts it there.
@@ -20,10 +23,11 @@ from typing import Any, Protocol
 
 from ..common.limits import RequestLimits
 from ..common.link_messages import StageStatus, ToStage, Unavailable
-from ..common.messages import Abort, Progress, Result, StageInfo, Submit
+from ..common.messages import Abort, Credit, Progress, Result, StageInfo, Submit
 from ..config.stage_init import StageInit
+from .edge_tokens import has_tokens, mask_tokens
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats, refuse_streams
+from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats
 from .link import Link
 from .pending import PendingRequests, stall_timeout_of
 
@@ -39,6 +43,7 @@ class Head(Protocol):
     this module): its listening port and its event loop."""
 
     port: int
+    authkey: bytes  # the node link's key: masks the edges' tokens
 
     def call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
@@ -124,11 +129,21 @@ class RemoteStageClient:
         self.head.call_in_loop(self.pending.fail_all, "the server is shutting down")
 
     # ---- requests ----------------------------------------------------------------------
-    streams = False  # the node link does not carry streamed edges yet
-    edge_address = None
+    streams = True
+
+    @property
+    def edge_address(self) -> str | None:
+        """The stage's TCP listener on its node (None: no node, or it takes no streams)."""
+        if self.status is None or not self.ready:
+            return None
+        return self.status.edge_address or None
 
     def send_stream(self, msg: Any) -> None:
-        pass
+        """A Credit for a final stage's chunk, over the link (a lost node fails the request)."""
+        link = self.link
+        if link is not None and isinstance(msg, Credit):
+            with contextlib.suppress(OSError):
+                link.send(ToStage(self.stage_id, msg))
 
     def set_waiting(self, request_id: str, waiting: bool) -> None:
         self.pending.set_waiting(request_id, waiting)
@@ -139,20 +154,24 @@ class RemoteStageClient:
         on_progress: Callable[[Progress], None] | None = None,
         on_stream: Any = None,
     ) -> Result:
-        refuse_streams(self, msg, on_stream)
         link = self.link
         if not self.ready or link is None:
             raise StageUnavailableError(
                 f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
                 f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
             )
-        wire = ToStage(self.stage_id, msg)
+        if has_tokens(msg):
+            masked, nonce = mask_tokens(msg, self.head.authkey)
+            wire = ToStage(self.stage_id, masked, nonce)
+        else:
+            wire = ToStage(self.stage_id, msg)
         return await self.pending.run(
             msg.request_id,
             lambda: link.send(wire),  # queues for the link's writer thread: never blocks
             self.cancel,
             f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable",
             on_progress,
+            on_stream,
         )
 
     def cancel(self, request_id: str) -> None:
@@ -207,6 +226,9 @@ class RemoteStageClient:
 
     def on_progress(self, msg: Progress) -> None:
         self.pending.progress(msg)
+
+    def on_chunk(self, msg: Any) -> None:
+        self.pending.stream(msg)
 
     def check_stall(self, now: float) -> None:
         """Drop the node's link when this stage holds requests but relayed no progress for
