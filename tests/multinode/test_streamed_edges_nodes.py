@@ -44,6 +44,7 @@ sys.path.insert(0, str(STREAMING))
 from stream_stages import chunk_tensor, expected_checksum  # noqa: E402
 
 WINDOW = 2  # stream_stages' topologies
+STALL_TIMEOUT_S = 3.0  # stream_test.yaml
 # A lost node: the link's EOF at once, plus slack for a loaded 2-core box.
 FAIL_WITHIN_S = 3.0
 
@@ -216,6 +217,21 @@ async def test_checksum_of_the_chunks_equals_the_source(cluster):
     expected = [chunk_sum(seed, i, values) for i in range(chunks)]
     assert values_out == pytest.approx(expected, abs=1e-9)
     assert result.metrics["stage_1"]["chunks"] == chunks
+
+
+async def test_a_caller_slower_than_the_watchdog_is_no_stall(cluster):
+    """The caller holds the relay's window for longer than stage 1's stall_timeout_s: the
+    node's own watchdog, told over the link, leaves the relay alone, as the head's does."""
+    orch, _, _, _ = cluster
+    relay = orch.stages[1]
+    restarts, stalls = relay.status.restarts, relay.stalls
+    events = []
+    async for event in orch.stream("slow-caller", params(6, values=64)):
+        events.append(event)
+        if len(events) == 1:
+            await asyncio.sleep(STALL_TIMEOUT_S + 2)
+    assert [e.seq for e in events[:-1]] == list(range(6))
+    assert relay.status.restarts == restarts and relay.stalls == stalls
 
 
 async def test_a_caller_hanging_up_frees_both_stages(cluster):

@@ -5,10 +5,11 @@ node.py, remote.py). Tagged msgspec structs in the same encoding as the local st
 Node link (N = node, H = head), after link.py's handshake:
     N -> H  Register(node, host, pid, stages)   the stages it runs and their status
     H -> N  Welcome(head) | Rejected(reason)
-    H -> N  ToStage(stage_id, Submit | Abort | Credit)
+    H -> N  ToStage(stage_id, Submit | Abort | Credit | StreamWait)
     N -> H  Result | Unavailable(request_id)    Unavailable: the node's stage is down (503)
     N -> H  Progress | Pulse | StreamWait       relayed from the node's stages as they come
     N -> H  Chunk               H -> N  Credit  a final stage's streamed output (stages/streams.py)
+    H -> N  StreamWait                          that output waits on its caller (the stall clock)
     N -> H  Heartbeat(stages)                   every HEARTBEAT_S; the head answers Ping
     H -> N  Superseded(reason)                  a newer node took the stage after this one did
                                                 not answer for TAKEOVER_PROBE_S: exit
@@ -63,11 +64,13 @@ class Ping(msgspec.Struct, tag=True):
 
 
 class ToStage(msgspec.Struct, tag=True):
-    """A Submit, Abort or a final stage's Credit for one of the node's stages. A Submit's
-    streamed-edge tokens travel masked (orchestrator/edge_tokens.py) under `token_nonce`."""
+    """A Submit, Abort, or for a final stage's streamed output a Credit or a StreamWait (the
+    caller has not taken its window of chunks: the stage is not stalled), for one of the node's
+    stages. A Submit's streamed-edge tokens travel masked (orchestrator/edge_tokens.py) under
+    `token_nonce`."""
 
     stage_id: int
-    msg: Submit | Abort | Credit
+    msg: Submit | Abort | Credit | StreamWait
     token_nonce: bytes = b""
 
 

@@ -293,6 +293,10 @@ class HeadlessNode:
             stage = self.stages.get(msg.stage_id)
             if stage is not None:
                 stage.send_stream(msg.msg)
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, StreamWait):
+            stage = self.stages.get(msg.stage_id)
+            if stage is not None:
+                stage.set_waiting(msg.msg.request_id, msg.msg.waiting)
         elif isinstance(msg, Superseded):
             logger.error("superseded: %s; exiting", msg.reason)
             self.superseded = True

@@ -334,7 +334,7 @@ class StageHead:
         elif isinstance(msg, StreamWait):
             client = self.clients.get(msg.stage_id)
             if client is not None and client.link is link:
-                client.set_waiting(msg.request_id, msg.waiting)
+                client.on_stream_wait(msg)
         elif isinstance(msg, (Result, Unavailable)):
             for client in self.clients.values():
                 if client.link is link and client.owns(msg.request_id):

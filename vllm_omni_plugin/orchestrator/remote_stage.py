@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from ..common.limits import RequestLimits
 from ..common.link_messages import StageStatus, ToStage, Unavailable
-from ..common.messages import Abort, Credit, Progress, Result, StageInfo, Submit
+from ..common.messages import Abort, Credit, Progress, Result, StageInfo, StreamWait, Submit
 from ..config.stage_init import StageInit
 from .edge_tokens import has_tokens, mask_tokens
 from .errors import StageUnavailableError
@@ -66,6 +66,7 @@ class RemoteStageClient:
         self.restarts = 0  # re-registrations after the first
         self.deaths = 0  # nodes lost (EOF or missed heartbeats)
         self._info: StageInfo | None = None
+        self.waiting: set[str] = set()  # requests whose caller holds the window (set_waiting)
 
     # ---- the StageHandle face (handle.py) ------------------------------------------------
     def describe(self) -> StageInfo | None:
@@ -146,7 +147,23 @@ class RemoteStageClient:
                 link.send(ToStage(self.stage_id, msg))
 
     def set_waiting(self, request_id: str, waiting: bool) -> None:
+        """The caller holds the stage's window of chunks (or no longer does): both stall
+        clocks stop, the head's and the node's own."""
         self.pending.set_waiting(request_id, waiting)
+        if waiting == (request_id in self.waiting):
+            return  # the node knows (the caller says so per chunk taken)
+        if waiting:
+            self.waiting.add(request_id)
+        else:
+            self.waiting.discard(request_id)
+        link = self.link
+        if link is not None:
+            with contextlib.suppress(OSError):
+                link.send(ToStage(self.stage_id, StreamWait(request_id, self.stage_id, waiting)))
+
+    def on_stream_wait(self, msg: StreamWait) -> None:
+        """The stage's own report: it waits on a peer stage (or no longer does)."""
+        self.pending.set_waiting(msg.request_id, msg.waiting)
 
     async def submit(
         self,
@@ -175,6 +192,7 @@ class RemoteStageClient:
         )
 
     def cancel(self, request_id: str) -> None:
+        self.waiting.discard(request_id)
         if self.link is not None:
             with contextlib.suppress(OSError):
                 self.link.send(ToStage(self.stage_id, Abort(request_id)))
@@ -206,6 +224,7 @@ class RemoteStageClient:
         if link is not self.link:
             return  # a link that was already replaced
         self.link = None
+        self.waiting.clear()
         self.deaths += 1
         n = len(self.pending)
         logger.error(
@@ -247,6 +266,7 @@ class RemoteStageClient:
         link.drop(why)
 
     def on_result(self, msg: Result) -> None:
+        self.waiting.discard(msg.request_id)
         self.pending.resolve(msg)
 
     def on_unavailable(self, msg: Unavailable) -> None:
