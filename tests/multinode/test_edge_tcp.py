@@ -223,3 +223,19 @@ def test_masked_tokens_unmask_under_the_link_key_only():
     except ValueError:  # not even text under the wrong key
         return
     assert other.stream_token != TOKEN
+
+
+def test_a_node_opens_tcp_listeners_for_streamed_inputs_only():
+    from vllm_omni_plugin.config import load_deploy_config
+    from vllm_omni_plugin.connectors.edge_channel import EDGE_TCP_HOST_ENV
+    from vllm_omni_plugin.orchestrator.node import node_stage_inits
+
+    omni = load_deploy_config("qwen3_omni_nodes_tiny")
+    inits = node_stage_inits(omni, [1, 2], ("127.0.0.1", 29600))
+    assert {sid: i.stage.env.get(EDGE_TCP_HOST_ENV) for sid, i in inits.items()} == {
+        1: "127.0.0.1",
+        2: "127.0.0.1",
+    }
+    glm = load_deploy_config("glm_image_tiny_nixl", model="/unused/glm-image")
+    (dit,) = node_stage_inits(glm, [1], ("127.0.0.1", 29600)).values()
+    assert EDGE_TCP_HOST_ENV not in dit.stage.env  # its edge goes over NIXL: nothing listens

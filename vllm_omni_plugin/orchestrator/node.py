@@ -92,6 +92,28 @@ def listening_on(init: StageInit, host: str) -> StageInit:
     return dataclasses.replace(init, stage=init.stage.model_copy(update={"runtime": runtime}))
 
 
+def node_stage_inits(cfg: Any, stage_ids: list[int], head: tuple[str, int]) -> dict[int, StageInit]:
+    """This node's stages; those that read a streamed edge listen on TCP as well, on the
+    address this node reaches the head from (SystemExit when the head's name does not
+    resolve: nobody could reach them)."""
+    topo = cfg.topology
+    inits = {sid: stage_init(cfg, sid) for sid in stage_ids}
+    consumers = [
+        sid for sid in stage_ids if any(topo.streams(src, sid) for src in topo.stage(sid).inputs)
+    ]
+    if consumers:
+        try:
+            host = local_address_towards(*head)
+        except OSError as exc:
+            raise SystemExit(
+                f"--omni-master-address {head[0]!r}: cannot find this node's address towards "
+                f"it ({exc}); stage(s) {consumers} need one for their streamed edges"
+            ) from None
+        for sid in consumers:
+            inits[sid] = listening_on(inits[sid], host)
+    return inits
+
+
 def stage_init(cfg: Any, stage_id: int) -> StageInit:
     """The StageInit the head's orchestrator would build for this stage (typed config)."""
     spec = next(s for s in cfg.topology.stages if s.stage_id == stage_id)
@@ -119,12 +141,9 @@ class HeadlessNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.key = key
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        edge_host = local_address_towards(*head)
         self.stages = {
-            sid: StageClient(
-                listening_on(stage_init(cfg, sid), edge_host), startup_timeout_s=startup_timeout_s
-            )
-            for sid in stage_ids
+            sid: StageClient(init, startup_timeout_s=startup_timeout_s)
+            for sid, init in node_stage_inits(cfg, stage_ids, head).items()
         }
         self.tasks: dict[str, asyncio.Task] = {}
         self.link: Link | None = None
