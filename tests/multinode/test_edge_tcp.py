@@ -239,3 +239,17 @@ def test_a_node_opens_tcp_listeners_for_streamed_inputs_only():
     glm = load_deploy_config("glm_image_tiny_nixl", model="/unused/glm-image")
     (dit,) = node_stage_inits(glm, [1], ("127.0.0.1", 29600)).values()
     assert EDGE_TCP_HOST_ENV not in dit.stage.env  # its edge goes over NIXL: nothing listens
+
+
+async def test_a_refused_connection_is_the_channel_lost():
+    """Nobody listens at the address (a consumer's node restarted on another port): the
+    producer hears of it as of any lost peer, not by a blocked connect."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    producer = End()
+    loop = asyncio.get_running_loop()
+    link = EdgeLink(connect(f"tcp:127.0.0.1:{port}"), loop, producer.on_message, producer.on_lost)
+    link.send(EdgeHello("req-1", 0, 1, "", 4, new_nonce()))
+    await producer.until(lambda: producer.lost)
+    assert link.closed

@@ -279,8 +279,9 @@ class EdgeLink:
             n = self.sock.send(frame)
         except (BlockingIOError, InterruptedError):
             n = 0
-        except OSError as exc:  # the peer is gone (a TCP connect refused surfaces here)
-            self.loop.call_soon(self._lose, f"channel error: {exc}")
+        except OSError:
+            # The peer is gone (or a TCP connect was refused): the read side reports it, after
+            # what the peer sent before it went (its last chunks, its end marker).
             return
         if n < len(frame):
             self._unsent += memoryview(frame)[n:]
@@ -291,11 +292,8 @@ class EdgeLink:
             n = self.sock.send(self._unsent)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:
-            self.loop.remove_writer(self._fd)
-            self._unsent.clear()
-            self._lose(f"channel error: {exc}")
-            return
+        except OSError:  # as in _send_frame: the read side reports it
+            n = len(self._unsent)
         del self._unsent[:n]
         if not self._unsent:
             self.loop.remove_writer(self._fd)
