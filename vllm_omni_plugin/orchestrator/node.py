@@ -330,10 +330,10 @@ class HeadlessNode:
         assert isinstance(submit, Submit)
         if msg.token_nonce:
             submit = unmask_tokens(submit, self.key, msg.token_nonce)
-        if submit.stream_to is not None:
-            for stage in self.stages.values():
-                if submit.stream_to == stage.edge_tcp_address and stage.edge_address:
-                    submit = msgspec.structs.replace(submit, stream_to=stage.edge_address)
+        consumer = self.stages.get(submit.to_stage) if submit.to_stage is not None else None
+        if submit.stream_to is not None and consumer is not None and consumer.edge_address:
+            # Its current process's, whatever the head last heard (it may have restarted).
+            submit = msgspec.structs.replace(submit, stream_to=consumer.edge_address)
         return submit
 
     async def _run(self, link: Link, stage_id: int, msg: Submit) -> None:
