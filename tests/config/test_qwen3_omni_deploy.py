@@ -43,7 +43,16 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3_omni", "qwen3_omni_1gpu", "qwen3_omni_tiny"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_omni",
+        "qwen3_omni_1gpu",
+        "qwen3_omni_tiny",
+        "qwen3_omni_nodes",
+        "qwen3_omni_nodes_tiny",
+    ],
+)
 def test_bundled_files_validate_against_tiny_and_full_checkpoints(name, model_dirs, capsys):
     for size, folder in model_dirs.items():
         path = str(REPO / "stage_configs" / f"{name}.yaml")
@@ -54,6 +63,24 @@ def test_bundled_files_validate_against_tiny_and_full_checkpoints(name, model_di
         cfg = load_deploy_config(path, model=str(folder), platform="cuda")
         assert cfg.pipeline == "qwen3_omni" and not cfg.warnings, cfg.warnings
         assert {s.model_path for s in cfg.stages} == {str(folder)}
+
+
+def test_two_node_layout_and_a_stream_into_the_head_refused():
+    """qwen3_omni_nodes: the thinker on the head's first GPU, the talker and Code2Wav on the
+    node's; the head runs stage 0 only. A head that would run Code2Wav while the talker is on a
+    node is refused: the talker could not reach it (the head's stages take streamed edges from
+    their own host only)."""
+    from vllm_omni_plugin.orchestrator.remote import refuse_streams_into_head
+
+    nodes = load_deploy_config("qwen3_omni_nodes", platform="cuda")
+    assert [s.devices for s in nodes.stages] == ["0", "0", "0"]
+    assert nodes.stage(1).sampling.max_tokens == 4096  # the rest is qwen3_omni.yaml's
+    refuse_streams_into_head(nodes, [0])
+    refuse_streams_into_head(nodes, [0, 1, 2])
+    with pytest.raises(SystemExit, match="stage 1 \\(on a node\\) streams into stage 2"):
+        refuse_streams_into_head(nodes, [0, 2])
+    tiny = load_deploy_config("qwen3_omni_nodes_tiny")
+    assert tiny.to_dict()["stages"] == load_deploy_config("qwen3_omni_tiny").to_dict()["stages"]
 
 
 def test_two_gpu_and_one_gpu_layouts():

@@ -7,6 +7,7 @@ simulated; HTTP calls into a namespace go through `ns_client.py` run inside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,46 @@ def ns_call(netns: str, *args: str, timeout: float = 300) -> dict[str, Any]:
     if out.returncode != 0:
         raise RuntimeError(f"ns_client failed ({out.returncode}): {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sh(*args: str) -> str:
+    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def two_hosts(prefix: str, subnet: int) -> Iterator[dict[str, tuple[str, str, str]]]:
+    """Two network namespaces joined by a veth pair: {"head": (ns, dev, addr), "node": ...}.
+    Each sees only its end of the veth and its own loopback; both are deleted on exit."""
+    tag = os.getpid() % 100000
+    net = f"10.{subnet}.{tag % 200 + 20}"
+    hosts = {
+        "head": (f"omni-{prefix}{tag}-head", f"v{prefix}{tag}h", f"{net}.1"),
+        "node": (f"omni-{prefix}{tag}-node", f"v{prefix}{tag}n", f"{net}.2"),
+    }
+    (_, dev_h, _), (_, dev_n, _) = hosts["head"], hosts["node"]
+    try:
+        for ns, _, _ in hosts.values():
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", dev_h, "type", "veth", "peer", "name", dev_n)
+        for ns, dev, addr in hosts.values():
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for ns, _, _ in hosts.values():  # deleting a namespace deletes its veth end too
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def ns_wait_healthy(ns: str, url: str, procs: list[Proc], timeout: float) -> None:
+    """Wait until `url`/health answers 200 inside `ns` (RuntimeError if a process exits)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"{p.log.name} exited:\n{p.log_tail()}")
+        if ns_call(ns, "status", f"{url}/health")["status"] == 200:
+            return
+        time.sleep(1.0)
+    raise TimeoutError("\n\n".join(p.log_tail() for p in procs))

@@ -3,6 +3,10 @@
     ns_client.py status URL                    -> {"status": 200}
     ns_client.py generate BASE_URL MODEL SEED  -> {"png": [w, h], "sha": ...}  (openai client)
     ns_client.py metrics BASE_URL              -> {"text": "..."}
+    ns_client.py speech BASE_URL MODEL MAX_TOKENS [MARK]
+        -> {"pcm_sha", "samples", "transcript", "audio_deltas", "error"}: a streamed Qwen3-Omni
+           answer (pcm16, greedy) through the openai client; with MARK, the file is created at
+           the first audio delta and the rest is read slowly (a client the stream waits for)
 Prints one JSON line.
 """
 
@@ -13,6 +17,8 @@ import hashlib
 import io
 import json
 import sys
+import time
+from pathlib import Path
 
 import httpx
 
@@ -45,7 +51,50 @@ def main(argv: list[str]) -> dict:
             "format": image.format,
             "sha": hashlib.sha256(data).hexdigest(),
         }
+    if cmd == "speech":
+        return speech(argv[1], argv[2], int(argv[3]), argv[4] if len(argv) > 4 else None)
     raise SystemExit(f"unknown command {cmd!r}")
+
+
+def speech(url: str, model: str, max_tokens: int, mark: str | None) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    pcm, transcript, deltas, error = b"", "", 0, None
+    try:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say hi"}],
+            temperature=0,
+            max_tokens=max_tokens,
+            stream=True,
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            audio = getattr(chunk.choices[0].delta, "audio", None)
+            if audio is None:
+                continue
+            audio = audio if isinstance(audio, dict) else audio.model_dump()
+            transcript += audio.get("transcript") or ""
+            if audio.get("data"):
+                pcm += base64.b64decode(audio["data"])
+                deltas += 1
+                if mark is not None:
+                    Path(mark).touch()
+                    time.sleep(0.5)  # a slow reader: the pipeline waits on its credits
+    except openai.APIError as exc:
+        error = {"message": exc.message, "body": exc.body}
+    return {
+        "pcm_sha": hashlib.sha256(pcm).hexdigest(),
+        "samples": len(pcm) // 2,
+        "transcript": transcript,
+        "audio_deltas": deltas,
+        "error": error,
+    }
 
 
 if __name__ == "__main__":

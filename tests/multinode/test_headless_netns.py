@@ -7,57 +7,31 @@ test client reaches the head's API server inside the head's namespace (`ip netns
 
 from __future__ import annotations
 
-import os
 import secrets
-import subprocess
-import time
 
+import cluster
 import pytest
-from cluster import Proc, connector_metric, free_port, head_args, node_args, ns_call, stage_metric
-
-
-def sh(*args: str) -> str:
-    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+from cluster import (
+    Proc,
+    connector_metric,
+    free_port,
+    head_args,
+    node_args,
+    ns_call,
+    ns_wait_healthy,
+    sh,
+    stage_metric,
+)
 
 
 @pytest.fixture
 def two_hosts():
-    tag = os.getpid() % 100000
-    net = f"10.200.{tag % 200 + 20}"
-    hosts = {
-        "head": (f"omni-g{tag}-head", f"vg{tag}h", f"{net}.1"),
-        "node": (f"omni-g{tag}-node", f"vg{tag}n", f"{net}.2"),
-    }
-    (_, dev_h, _), (_, dev_n, _) = hosts["head"], hosts["node"]
-    try:
-        for ns, _, _ in hosts.values():
-            sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", dev_h, "type", "veth", "peer", "name", dev_n)
-        for ns, dev, addr in hosts.values():
-            sh("ip", "link", "set", dev, "netns", ns)
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+    with cluster.two_hosts("g", 200) as hosts:
         yield hosts
-    finally:
-        for ns, _, _ in hosts.values():  # deleting a namespace deletes its veth end too
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def rx_bytes(ns: str, dev: str) -> int:
     return int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes"))
-
-
-def ns_wait_healthy(ns: str, url: str, procs: list[Proc], timeout: float) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"{p.log.name} exited:\n{p.log_tail()}")
-        if ns_call(ns, "status", f"{url}/health")["status"] == 200:
-            return
-        time.sleep(1.0)
-    raise TimeoutError("\n\n".join(p.log_tail() for p in procs))
 
 
 def test_image_across_two_simulated_hosts(two_hosts, tiny_models, tmp_path):

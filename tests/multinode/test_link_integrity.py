@@ -136,11 +136,11 @@ async def test_a_replayed_frame_fails_its_mac(head):
 
 async def test_an_old_peer_is_refused_at_the_greeting(head):
     h, _ = head
-    assert MAGIC == b"vllm-omni-link/3"
+    assert MAGIC == b"vllm-omni-link/4"
     sock = socket.create_connection(("127.0.0.1", h.port), timeout=5)
     try:
         assert sock.recv(len(MAGIC)) == MAGIC
-        sock.sendall(b"vllm-omni-link/2" + os.urandom(64))  # a node of the previous version
+        sock.sendall(b"vllm-omni-link/3" + os.urandom(64))  # a node of the previous version
         assert await in_thread(closed_by_peer, sock)
     finally:
         sock.close()

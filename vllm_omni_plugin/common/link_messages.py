@@ -5,9 +5,11 @@ node.py, remote.py). Tagged msgspec structs in the same encoding as the local st
 Node link (N = node, H = head), after link.py's handshake:
     N -> H  Register(node, host, pid, stages)   the stages it runs and their status
     H -> N  Welcome(head) | Rejected(reason)
-    H -> N  ToStage(stage_id, Submit | Abort)
+    H -> N  ToStage(stage_id, Submit | Abort | Credit | StreamWait)
     N -> H  Result | Unavailable(request_id)    Unavailable: the node's stage is down (503)
-    N -> H  Progress | Pulse                    relayed from the node's stages as they come
+    N -> H  Progress | Pulse | StreamWait       relayed from the node's stages as they come
+    N -> H  Chunk               H -> N  Credit  a final stage's streamed output (stages/streams.py)
+    H -> N  StreamWait                          that output waits on its caller (the stall clock)
     N -> H  Heartbeat(stages)                   every HEARTBEAT_S; the head answers Ping
     H -> N  Superseded(reason)                  a newer node took the stage after this one did
                                                 not answer for TAKEOVER_PROBE_S: exit
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .messages import Abort, Progress, Pulse, Result, StageInfo, Submit
+from .messages import Abort, Chunk, Credit, Progress, Pulse, Result, StageInfo, StreamWait, Submit
 
 
 class StageStatus(msgspec.Struct):
@@ -29,6 +31,9 @@ class StageStatus(msgspec.Struct):
     restarts: int = 0
     deaths: int = 0
     pid: int | None = None
+    # Where producers on other nodes open streamed edges to this stage (its TCP listener, on
+    # the address the node reaches the head from; empty: none).
+    edge_address: str = ""
 
 
 class Register(msgspec.Struct, tag=True):
@@ -59,10 +64,14 @@ class Ping(msgspec.Struct, tag=True):
 
 
 class ToStage(msgspec.Struct, tag=True):
-    """A Submit or Abort for one of the node's stages."""
+    """A Submit, Abort, or for a final stage's streamed output a Credit or a StreamWait (the
+    caller has not taken its window of chunks: the stage is not stalled), for one of the node's
+    stages. A Submit's streamed-edge tokens travel masked (orchestrator/edge_tokens.py) under
+    `token_nonce`."""
 
     stage_id: int
-    msg: Submit | Abort
+    msg: Submit | Abort | Credit | StreamWait
+    token_nonce: bytes = b""
 
 
 class Unavailable(msgspec.Struct, tag=True):
@@ -84,6 +93,8 @@ LinkMessage = (
     | Unavailable
     | Progress
     | Pulse
+    | StreamWait
+    | Chunk
 )
 
 _link = msgspec.msgpack.Decoder(LinkMessage)

@@ -128,6 +128,8 @@ class Ready(msgspec.Struct, tag=True):
     # Where this stage's producers open their streamed edges' channels (stages/edge_streams.py;
     # empty: it takes no streamed inputs).
     edge_address: str = ""
+    # The same for producers on other nodes (a stage on a headless node; empty: none).
+    edge_tcp_address: str = ""
 
 
 # ---- requests ------------------------------------------------------------------------------

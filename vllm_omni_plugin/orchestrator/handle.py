@@ -101,7 +101,7 @@ def refuse_streams(handle: Any, msg: Submit, on_stream: Any) -> None:
     if on_stream is not None or msg.stream_inputs or msg.stream_output:
         raise StageUnavailableError(
             f"stage {handle.stage_id} ({handle.kind}): streamed edges run between local stages "
-            "only (not yet across headless nodes or Ray replicas)"
+            "and headless nodes only (not yet through Ray replicas)"
         )
 
 

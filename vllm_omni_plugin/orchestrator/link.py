@@ -48,7 +48,7 @@ from .node_protocol import AUTHKEY_ENV
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.link")
 
-MAGIC = b"vllm-omni-link/3"  # protocol name + version: a mismatch fails fast and says so
+MAGIC = b"vllm-omni-link/4"  # protocol name + version: a mismatch fails fast and says so
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HEADER = struct.Struct(">I")

@@ -8,6 +8,11 @@ payloads never pass through here: the descriptor in a Submit is resolved by the 
 itself (NIXL READ from the producer). The stages' Progress and Pulse messages are relayed to
 the head as they arrive (the same Progress and Pulse messages): streaming works across nodes, and the
 head's stall watchdog sees a stage that stops producing while this node still heartbeats.
+Streamed edges: each stage here also listens on TCP, on the address this node reaches the head
+from (its status tells the head, which hands it to producers on other nodes; a producer on this
+node gets the stage's local address instead). A Submit's edge tokens arrive masked under the
+link's key and are unmasked here (edge_tokens.py); a final stage's Chunks go to the head over
+the link and its Credits come back, and its StreamWaits are relayed like its Pulses.
 The node's own StageClient runs the same watchdog and restarts such a stage here. The node
 heartbeats; if the head goes silent or away it aborts its in-flight work and registers again
 once the head is back. No HTTP server runs here.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +37,8 @@ import socket
 import threading
 import time
 from typing import Any
+
+import msgspec
 
 from ..common.link_messages import (
     Heartbeat,
@@ -43,9 +51,11 @@ from ..common.link_messages import (
     Unavailable,
     Welcome,
 )
-from ..common.messages import Abort, Progress, Pulse, Result, Submit
+from ..common.messages import Abort, Chunk, Credit, Progress, Pulse, Result, StreamWait, Submit
 from ..common.parent_watch import end_process_tree, watch_parent
 from ..config.stage_init import StageInit
+from ..connectors.edge_channel import EDGE_TCP_HOST_ENV
+from .edge_tokens import unmask_tokens
 from .errors import StageUnavailableError
 from .link import AuthenticationError, Link, connect
 from .node_protocol import (
@@ -64,6 +74,44 @@ OUTLIVE_PARENT_ENV = "OMNI_NODE_OUTLIVES_PARENT"
 # After the node's parent died: how long the node may take to stop its stages cleanly (each
 # gets stage_process.STOP_WAIT_S) before it kills them and itself.
 PARENT_GONE_GRACE_S = 9.0
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP socket's connect
+    only picks the route)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(addr)
+        return probe.getsockname()[0]
+
+
+def listening_on(init: StageInit, host: str) -> StageInit:
+    """The stage's StageInit with its TCP listener for streamed edges on `host`."""
+    runtime = init.stage.runtime
+    runtime = runtime.model_copy(update={"env": {**runtime.env, EDGE_TCP_HOST_ENV: host}})
+    return dataclasses.replace(init, stage=init.stage.model_copy(update={"runtime": runtime}))
+
+
+def node_stage_inits(cfg: Any, stage_ids: list[int], head: tuple[str, int]) -> dict[int, StageInit]:
+    """This node's stages; those that read a streamed edge listen on TCP as well, on the
+    address this node reaches the head from (SystemExit when the head's name does not
+    resolve: nobody could reach them)."""
+    topo = cfg.topology
+    inits = {sid: stage_init(cfg, sid) for sid in stage_ids}
+    consumers = [
+        sid for sid in stage_ids if any(topo.streams(src, sid) for src in topo.stage(sid).inputs)
+    ]
+    if consumers:
+        try:
+            host = local_address_towards(*head)
+        except OSError as exc:
+            raise SystemExit(
+                f"--omni-master-address {head[0]!r}: cannot find this node's address towards "
+                f"it ({exc}); stage(s) {consumers} need one for their streamed edges"
+            ) from None
+        for sid in consumers:
+            inits[sid] = listening_on(inits[sid], host)
+    return inits
 
 
 def stage_init(cfg: Any, stage_id: int) -> StageInit:
@@ -94,18 +142,27 @@ class HeadlessNode:
         self.key = key
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.stages = {
-            sid: StageClient(stage_init(cfg, sid), startup_timeout_s=startup_timeout_s)
-            for sid in stage_ids
+            sid: StageClient(init, startup_timeout_s=startup_timeout_s)
+            for sid, init in node_stage_inits(cfg, stage_ids, head).items()
         }
         self.tasks: dict[str, asyncio.Task] = {}
         self.link: Link | None = None
         self.superseded = False
         for stage in self.stages.values():
             stage.on_pulse = self._relay_pulse
+            stage.on_wait = self._relay_pulse
 
     def statuses(self) -> dict[int, StageStatus]:
         return {
-            sid: StageStatus(s.kind, s.ready, s.describe(), s.restarts, s.deaths, s.pid)
+            sid: StageStatus(
+                s.kind,
+                s.ready,
+                s.describe(),
+                s.restarts,
+                s.deaths,
+                s.pid,
+                s.edge_tcp_address or "",
+            )
             for sid, s in self.stages.items()
         }
 
@@ -231,7 +288,7 @@ class HeadlessNode:
                 link.drop(f"head silent for {silent:.1f} s")
                 return
 
-    def _relay_pulse(self, msg: Pulse) -> None:
+    def _relay_pulse(self, msg: Pulse | StreamWait) -> None:
         link = self.link
         if link is not None:
             with contextlib.suppress(OSError):  # a lost head is noticed by the reader
@@ -241,17 +298,43 @@ class HeadlessNode:
     def _on_message(self, link: Link, msg: Any) -> None:
         if isinstance(msg, ToStage) and isinstance(msg.msg, Submit):
             rid = msg.msg.request_id
-            self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, msg.msg))
+            try:
+                submit = self._local_submit(msg)
+            except ValueError as exc:
+                link.drop(f"a Submit for {rid} this node cannot read: {exc}")
+                return
+            self.tasks[rid] = asyncio.ensure_future(self._run(link, msg.stage_id, submit))
         elif isinstance(msg, ToStage) and isinstance(msg.msg, Abort):
             task = self.tasks.pop(msg.msg.request_id, None)
             if task is not None:
                 task.cancel()  # StageClient.submit aborts the request in the stage
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, Credit):
+            stage = self.stages.get(msg.stage_id)
+            if stage is not None:
+                stage.send_stream(msg.msg)
+        elif isinstance(msg, ToStage) and isinstance(msg.msg, StreamWait):
+            stage = self.stages.get(msg.stage_id)
+            if stage is not None:
+                stage.set_waiting(msg.msg.request_id, msg.msg.waiting)
         elif isinstance(msg, Superseded):
             logger.error("superseded: %s; exiting", msg.reason)
             self.superseded = True
             link.drop("superseded")
         elif not isinstance(msg, (Ping, Welcome, Rejected)):  # Ping: only feeds last_seen
             link.drop(f"unexpected {type(msg).__name__} from the head")
+
+    def _local_submit(self, msg: ToStage) -> Submit:
+        """The Submit as the stage takes it: its edge tokens unmasked, and an edge to a stage
+        of this node through that stage's local address instead of its TCP one."""
+        submit = msg.msg
+        assert isinstance(submit, Submit)
+        if msg.token_nonce:
+            submit = unmask_tokens(submit, self.key, msg.token_nonce)
+        consumer = self.stages.get(submit.to_stage) if submit.to_stage is not None else None
+        if submit.stream_to is not None and consumer is not None and consumer.edge_address:
+            # Its current process's, whatever the head last heard (it may have restarted).
+            submit = msgspec.structs.replace(submit, stream_to=consumer.edge_address)
+        return submit
 
     async def _run(self, link: Link, stage_id: int, msg: Submit) -> None:
         rid = msg.request_id
@@ -261,11 +344,12 @@ class HeadlessNode:
             if stage is None:
                 raise StageUnavailableError(f"node {self.name} does not run stage {stage_id}")
 
-            def relay(progress: Progress) -> None:
+            def relay(progress: Progress | Chunk) -> None:
                 with contextlib.suppress(OSError):
                     link.send(progress)
 
-            reply = await stage.submit(msg, on_progress=relay)
+            on_stream = relay if msg.stream_output and msg.stream_to is None else None
+            reply = await stage.submit(msg, on_progress=relay, on_stream=on_stream)
         except StageUnavailableError as exc:
             reply = Unavailable(rid, str(exc))
         except asyncio.CancelledError:

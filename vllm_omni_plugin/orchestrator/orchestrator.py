@@ -130,8 +130,8 @@ class Orchestrator:
         for spec in self.order:
             if spec.stream_output and not self.stages[spec.stage_id].streams:
                 raise ValueError(
-                    f"stage {spec.stage_id} ({spec.name}) streams its output, which only local "
-                    "stages relay so far (not headless nodes or Ray replicas)"
+                    f"stage {spec.stage_id} ({spec.name}) streams its output, which local stages "
+                    "and headless nodes relay (not Ray replicas so far)"
                 )
         starts: dict[int, asyncio.Future] = {}
         for sid, stage in self.stages.items():
@@ -142,7 +142,9 @@ class Orchestrator:
         if not errors:
             topo = self.cfg.topology
             for src, dst in topo.edges:
-                if topo.streams(src, dst) and self.stages[dst].edge_address is None:
+                # A remote stage that has no node yet says where it listens once one registers.
+                dst_stage = self.stages[dst]
+                if topo.streams(src, dst) and dst_stage.ready and dst_stage.edge_address is None:
                     errors.append(
                         ValueError(
                             f"stage {dst} ({topo.stage(dst).name}) reads a streamed edge, but "

@@ -34,7 +34,7 @@ from ..common.link_messages import (
     Unavailable,
     Welcome,
 )
-from ..common.messages import Progress, Pulse, Result
+from ..common.messages import Chunk, Progress, Pulse, Result, StreamWait
 from ..config.stage_init import StageInit
 from .link import Link, accept
 from .node_protocol import (
@@ -327,6 +327,14 @@ class StageHead:
             client = self.clients.get(msg.stage_id)
             if client is not None and client.link is link:
                 client.on_progress(msg)
+        elif isinstance(msg, Chunk):
+            client = self.clients.get(msg.from_stage)
+            if client is not None and client.link is link:
+                client.on_chunk(msg)
+        elif isinstance(msg, StreamWait):
+            client = self.clients.get(msg.stage_id)
+            if client is not None and client.link is link:
+                client.on_stream_wait(msg)
         elif isinstance(msg, (Result, Unavailable)):
             for client in self.clients.values():
                 if client.link is link and client.owns(msg.request_id):
@@ -384,7 +392,22 @@ def head_from_args(cfg: Any, args: Any) -> StageHead | None:
             "--omni-master-port for them to register on"
         )
     local = parse_stage_ids(ids_arg, cfg)
+    refuse_streams_into_head(cfg, local)
     bind = getattr(args, "omni_master_address", None) or DEFAULT_BIND
     head = StageHead(authkey(cfg, bind, "head"), int(port), bind)
     head.local_ids = local
     return head
+
+
+def refuse_streams_into_head(cfg: Any, local: list[int]) -> None:
+    """SystemExit for a streamed edge from a stage on a node into a stage the head runs: the
+    head's stages listen for streamed edges on this host only (a node's stages listen on TCP
+    too), so such a producer could not reach its consumer."""
+    topo = cfg.topology
+    for src, dst in topo.edges:
+        if topo.streams(src, dst) and src not in local and dst in local:
+            raise SystemExit(
+                f"--stage-ids {','.join(map(str, local))}: stage {src} (on a node) streams into "
+                f"stage {dst} (on the head), which takes streamed edges from this host only; "
+                f"run stage {dst} on a node too, or stage {src} on the head"
+            )

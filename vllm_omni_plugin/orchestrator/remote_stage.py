@@ -5,7 +5,10 @@ registered the stage. With no live node the stage is not ready and `submit` rais
 StageUnavailableError at once (HTTP 503); losing the node fails its in-flight requests at once.
 
 The node relays its stages' Progress (streaming requests get their steps from a remote stage
-too) and Pulses. A remote stage holding requests that relays neither for its stall_timeout_s
+too), Pulses and StreamWaits. Streamed edges: a producer elsewhere opens its channel to the
+stage's TCP listener (`edge_address`, from the node's status; the Submit's tokens cross the
+link masked, edge_tokens.py), and a final stage's Chunks come over the link, its Credits go
+back the same way. A remote stage holding requests that relays neither for its stall_timeout_s
 plus STALL_GRACE_S is stuck though its node still heartbeats: the head drops that node's link,
 which fails the requests with 503; the node registers again. The grace leaves the first move
 to the node's own watchdog, which sees the stage directly and restarts it there.
@@ -20,10 +23,11 @@ from typing import Any, Protocol
 
 from ..common.limits import RequestLimits
 from ..common.link_messages import StageStatus, ToStage, Unavailable
-from ..common.messages import Abort, Progress, Result, StageInfo, Submit
+from ..common.messages import Abort, Credit, Progress, Result, StageInfo, StreamWait, Submit
 from ..config.stage_init import StageInit
+from .edge_tokens import has_tokens, mask_tokens
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats, refuse_streams
+from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats
 from .link import Link
 from .pending import PendingRequests, stall_timeout_of
 
@@ -39,6 +43,7 @@ class Head(Protocol):
     this module): its listening port and its event loop."""
 
     port: int
+    authkey: bytes  # the node link's key: masks the edges' tokens
 
     def call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
@@ -61,6 +66,7 @@ class RemoteStageClient:
         self.restarts = 0  # re-registrations after the first
         self.deaths = 0  # nodes lost (EOF or missed heartbeats)
         self._info: StageInfo | None = None
+        self.waiting: set[str] = set()  # requests whose caller holds the window (set_waiting)
 
     # ---- the StageHandle face (handle.py) ------------------------------------------------
     def describe(self) -> StageInfo | None:
@@ -124,14 +130,40 @@ class RemoteStageClient:
         self.head.call_in_loop(self.pending.fail_all, "the server is shutting down")
 
     # ---- requests ----------------------------------------------------------------------
-    streams = False  # the node link does not carry streamed edges yet
-    edge_address = None
+    streams = True
+
+    @property
+    def edge_address(self) -> str | None:
+        """The stage's TCP listener on its node (None: no node, or it takes no streams)."""
+        if self.status is None or not self.ready:
+            return None
+        return self.status.edge_address or None
 
     def send_stream(self, msg: Any) -> None:
-        pass
+        """A Credit for a final stage's chunk, over the link (a lost node fails the request)."""
+        link = self.link
+        if link is not None and isinstance(msg, Credit):
+            with contextlib.suppress(OSError):
+                link.send(ToStage(self.stage_id, msg))
 
     def set_waiting(self, request_id: str, waiting: bool) -> None:
+        """The caller holds the stage's window of chunks (or no longer does): both stall
+        clocks stop, the head's and the node's own."""
         self.pending.set_waiting(request_id, waiting)
+        if waiting == (request_id in self.waiting):
+            return  # the node knows (the caller says so per chunk taken)
+        if waiting:
+            self.waiting.add(request_id)
+        else:
+            self.waiting.discard(request_id)
+        link = self.link
+        if link is not None:
+            with contextlib.suppress(OSError):
+                link.send(ToStage(self.stage_id, StreamWait(request_id, self.stage_id, waiting)))
+
+    def on_stream_wait(self, msg: StreamWait) -> None:
+        """The stage's own report: it waits on a peer stage (or no longer does)."""
+        self.pending.set_waiting(msg.request_id, msg.waiting)
 
     async def submit(
         self,
@@ -139,23 +171,28 @@ class RemoteStageClient:
         on_progress: Callable[[Progress], None] | None = None,
         on_stream: Any = None,
     ) -> Result:
-        refuse_streams(self, msg, on_stream)
         link = self.link
         if not self.ready or link is None:
             raise StageUnavailableError(
                 f"stage {self.stage_id} ({self.kind}) has no live node ({self.state}); "
                 f"start one with `vllm serve ... --headless --stage-ids {self.stage_id}`"
             )
-        wire = ToStage(self.stage_id, msg)
+        if has_tokens(msg):
+            masked, nonce = mask_tokens(msg, self.head.authkey)
+            wire = ToStage(self.stage_id, masked, nonce)
+        else:
+            wire = ToStage(self.stage_id, msg)
         return await self.pending.run(
             msg.request_id,
             lambda: link.send(wire),  # queues for the link's writer thread: never blocks
             self.cancel,
             f"stage {self.stage_id} ({self.kind}): node {link.peer} is unreachable",
             on_progress,
+            on_stream,
         )
 
     def cancel(self, request_id: str) -> None:
+        self.waiting.discard(request_id)
         if self.link is not None:
             with contextlib.suppress(OSError):
                 self.link.send(ToStage(self.stage_id, Abort(request_id)))
@@ -187,6 +224,7 @@ class RemoteStageClient:
         if link is not self.link:
             return  # a link that was already replaced
         self.link = None
+        self.waiting.clear()
         self.deaths += 1
         n = len(self.pending)
         logger.error(
@@ -208,6 +246,9 @@ class RemoteStageClient:
     def on_progress(self, msg: Progress) -> None:
         self.pending.progress(msg)
 
+    def on_chunk(self, msg: Any) -> None:
+        self.pending.stream(msg)
+
     def check_stall(self, now: float) -> None:
         """Drop the node's link when this stage holds requests but relayed no progress for
         stall_timeout_s + STALL_GRACE_S (see the module doc)."""
@@ -225,6 +266,7 @@ class RemoteStageClient:
         link.drop(why)
 
     def on_result(self, msg: Result) -> None:
+        self.waiting.discard(msg.request_id)
         self.pending.resolve(msg)
 
     def on_unavailable(self, msg: Unavailable) -> None:

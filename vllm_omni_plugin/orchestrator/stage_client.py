@@ -81,6 +81,7 @@ class StageClient:
         # to its head).
         self.stalls = 0
         self.on_pulse: Callable[[Pulse], None] | None = None
+        self.on_wait: Callable[[StreamWait], None] | None = None  # its StreamWaits, likewise
         # An AR stage's latest vLLM metrics (EngineMetrics.families), for /metrics.
         self._engine_metrics: list = []
         self._info: StageInfo | None = None
@@ -255,6 +256,12 @@ class StageClient:
         """Where producers open streamed edges to this stage (its current process's)."""
         return self.proc.edge_address if self.proc is not None else None
 
+    @property
+    def edge_tcp_address(self) -> str | None:
+        """Where producers on other nodes open streamed edges to this stage (a stage on a
+        headless node; None: none can)."""
+        return self.proc.edge_tcp_address if self.proc is not None else None
+
     def send_stream(self, msg: Any) -> None:
         """A Credit for a final stage's streamed chunk. A stage that is down drops it: its
         death fails the request anyway."""
@@ -318,6 +325,8 @@ class StageClient:
             self.pending.stream(msg)
         elif isinstance(msg, StreamWait):
             self.pending.set_waiting(msg.request_id, msg.waiting)
+            if self.on_wait is not None:
+                self.on_wait(msg)
 
     def _on_exit(self, proc: StageProcess) -> None:
         self._spawn_task(self._on_death(proc))

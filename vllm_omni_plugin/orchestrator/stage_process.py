@@ -98,6 +98,7 @@ class StageProcess:
         self.conn: MessageChannel | None = None
         self.info: StageInfo | None = None
         self.edge_address: str | None = None  # its Ready's (stages/edge_streams.py)
+        self.edge_tcp_address: str | None = None  # the same, for producers on other nodes
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,6 +231,7 @@ class StageProcess:
         if isinstance(msg, Ready):
             self.info = msg.info
             self.edge_address = msg.edge_address or None
+            self.edge_tcp_address = msg.edge_tcp_address or None
             return True
         return False
 

@@ -24,6 +24,10 @@ consumed is progress) and StreamWait reports.
   producer with a full window, either after losing its peer) tells the orchestrator with a
   StreamWait once the wait lasted WAIT_REPORT_S (short waits, one per chunk, cost nothing),
   and again when it ends: its clock stops meanwhile, as it did when the API server relayed.
+* Across nodes: a stage on a headless node also listens on TCP (its node names the address,
+  EDGE_TCP_HOST_ENV), and the head hands a producer elsewhere that address. The same messages
+  and rules hold; the frames are sealed under a key from the request's token, which the
+  consumer learns from its Submit (a connection that came first is held unread until then).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import socket
 import time
 from collections import deque
@@ -39,6 +44,7 @@ from typing import Any
 
 from ..common.messages import PULSE_INTERVAL_S, StreamWait, Submit
 from ..connectors.edge_channel import (
+    EDGE_TCP_HOST_ENV,
     EdgeChannelError,
     EdgeChunk,
     EdgeClose,
@@ -47,7 +53,11 @@ from ..connectors.edge_channel import (
     EdgeLink,
     EdgeListener,
     EdgeMessage,
+    EdgeNonce,
+    FrameSeal,
     connect,
+    is_tcp,
+    new_nonce,
 )
 from .payloads import from_inline, inline
 
@@ -140,18 +150,36 @@ class DirectOutput:
         self.lost: str | None = None
         self.changed = asyncio.Event()
         self.link: EdgeLink | None = None
+        self.token = msg.stream_token
         assert msg.stream_to is not None and msg.to_stage is not None
         try:
             sock = connect(msg.stream_to)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self.lost = f"stage {msg.to_stage} is unreachable ({exc})"
             return
         self.link = EdgeLink(sock, hub.loop, self._on_message, self._on_lost)
-        self.link.send(
-            EdgeHello(self.request_id, from_stage, msg.to_stage, msg.stream_token, window)
-        )
+        if is_tcp(msg.stream_to):  # the token is the key: it never goes on the wire
+            self.hello = EdgeHello(
+                self.request_id, from_stage, msg.to_stage, "", window, new_nonce()
+            )
+            self.link.send(self.hello)
+            self.link.await_seal()
+        else:
+            self.link.send(
+                EdgeHello(self.request_id, from_stage, msg.to_stage, msg.stream_token, window)
+            )
 
     def _on_message(self, msg: EdgeMessage) -> None:
+        assert self.link is not None
+        if isinstance(msg, EdgeNonce) and self.link.remote and self.link.seal is None:
+            try:
+                self.link.set_seal(FrameSeal(self.token, self.hello, msg.nonce, producer=True))
+            except EdgeChannelError as exc:
+                self._on_lost(str(exc))
+            return
+        if self.link.remote and self.link.seal is None:
+            self._on_lost(f"{type(msg).__name__} before the handshake")
+            return
         if isinstance(msg, EdgeCredit) and msg.seq in self.unacked:
             self.unacked.discard(msg.seq)
             self.hub.pulse()
@@ -234,11 +262,29 @@ class DirectInput:
         self.arrived = asyncio.Event()
         self.link: EdgeLink | None = None
         self.since = time.monotonic()
+        # Over TCP: the connection's EdgeHello and our nonce, until the token seals it.
+        self.hello: EdgeHello | None = None
+        self.nonce = b""
 
-    def attach(self, link: EdgeLink) -> None:
+    def attach(self, link: EdgeLink, hello: EdgeHello | None = None, nonce: bytes = b"") -> None:
         self.link = link
+        self.hello, self.nonce = hello, nonce
         link.on_message = self._on_message
         link.on_lost = self._on_lost
+
+    def seal(self) -> None:
+        """Over TCP, once the token is known: verify the producer's frames from here on and
+        read those held since its EdgeHello."""
+        link = self.link
+        if link is None or not link.remote or link.seal is not None or link.closed:
+            return
+        assert self.hello is not None
+        try:
+            link.set_seal(FrameSeal(self.token, self.hello, self.nonce, producer=False))
+        except EdgeChannelError as exc:
+            self._fail(str(exc))
+            return
+        link.release()
 
     def _on_message(self, msg: EdgeMessage) -> None:
         if not isinstance(msg, EdgeChunk):
@@ -319,12 +365,14 @@ class DirectInput:
 
 
 class EdgeHub:
-    """A stage process's streamed edges to and from other stages: its listener, and the
-    connections that arrived before their request's Submit."""
+    """A stage process's streamed edges to and from other stages: its listeners (local, and
+    TCP on a headless node), and the connections that arrived before their request's Submit."""
 
     def __init__(self, stage: Any, name_hint: str):
         self.stage = stage
         self.listener = EdgeListener(name_hint)
+        tcp_host = os.environ.get(EDGE_TCP_HOST_ENV)
+        self.tcp_listener = EdgeListener(name_hint, tcp_host=tcp_host) if tcp_host else None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start
         self.waits: Waits = None  # type: ignore[assignment]
         self.unclaimed: dict[tuple[str, int], DirectInput] = {}
@@ -333,10 +381,17 @@ class EdgeHub:
     def address(self) -> str:
         return self.listener.address
 
+    @property
+    def tcp_address(self) -> str | None:
+        """Where producers on other nodes connect (None: this stage is not on a node)."""
+        return None if self.tcp_listener is None else self.tcp_listener.address
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.waits = Waits(loop, self._report_wait)
         self.listener.start(loop, self._accepted)
+        if self.tcp_listener is not None:
+            self.tcp_listener.start(loop, self._accepted)
 
     def pulse(self) -> None:
         self.stage.pulse()
@@ -367,26 +422,50 @@ class EdgeHub:
         pending["timer"] = self.loop.call_later(HELLO_TIMEOUT_S, link.close)
 
     def _on_hello(self, link: EdgeLink, hello: EdgeHello) -> None:
+        nonce = b""
+        if link.remote:
+            # Our half of the key, then nothing more is read until the token is known.
+            nonce = new_nonce()
+            try:
+                link.send(EdgeNonce(nonce))
+            except EdgeChannelError:
+                link.close()
+                return
+            link.hold()
         key = (hello.request_id, hello.from_stage)
         inp = self.stage.streams.inputs.get(key)
         if inp is not None:
-            if inp.link is not None or not hmac.compare_digest(inp.token, hello.token):
+            if inp.link is not None or (
+                not link.remote and not hmac.compare_digest(inp.token, hello.token)
+            ):
                 link.close()
                 return
-            inp.attach(link)
+            inp.attach(link, hello, nonce)
+            inp.seal()
             return
         if key in self.unclaimed or len(self.unclaimed) >= MAX_UNCLAIMED:
             link.close()
             return
         window = min(max(hello.window, 1), MAX_UNCLAIMED_WINDOW)  # until its Submit says
         inp = DirectInput(self, hello.request_id, hello.from_stage, window, hello.token)
-        inp.attach(link)
+        inp.attach(link, hello, nonce)
         self.unclaimed[key] = inp
+        if link.remote:  # a connection whose Submit never comes is not kept
+            self.loop.call_later(HELLO_TIMEOUT_S, self._expire, key, inp)
+
+    def _expire(self, key: tuple[str, int], inp: DirectInput) -> None:
+        if self.unclaimed.get(key) is inp:
+            del self.unclaimed[key]
+            inp.close()
 
     def claim(self, request_id: str, from_stage: int, window: int, token: str) -> DirectInput:
-        """The input of a Submit: the connection that came first, if its token matches."""
+        """The input of a Submit: the connection that came first, if its token matches (over
+        TCP: if its frames verify under the token)."""
         inp = self.unclaimed.pop((request_id, from_stage), None)
-        if inp is not None and not hmac.compare_digest(inp.token, token):
+        if inp is not None and inp.link is not None and inp.link.remote:
+            inp.token = token
+            inp.seal()
+        elif inp is not None and not hmac.compare_digest(inp.token, token):
             inp.close()
             inp = None
         if inp is None:
@@ -413,3 +492,5 @@ class EdgeHub:
             inp.close()
         self.unclaimed.clear()
         self.listener.close()
+        if self.tcp_listener is not None:
+            self.tcp_listener.close()

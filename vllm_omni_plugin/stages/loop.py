@@ -82,6 +82,11 @@ class StageLoop(ABC):
         """Where producers open streamed edges to this stage (its Ready says it; empty: none)."""
         return self.streams.address or ""
 
+    def edge_tcp_address(self) -> str:
+        """Where producers on other nodes open streamed edges to this stage (empty: none);
+        asked after `edge_address`, which opens the listeners."""
+        return self.streams.tcp_address or ""
+
     def engine_unfinished(self) -> int | None:
         """The engine's own count of unfinished requests, for Inspection (None: unknown)."""
         return None

@@ -86,6 +86,11 @@ class StageStreams:
         """Where this stage's producers connect (None: it takes no streamed inputs)."""
         return None if self.hub is None else self.hub.address
 
+    @property
+    def tcp_address(self) -> str | None:
+        """Where producers on other nodes connect (None: none can)."""
+        return None if self.hub is None else self.hub.tcp_address
+
     # ---- the loop's dispatch ---------------------------------------------------------------
     def open(self, msg: Submit) -> None:
         window = msg.stream_window or DEFAULT_STREAM_WINDOW

@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Sending Ready is inside the try: if the API server went away while we loaded,
         # this fails and `finally` still stops what the runner started (a vLLM EngineCore).
-        conn.send(Ready(pid=os.getpid(), info=info, edge_address=runner.edge_address()))
+        edge_address = runner.edge_address()
+        ready = Ready(os.getpid(), info, edge_address, runner.edge_tcp_address())
+        conn.send(ready)
         _serving.set()
         runner.serve()
     except (EOFError, OSError):

@@ -1,0 +1,129 @@
+"""Qwen3-Omni speech across two simulated hosts (network namespaces and a veth pair).
+
+The thinker and the API server on the head, the talker and Code2Wav on a headless node
+(stage_configs/qwen3_omni_nodes_tiny.yaml, the tiny checkpoint): the thinker's text ids cross
+the veth over the edge's TCP channel, the codec frames go from talker to Code2Wav on the
+node, the audio chunks come back over the node link. The client runs in the head's
+namespace (ns_client.py).
+
+Checked: the streamed pcm16 answer (greedy) equals, byte for byte, the local pipeline's
+(qwen3_omni_tiny.yaml, every stage on one host); a node killed mid-stream fails its request
+with 503 (an error event of type service_unavailable_error, counted as 503 in /metrics) within
+the heartbeat bound, and speech works again once the node is back.
+
+Over 60 s: three server start-ups of the tiny Qwen3-Omni on a 2-core CPU box (the local
+reference, then head and node, then the node again), each loading a vLLM engine or two.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+
+import cluster
+import pytest
+from cluster import NS_CLIENT, REPO, Proc, free_port, ns_call, ns_wait_healthy
+
+pytestmark = pytest.mark.slow
+
+LOCAL = "stage_configs/qwen3_omni_tiny.yaml"
+NODES = "stage_configs/qwen3_omni_nodes_tiny.yaml"
+THINKER_TOKENS = 8
+# The talker writes up to this many codec frames (the tiny one rarely stops earlier): enough
+# audio that a slow client holds the stream open while the node is killed.
+OVERRIDES = [
+    "--stage-overrides",
+    json.dumps({"1": {"default_sampling_params": {"max_tokens": 192}}}),
+]
+# The head notices a dead node at its link's EOF, at the latest after missed heartbeats (5 s).
+FAIL_WITHIN_S = 5.0 + 5.0
+
+
+@pytest.fixture
+def hosts():
+    with cluster.two_hosts("q", 202) as h:
+        yield h
+
+
+def speech_503s(ns: str, url: str) -> float:
+    text = ns_call(ns, "metrics", url)["text"]
+    for line in text.splitlines():
+        if line.startswith("omni_speech_requests_total{") and 'status="503"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
+    hosts, tiny_models, tmp_path
+):
+    (ns_h, _, addr_h), (ns_n, _, _) = hosts["head"], hosts["node"]
+    model = str(tiny_models("qwen3-omni"))
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_OMNI_AUTHKEY": secrets.token_hex(16),
+        "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own engine sockets stay on each host's loopback
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    http = free_port()
+    url = f"http://127.0.0.1:{http}"  # the head's loopback, inside its namespace
+    serve = ["--host", "127.0.0.1", "--port", str(http), *OVERRIDES]
+
+    # The local pipeline's answer: every stage in the head's namespace.
+    local = Proc([model, "--stage-config", LOCAL, *serve], tmp_path / "local.log", env, ns_h)
+    try:
+        ns_wait_healthy(ns_h, url, [local], timeout=600)
+        reference = ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS))
+    finally:
+        local.stop()
+    assert reference["error"] is None, reference
+    assert reference["audio_deltas"] >= 2 and reference["samples"] > 0
+
+    master = free_port()
+    head_args = [model, "--stage-config", NODES, "--stage-ids", "0", *serve]
+    head_args += ["--omni-master-address", "0.0.0.0", "--omni-master-port", str(master)]
+    node_args = [model, "--stage-config", NODES, "--headless", "--stage-ids", "1,2", *OVERRIDES]
+    node_args += ["--omni-master-address", addr_h, "--omni-master-port", str(master)]
+    head = Proc(head_args, tmp_path / "head.log", env, ns_h)
+    node = Proc(node_args, tmp_path / "node.log", env, ns_n)
+    try:
+        ns_wait_healthy(ns_h, url, [head, node], timeout=600)
+        split = ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS))
+        assert split == reference
+
+        # A node killed while a (slowly read) answer streams.
+        mark = tmp_path / "first-audio"
+        client = subprocess.Popen(
+            ["ip", "netns", "exec", ns_h, sys.executable, str(NS_CLIENT), "speech", url, model]
+            + [str(THINKER_TOKENS), str(mark)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        t0 = time.monotonic()
+        while not mark.exists():
+            assert client.poll() is None, client.communicate()
+            assert time.monotonic() - t0 < 300, "no audio"
+            time.sleep(0.05)
+        before = speech_503s(ns_h, url)
+        killed = time.monotonic()
+        node.kill_all()
+        while speech_503s(ns_h, url) <= before:
+            assert time.monotonic() - killed < FAIL_WITHIN_S, head.log_tail()
+            time.sleep(0.2)
+        out, err = client.communicate(timeout=300)
+        answer = json.loads(out.strip().splitlines()[-1])
+        assert answer["error"] is not None, answer
+        assert answer["error"]["body"]["type"] == "service_unavailable_error", answer
+        assert ns_call(ns_h, "status", f"{url}/health")["status"] == 503
+
+        node = Proc(node_args, tmp_path / "node-2.log", env, ns_n)
+        ns_wait_healthy(ns_h, url, [head, node], timeout=600)
+        assert ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS)) == reference
+    finally:
+        node.stop()
+        head.stop()
