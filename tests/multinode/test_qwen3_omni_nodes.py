@@ -32,11 +32,21 @@ pytestmark = pytest.mark.slow
 LOCAL = "stage_configs/qwen3_omni_tiny.yaml"
 NODES = "stage_configs/qwen3_omni_nodes_tiny.yaml"
 THINKER_TOKENS = 8
-# The talker writes up to this many codec frames (the tiny one rarely stops earlier): enough
-# audio that a slow client holds the stream open while the node is killed.
+# The talker writes exactly this many codec frames, greedily (so that both layouts give the
+# same audio): enough that a slow client holds the stream open while the node is killed.
 OVERRIDES = [
     "--stage-overrides",
-    json.dumps({"1": {"default_sampling_params": {"max_tokens": 192}}}),
+    json.dumps(
+        {
+            "1": {
+                "default_sampling_params": {
+                    "max_tokens": 192,
+                    "min_tokens": 192,
+                    "temperature": 0,
+                }
+            }
+        }
+    ),
 ]
 # The head notices a dead node at its link's EOF, at the latest after missed heartbeats (5 s).
 FAIL_WITHIN_S = 5.0 + 5.0

@@ -44,7 +44,7 @@ FORBIDDEN = (
 )
 # The talker's frame cap raised from 64 to 768 (within its max_model_len), so that the speech
 # request still streams when the signal comes (the test checks it had not ended).
-SPEECH_OVERRIDES = '{"1": {"default_sampling_params": {"max_tokens": 768}}}'
+SPEECH_OVERRIDES = '{"1": {"default_sampling_params": {"max_tokens": 768, "min_tokens": 768}}}'
 
 
 class ProcessTree:
