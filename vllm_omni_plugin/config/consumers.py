@@ -228,6 +228,15 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "max_queued_requests"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "edit_url_hosts"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "max_input_audio_s"): {"pipeline": Code("serving/speech_request.py")},
+    **{
+        ("ServingLimits", f): {"pipeline": Code("serving/media_limits.py")}
+        for f in (
+            "max_media_parts",
+            "max_media_part_bytes",
+            "max_input_video_frames",
+            "max_input_image_pixels",
+        )
+    },
     # PipelineRuntime (top-level `runtime:`)
     ("PipelineRuntime", "backend"): {"pipeline": Code(_RAY)},
     ("PipelineRuntime", "address"): {"pipeline": Code(_RAY)},

@@ -199,4 +199,17 @@ class ServingLimits(Owner):
         return tuple(h.lower() for h in hosts or ())
 
     max_input_audio_s: float = Field(300.0, gt=0)
-    """Longest `input_audio` a chat request may carry, in seconds of audio (longer: a 400)."""
+    """Longest audio part (`input_audio`, or an `audio_url` data URL) a chat request may carry,
+    in seconds of audio (longer: a 400)."""
+    max_media_parts: int = Field(32, ge=0, le=10_000)
+    """Most image, audio and video content parts one chat request may carry, all messages
+    together (more: a 400; 0: text only)."""
+    max_media_part_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    """Largest decoded size, in bytes, of one base64 media part (`input_audio` data or a
+    `data:` URL); checked on the base64 length, before any decoding (larger: a 400)."""
+    max_input_video_frames: int = Field(3600, ge=1)
+    """Most frames one video part (a `video_url` data URL) may hold, read from its container
+    (more: a 400). 3600: two minutes at 30 fps."""
+    max_input_image_pixels: int = Field(7680 * 4320, ge=1)
+    """Most pixels (width x height, read from the image header) one image part may have (more: a
+    400). The default is an 8K frame."""

@@ -5,7 +5,8 @@ chat stage). This module takes that route's place with one that keeps vLLM's req
 (the same request class, the same dependencies) and hands every request without speech to
 vLLM's own handler unchanged; a request that asks for speech (`modalities` with "audio", or an
 `audio` object) goes to the speech service (speech.py), which refuses it with a 400 on a
-deployment that does not speak.
+deployment that does not speak. Before either, the request's image, audio and video parts are
+held to the deploy file's `serving:` bounds (media_limits.py).
 
 No `from __future__ import annotations` here: the route's request annotation is vLLM's class,
 read from vLLM's own route at attach time, and FastAPI must see the class itself.
@@ -46,9 +47,17 @@ def speech_router(core: APIRoute) -> APIRouter:
     router = APIRouter()
 
     async def create_chat_completion(request: request_cls, raw_request: Request):  # type: ignore[valid-type]
+        service = getattr(raw_request.app.state, "omni_speech", None)
+        limits = getattr(raw_request.app.state, "omni_media_limits", None)
+        if limits is not None:
+            try:
+                await limits.check(getattr(request, "messages", None))
+            except APIError as exc:
+                if service is not None and asks_for_speech(request):
+                    service.outcomes[str(exc.status)] += 1
+                return exc.response()
         if not asks_for_speech(request):
             return await vllm_endpoint(request=request, raw_request=raw_request)
-        service = getattr(raw_request.app.state, "omni_speech", None)
         if service is None:
             err = APIError(503, "the speech service is not initialised", code="not_ready")
             return JSONResponse(err.body(), status_code=err.status)

@@ -1,6 +1,7 @@
 """App state for a pipeline with a chat stage: the speech service behind the chat route's
-speech branch (speech.py), and the pipeline's metrics on /metrics. vLLM's own state (chat,
-completions, /v1/models) is built by vLLM's init_app_state (entry_points/patches.py, patch 3)."""
+speech branch (speech.py), the bounds on every chat request's media parts (media_limits.py),
+and the pipeline's metrics on /metrics. vLLM's own state (chat, completions, /v1/models) is
+built by vLLM's init_app_state (entry_points/patches.py, patch 3)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from ..pipelines import get_pipeline
 from .engine_client import OmniEngineClient
+from .media_limits import MediaLimits
 from .metrics import OmniCollector, register
 from .speech import SpeechService
 from .speech_request import checkpoint_voices
@@ -36,6 +38,7 @@ def init_speech_service(client: OmniEngineClient, state: Any, args: argparse.Nam
         healthy=client.orchestrator.healthy,
     )
     state.omni_speech = service
+    state.omni_media_limits = MediaLimits.from_serving(serving)  # the chat route's media bounds
     register(
         OmniCollector(
             client.orchestrator,

@@ -1,0 +1,270 @@
+"""Bounds on the image, audio and video parts of a chat request, checked before vLLM or any
+stage sees the request (text answers and speech answers alike).
+
+Each refusal is an APIError 400 in OpenAI's shape whose `param` is the part's path
+(`messages[0].content[1]`) and whose message names the `serving:` setting:
+
+- more media parts than `serving.max_media_parts` (all messages together);
+- a base64 part (`input_audio` data, a `data:` URL) whose decoded size exceeds
+  `serving.max_media_part_bytes`, told from the base64 length before anything is decoded;
+- an image wider x taller than `serving.max_input_image_pixels` (read from its header only);
+- audio longer than `serving.max_input_audio_s` (decoded, as the length is not in every header);
+- a video with more frames than `serving.max_input_video_frames` (read from its container);
+- a part that is not base64, or not an image / audio / video of the kind its part says.
+
+Remote URLs (http, https, file) are left to vLLM's own media handling, which fetches them with
+its own limits; embedding parts (`image_embeds`, ...) are counted and sized, not decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import APIError, invalid
+from .speech_request import decoded_seconds
+
+# Content part type (or, in vLLM's shorthand without a type, its key) -> media kind.
+PART_KINDS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "image_embeds": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "audio_embeds": "audio",
+    "video_url": "video",
+    "video_embeds": "video",
+}
+_DECODED = ("image_url", "input_image", "input_audio", "audio_url", "video_url")
+_DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    path: str  # messages[i].content[j]
+    part_type: str
+    kind: str  # image / audio / video
+    payload: Any  # the base64 text to decode, or None (remote URL, embeddings, PIL object)
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_media_parts: int
+    max_media_part_bytes: int
+    max_input_image_pixels: int
+    max_input_audio_s: float
+    max_input_video_frames: int
+
+    @classmethod
+    def from_serving(cls, serving: Any) -> MediaLimits:
+        return cls(
+            max_media_parts=int(serving.max_media_parts),
+            max_media_part_bytes=int(serving.max_media_part_bytes),
+            max_input_image_pixels=int(serving.max_input_image_pixels),
+            max_input_audio_s=float(serving.max_input_audio_s),
+            max_input_video_frames=int(serving.max_input_video_frames),
+        )
+
+    async def check(self, messages: Any) -> None:
+        """APIError 400 for the first part out of bounds (see the module docstring). Counting
+        and sizing run here; decoding runs in a worker thread, off the event loop."""
+        parts = self.sized_parts(messages)
+        if any(_decodes(p) for p in parts):
+            await asyncio.to_thread(self.measure, parts)
+
+    def sized_parts(self, messages: Any) -> list[MediaPart]:
+        """The media parts, after the count and byte bounds (no decoding)."""
+        parts = media_parts(messages)
+        if len(parts) > self.max_media_parts:
+            raise invalid(
+                f"{parts[self.max_media_parts].path}: this request carries {len(parts)} image, "
+                f"audio or video parts; this server takes at most {self.max_media_parts} "
+                "(serving.max_media_parts)",
+                parts[self.max_media_parts].path,
+                "too_many_media_parts",
+            )
+        for part in parts:
+            text = part.payload if isinstance(part.payload, str) else None
+            if text is None:
+                continue
+            size = base64_decoded_size(text)
+            if size > self.max_media_part_bytes:
+                raise invalid(
+                    f"{part.path}: this {part.kind} part is {size} bytes decoded; this server "
+                    f"takes at most {self.max_media_part_bytes} bytes per part "
+                    "(serving.max_media_part_bytes)",
+                    part.path,
+                    "media_part_too_large",
+                )
+        return parts
+
+    def measure(self, parts: list[MediaPart]) -> None:
+        """Decode what must be decoded (bounded by the byte check before) and check its size."""
+        for part in parts:
+            if not _decodes(part):
+                continue
+            raw = _b64decode(part)
+            if part.kind == "image":
+                self._check_image(part, raw)
+            elif part.kind == "audio":
+                self._check_audio(part, raw)
+            else:
+                self._check_video(part, raw)
+
+    def _check_image(self, part: MediaPart, raw: bytes) -> None:
+        from PIL import Image
+
+        try:
+            # Opening reads the header only; the pixels are decoded later, by vLLM.
+            with Image.open(io.BytesIO(raw)) as image:
+                width, height = image.size
+            size = f"{width}x{height} = {width * height} pixels"
+            too_large = width * height > self.max_input_image_pixels
+        except Image.DecompressionBombError:  # beyond PIL's own bound, so beyond vLLM's loader
+            size, too_large = "more pixels than PIL opens", True
+        except Exception:
+            raise undecodable(part) from None
+        if too_large:
+            raise invalid(
+                f"{part.path}: the image is {size}; this server takes at most "
+                f"{self.max_input_image_pixels} (serving.max_input_image_pixels)",
+                part.path,
+                "image_too_large",
+            )
+
+    def _check_audio(self, part: MediaPart, raw: bytes) -> None:
+        try:
+            seconds = decoded_seconds(raw)
+        except Exception:
+            raise undecodable(part) from None
+        if seconds > self.max_input_audio_s:
+            raise invalid(
+                f"{part.path}: the audio lasts {seconds:.1f} s; this server takes at most "
+                f"{self.max_input_audio_s:g} s (serving.max_input_audio_s)",
+                part.path,
+                "audio_too_long",
+            )
+
+    def _check_video(self, part: MediaPart, raw: bytes) -> None:
+        try:
+            frames = container_frames(raw)
+        except ImportError:
+            return  # without PyAV the frame count is not knowable here; vLLM's loader bounds it
+        except Exception:
+            raise undecodable(part) from None
+        if frames > self.max_input_video_frames:
+            raise invalid(
+                f"{part.path}: the video holds {frames} frames; this server takes at most "
+                f"{self.max_input_video_frames} (serving.max_input_video_frames)",
+                part.path,
+                "video_too_long",
+            )
+
+
+def undecodable(part: MediaPart) -> APIError:
+    return invalid(
+        f"{part.path}: the {part.part_type} part is not {_ARTICLE[part.kind]} this server can "
+        "decode",
+        part.path,
+        f"invalid_{part.kind}",
+    )
+
+
+_ARTICLE = {"image": "an image", "audio": "audio", "video": "a video"}
+
+
+def media_parts(messages: Any) -> list[MediaPart]:
+    """Every image, audio and video part of the messages, in order."""
+    out = []
+    for i, message in enumerate(messages or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            part_type = part.get("type")
+            if part_type is None:  # vLLM's shorthand: the part's key says its type
+                part_type = next((key for key in PART_KINDS if key in part), None)
+            if part_type not in PART_KINDS:
+                continue
+            path = f"messages[{i}].content[{j}]"
+            out.append(MediaPart(path, part_type, PART_KINDS[part_type], _payload(part, part_type)))
+    return out
+
+
+def _payload(part: dict[str, Any], part_type: str) -> Any:
+    """The base64 text of a part to decode; None when it is fetched or given by other means."""
+    value = part.get(part_type)
+    if part_type == "input_audio":
+        data = value.get("data") if isinstance(value, dict) else None
+        return data if isinstance(data, str) else ""
+    if part_type == "input_image":
+        value = part.get("image_url")
+    if part_type not in _DECODED:
+        # Embeddings: sized as base64 text when they are text, never decoded here.
+        return _Sized(value) if isinstance(value, str) else None
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url[:5].lower() == "data:":
+        return None  # a remote URL: vLLM's media connector fetches it with its own limits
+    return url
+
+
+class _Sized(str):
+    """Base64 text that counts against the byte bound but is not decoded here."""
+
+
+def base64_decoded_size(text: str) -> int:
+    """Bytes the base64 text (or a data URL's) decodes to, from its length alone."""
+    match = _DATA_URL.match(text)
+    body = text[match.end() :] if match else text
+    body = body.rstrip("=\n\r ")
+    return len(body) * 3 // 4
+
+
+def _decodes(part: MediaPart) -> bool:
+    return isinstance(part.payload, str) and not isinstance(part.payload, _Sized)
+
+
+def _b64decode(part: MediaPart) -> bytes:
+    text = part.payload
+    if part.part_type != "input_audio":
+        match = _DATA_URL.match(text)
+        if match is None or "base64" not in match.group(2).lower().split(";"):
+            raise invalid(
+                f"{part.path}: a data URL must be base64 (data:<type>;base64,<data>)",
+                part.path,
+                f"invalid_{part.kind}",
+            )
+        text = text[match.end() :]
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if not raw:
+        raise invalid(
+            f"{part.path}: the {part.part_type} data is not base64",
+            part.path,
+            f"invalid_{part.kind}",
+        )
+    return raw
+
+
+def container_frames(raw: bytes) -> int:
+    """Frames of the first video stream, from the container's header, else by counting its
+    packets (demuxed, not decoded). ImportError without PyAV."""
+    import av
+
+    with av.open(io.BytesIO(raw)) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        stream = container.streams.video[0]
+        if stream.frames:
+            return int(stream.frames)
+        return sum(1 for packet in container.demux(stream) if packet.size)
