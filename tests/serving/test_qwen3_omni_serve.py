@@ -351,3 +351,38 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
     assert f"| time to first audio, c1 (s) | {ttfa} ({ttfa}-{ttfa}, n=2) |" in text, text
     assert "c1 2/2, c4 8/8; 5xx 0; stage restarts 0" in text
     assert "2/10 answers at the frame cap" in text and text.endswith("tail\n")
+
+
+def test_media_parts_past_the_default_bounds_are_openai_400s(omni_speech_server):
+    """The deploy file's media bounds at their defaults (serving.max_media_parts 32,
+    max_media_part_bytes 20 MiB), and an image that does not decode: 400s naming the part and
+    the setting, for text and speech answers alike, before the thinker sees the request."""
+
+    def refused(parts: list[dict], **kw) -> openai.BadRequestError:
+        content = [{"type": "text", "text": "what is this?"}, *parts]
+        with pytest.raises(openai.BadRequestError) as err:
+            client(omni_speech_server).chat.completions.create(
+                model=omni_speech_server.model,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=THINKER_TOKENS,
+                **kw,
+            )
+        assert err.value.body["type"] == "invalid_request_error", err.value.body
+        return err.value
+
+    remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    for kw in ({}, SPEECH):
+        err = refused([remote] * 33, **kw)
+        assert (err.param, err.code) == ("messages[0].content[33]", "too_many_media_parts")
+        assert "serving.max_media_parts" in err.message
+    big = base64.b64encode(bytes(20 * 1024 * 1024 + 3)).decode()
+    err = refused([{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{big}"}}])
+    assert (err.param, err.code) == ("messages[0].content[1]", "media_part_too_large")
+    assert "serving.max_media_part_bytes" in err.message
+    not_png = base64.b64encode(b"not an image" * 10).decode()
+    for kw in ({}, SPEECH):
+        bad = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{not_png}"}}
+        err = refused([bad], **kw)
+        assert (err.param, err.code) == ("messages[0].content[1]", "invalid_image")
+    # The server still answers a good request afterwards.
+    assert chat(omni_speech_server).choices[0].message.content
