@@ -1,20 +1,24 @@
-"""Qwen3-Omni's speech stages: the talker (thinker ids -> codec frames) and Code2Wav (codec
-frames -> 24 kHz waveform), each a batched torch engine behind a streamed edge.
+"""Qwen3-Omni's speech stages: the talker (thinker ids -> codec frames, vLLM's engine running
+the talker model) and Code2Wav (codec frames -> 24 kHz waveform, a batched torch engine), each
+behind a streamed edge.
 
     thinker (vLLM, stage 0) ==int64 ids==> talker (1) ==int64 [G, n] frames==> Code2Wav (2)
                                                               ==float32 samples==> API server
 
-Each stage runs its engine's `step()` in one worker thread (`_drive`: every ready request of the
+The talker stage drives an AsyncLLM: one task per request prefills from the request's own chat
+request (vLLM's EngineCoreRequest, rendered by the API server's chat template), its voice and
+the thinker's first token, streams the rest of the thinker's text into the engine's worker
+(models/qwen3_omni/text_feed.py) and emits the frames as vLLM writes them. It reads the
+thinker's stream to the end even after its own frame cap, so the thinker (and the transcript)
+is never held back.
+
+Code2Wav runs its engine's `step()` in one worker thread (`_drive`: every ready request of the
 stage in one batch per step) while one asyncio task per request feeds the engine what arrives
 on the request's input stream and emits what the engine wrote for it. A request's reader that
 falls behind (its emitted chunks not consumed: the edge's credit window) holds that request in
 the engine (`hold`), so no request buffers more than `_MAX_WAITING` outputs, and the others go on.
-Outputs that queued up meanwhile leave as one chunk (`merge`): under load a request's frames
-and samples cross the edge in fewer, larger chunks; alone, each leaves as soon as it is made.
-
-The talker reads the prompt ids from the request's own chat request (vLLM's EngineCoreRequest,
-rendered by the API server's chat template) and its voice; it reads the thinker's stream to
-the end even after its own frame cap, so the thinker (and the transcript) is never held back.
+Outputs that queued up meanwhile leave as one chunk (`merge`): under load a request's samples
+cross the edge in fewer, larger chunks; alone, each leaves as soon as it is made.
 """
 
 from __future__ import annotations
