@@ -38,23 +38,17 @@ MAX_FRAMES = 24
 def engine(model_dir: Path, dtype: str, eager: bool):
     from vllm import LLM
 
-    from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
     from vllm_omni_plugin.models.qwen3_omni.predictor_probe import PREDICTOR_PROBE
-    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_worker_cls
+    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_engine_args
 
     return LLM(
         model=str(model_dir),
-        hf_overrides=talker_hf_config,
-        worker_cls=talker_worker_cls(),
+        **talker_engine_args(),
         worker_extension_cls=PREDICTOR_PROBE,
-        skip_tokenizer_init=True,
-        enable_prompt_embeds=True,
         enforce_eager=eager,
         dtype=dtype,
         max_model_len=1024,
         max_num_seqs=32,
-        enable_prefix_caching=False,
-        generation_config="vllm",
         gpu_memory_utilization=0.3,
         seed=0,
     )

@@ -192,26 +192,18 @@ def load_prompts(model_dir: Path) -> list[dict]:
 def make_llm(model_dir: Path, device: str, eager: bool, max_num_seqs: int, max_model_len: int):
     from vllm import LLM
 
-    from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
-    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_worker_cls
+    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_engine_args
 
     kwargs = {}
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = 0.9  # the GPU holds nothing else
     return LLM(
         model=str(model_dir),
-        hf_overrides=talker_hf_config,
-        worker_cls=talker_worker_cls(),
-        skip_tokenizer_init=True,
-        enable_prompt_embeds=True,
+        **talker_engine_args(),
         enforce_eager=eager,
         dtype=dtype_name(device),
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        enable_prefix_caching=False,
-        # The talker reads the previous step's codes on the host (talker_runner.py).
-        async_scheduling=False,
-        generation_config="vllm",  # the checkpoint's generation config is the thinker's
         seed=0,
         **kwargs,
     )

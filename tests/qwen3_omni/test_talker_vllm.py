@@ -88,14 +88,11 @@ def references(omni_model, omni_dir):
 def llm(omni_dir):
     from vllm import LLM
 
-    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_worker_cls
+    from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_engine_args
 
     engine = LLM(
         model=str(omni_dir),
-        hf_overrides=talker_hf_config,
-        worker_cls=talker_worker_cls(),
-        skip_tokenizer_init=True,
-        enable_prompt_embeds=True,
+        **talker_engine_args(),
         enforce_eager=True,
         dtype="float32",
         max_model_len=512,
@@ -105,8 +102,6 @@ def llm(omni_dir):
         # one step: vLLM's CPU runner cannot rewind a seeded CPU generator after a chunk.)
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
-        enable_prefix_caching=False,
-        generation_config="vllm",  # the checkpoint's generation config is the thinker's
         seed=0,
     )
     yield engine

@@ -67,8 +67,7 @@ def talker_engine_kwargs(stage: Any, text_endpoint: str) -> dict[str, Any]:
     """vLLM engine arguments of the talker stage: its deploy settings, plus what the talker
     model needs (built from the checkpoint's talker_config, prompts given as embeddings, frames
     out through the talker worker's runner, the thinker's text through the feed)."""
-    from ..families.qwen3_omni import talker_hf_config
-    from ..models.qwen3_omni.talker_runner import talker_worker_cls
+    from ..models.qwen3_omni.talker_runner import talker_engine_args
     from ..models.qwen3_omni.text_feed import ADDITIONAL_CONFIG_KEY
 
     kwargs = stage.engine_kwargs()
@@ -77,16 +76,7 @@ def talker_engine_kwargs(stage: Any, text_endpoint: str) -> dict[str, Any]:
     kwargs.pop("tokenizer", None)
     kwargs.pop("scheduler_cls", None)  # vLLM's own scheduler
     kwargs.update(
-        hf_overrides=talker_hf_config,
-        worker_cls=talker_worker_cls(),
-        skip_tokenizer_init=True,
-        enable_prompt_embeds=True,
-        # The prompt is embeddings: nothing to share between requests' prefixes.
-        enable_prefix_caching=False,
-        # The runner reads each step's sampled codes on the host before the next step.
-        async_scheduling=False,
-        # The checkpoint's generation_config.json is the thinker's.
-        generation_config="vllm",
+        talker_engine_args(),
         max_model_len=talker_lengths(stage)[0],
         additional_config={
             **(kwargs.get("additional_config") or {}),

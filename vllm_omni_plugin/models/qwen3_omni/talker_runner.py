@@ -302,6 +302,26 @@ def __getattr__(name: str):
     return cls
 
 
+def talker_engine_args() -> dict:
+    """The vLLM engine arguments every talker engine has, whatever its deploy settings: the
+    talker built from the whole checkpoint's `talker_config` (hf_overrides), frames out through
+    the talker worker's runner, prompts given as embeddings (so nothing to share between
+    prefixes), synchronous scheduling (the runner reads each step's codes on the host before
+    the next), and vLLM's sampling defaults (the checkpoint's generation config is the
+    thinker's)."""
+    from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
+
+    return {
+        "hf_overrides": talker_hf_config,
+        "worker_cls": talker_worker_cls(),
+        "skip_tokenizer_init": True,
+        "enable_prompt_embeds": True,
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+        "generation_config": "vllm",
+    }
+
+
 def talker_worker_cls() -> str:
     """The dotted name of the talker worker for this machine's platform (vLLM's `worker_cls`)."""
     from vllm.platforms import current_platform
