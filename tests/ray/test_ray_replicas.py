@@ -2,7 +2,8 @@
 `vllm serve` (stage_configs/qwen_image_tiny_ray.yaml), driven by the official openai client.
 
 * 16 concurrent requests all succeed and both replicas, one per node, served some.
-* SIGKILL of one replica's actor process while it holds requests: every request still gets
+* SIGKILL of one replica's actor process while it holds requests (its stage process paused,
+  so they are still in flight): every request still gets
   its image, and the same image the same seed gave before the kill (the lost ones are retried
   on the other replica: a fixed-seed diffusion request is safe to retry); requests sent while
   it is down are served by the other replica; Ray restarts it (a new process on the same node)
@@ -95,12 +96,19 @@ def test_killing_a_replica_loses_no_request(cluster, reference):
     stage_pids = [p.pid for p in psutil.Process(pid).children()]  # its omni-stage-0 process
     assert len(stage_pids) == 1, stage_pids
 
-    watcher = ray.call_async("wait_busy", url, ray.node_ip, "60")
-    load = ray.call_async("generate", url, model, "16", SEED0, STEPS)
-    busy = json.loads(watcher.communicate(timeout=90)[0].strip().splitlines()[-1])
-    assert busy["busy"], "the replica on the second node never held a request"
-    log_at_kill = ray.server_log_size()
-    os.kill(pid, signal.SIGKILL)  # the replica's process, mid-request
+    # The victim's stage process is paused before the load arrives, so the requests routed to
+    # it cannot finish before the kill, however slowly this machine schedules the test (the
+    # stall timeout is minutes; a pause of seconds is far below it).
+    os.kill(stage_pids[0], signal.SIGSTOP)
+    try:
+        watcher = ray.call_async("wait_busy", url, ray.node_ip, "60")
+        load = ray.call_async("generate", url, model, "16", SEED0, STEPS)
+        busy = json.loads(watcher.communicate(timeout=90)[0].strip().splitlines()[-1])
+        assert busy["busy"], "the replica on the second node never held a request"
+        log_at_kill = ray.server_log_size()
+        os.kill(pid, signal.SIGKILL)  # the replica's process, its requests still in flight
+    finally:
+        os.kill(stage_pids[0], signal.SIGCONT)  # it reads EOF on its control socket and exits
     out, err = load.communicate(timeout=300)
     results = json.loads(out.strip().splitlines()[-1])
 
