@@ -234,3 +234,33 @@ def test_talker_step_report_names_the_baseline_and_what_ran(tmp_path):
         f"| slot cache, eager | 1 | 48 | 146.76 | 150.78 | 1.8345 | 0.55 | {committed.name} |"
         in (table)
     )
+
+
+def _block(doc: str, begin: str, end: str) -> str:
+    return doc.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
+    """BENCHMARKS.md's talker-step and speech-parts blocks are the reports of the results files
+    they name (regenerated here and compared as text): no hand-edited figure."""
+    import bench_talker_step
+    import speech_parts_report
+
+    doc = (REPO / "BENCHMARKS.md").read_text()
+    results = REPO / "benchmarks" / "results"
+    step = bench_talker_step.report_table(
+        [
+            results / "talker_step_vllm_h200_2026-12-05.json",
+            results / "talker_step_h200_2026-12-03.json",
+            results / "talker_step_h200_2026-12-03_growth.json",
+        ]
+    )
+    assert _block(doc, bench_talker_step.BEGIN, bench_talker_step.END) == step.strip()
+    parts = speech_parts_report.report(
+        [
+            results / "code2wav_gpu_h200_2026-12-05.json",
+            results / "talker_predictor_gpu_h200_2026-12-05.json",
+        ]
+    )
+    assert "| full_size_random (bfloat16) | 50, 25 | 32 |" in parts
+    assert _block(doc, speech_parts_report.BEGIN, speech_parts_report.END) == parts.strip()
