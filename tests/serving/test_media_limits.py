@@ -9,11 +9,15 @@ import base64
 import io
 import wave
 
+import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI, Request
 from PIL import Image
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from vllm_omni_plugin.config.owners_common import ServingLimits
+from vllm_omni_plugin.serving.chat_routes import CHAT_PATH, attach_chat_routes
 from vllm_omni_plugin.serving.errors import APIError
 from vllm_omni_plugin.serving.media_limits import MediaLimits, base64_decoded_size
 
@@ -182,3 +186,48 @@ def test_bounds_out_of_range_fail_at_load_naming_the_field(field, value):
 
     with pytest.raises(ValidationError, match=field):
         ServingLimits(**{field: value})
+
+
+async def _vllm_shaped_chat_endpoint(request: ChatCompletionRequest, raw_request: Request):
+    """Stands where vLLM's own chat endpoint is: the same request class, the same signature."""
+    raw_request.app.state.seen.append(len(request.messages))
+    return {"messages": len(request.messages)}
+
+
+def test_the_chat_route_reads_at_most_the_largest_legal_body():
+    """The chat route (chat_routes.py) reads its body counted against
+    `MediaLimits.max_body_bytes` before FastAPI parses it: past it a 413 in OpenAI's shape
+    (declared length or chunked), and the handler is never called; within it, the request
+    reaches the route's handler parsed as vLLM's ChatCompletionRequest."""
+    app = FastAPI()
+    seen: list[int] = []
+    app.state.seen = seen
+    app.post(CHAT_PATH)(_vllm_shaped_chat_endpoint)
+    assert attach_chat_routes(app)
+    app.state.omni_media_limits = limits(max_media_parts=2, max_media_part_bytes=3000)
+    limit = app.state.omni_media_limits.max_body_bytes
+    assert limit == 2 * 4000 + (1 << 20)
+
+    async def post(content) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(
+                CHAT_PATH, content=content, headers={"content-type": "application/json"}
+            )
+
+    small = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    ok = asyncio.run(post(small))
+    assert ok.status_code == 200 and ok.json() == {"messages": 1}
+
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * limit + b'"}]}'
+    declared = asyncio.run(post(big))
+    assert declared.status_code == 413, declared.text
+    assert declared.json()["error"]["code"] == "body_too_large"
+
+    async def chunks():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    streamed = asyncio.run(post(chunks()))
+    assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "body_too_large"
+    assert seen == [1]

@@ -6,7 +6,8 @@ chat stage). This module takes that route's place with one that keeps vLLM's req
 vLLM's own handler unchanged; a request that asks for speech (`modalities` with "audio", or an
 `audio` object) goes to the speech service (speech.py), which refuses it with a 400 on a
 deployment that does not speak. Before either, the request's image, audio and video parts are
-held to the deploy file's `serving:` bounds (media_limits.py).
+held to the deploy file's `serving:` bounds (media_limits.py), and before FastAPI parses it the
+body is read with a byte limit derived from them (413 past it: `BoundedBodyRoute`).
 
 No `from __future__ import annotations` here: the route's request annotation is vLLM's class,
 read from vLLM's own route at attach time, and FastAPI must see the class itself.
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
+from .bodies import read_body
 from .errors import APIError
 
 CHAT_PATH = "/v1/chat/completions"
@@ -33,6 +35,40 @@ def take_route(app: Any, path: str, method: str) -> APIRoute | None:
     return None
 
 
+class BoundedBodyRequest(Request):
+    """A request whose body is read once, counted against `limit` as it arrives (bodies.py)."""
+
+    limit: int = 0
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            self._body = await read_body(self, self.limit)
+        return self._body
+
+
+class BoundedBodyRoute(APIRoute):
+    """vLLM's chat route reads the whole JSON body before any check of ours: this route reads
+    it first, at most the largest body the media bounds allow (`MediaLimits.max_body_bytes`), so
+    a body of any size cannot be buffered."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def bounded_handler(request: Request):
+            limits = getattr(request.app.state, "omni_media_limits", None)
+            if limits is None:
+                return await handler(request)
+            bounded = BoundedBodyRequest(request.scope, request.receive)
+            bounded.limit = limits.max_body_bytes
+            try:
+                await bounded.body()
+            except APIError as exc:
+                return exc.response()
+            return await handler(bounded)
+
+        return bounded_handler
+
+
 def asks_for_speech(request: Any) -> bool:
     extra = getattr(request, "model_extra", None) or {}
     modalities = extra.get("modalities")
@@ -43,8 +79,8 @@ def asks_for_speech(request: Any) -> bool:
 def speech_router(core: APIRoute) -> APIRouter:
     """A router whose chat route parses as vLLM's (`core`) and adds the speech branch."""
     vllm_endpoint = core.endpoint
-    request_cls = inspect.signature(vllm_endpoint).parameters["request"].annotation
-    router = APIRouter()
+    request_cls = inspect.signature(vllm_endpoint, eval_str=True).parameters["request"].annotation
+    router = APIRouter(route_class=BoundedBodyRoute)
 
     async def create_chat_completion(request: request_cls, raw_request: Request):  # type: ignore[valid-type]
         service = getattr(raw_request.app.state, "omni_speech", None)

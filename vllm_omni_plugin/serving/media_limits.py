@@ -71,6 +71,15 @@ class MediaLimits:
             max_input_video_frames=int(serving.max_input_video_frames),
         )
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest legal chat body: every media part at its byte bound, base64-encoded
+        (4 bytes per 3), plus MAX_BODY_BYTES of text and JSON around them."""
+        from .validation import MAX_BODY_BYTES
+
+        part = -(-self.max_media_part_bytes // 3) * 4
+        return self.max_media_parts * part + MAX_BODY_BYTES
+
     async def check(self, messages: Any) -> None:
         """APIError 400 for the first part out of bounds (see the module docstring). Counting
         and sizing run here; decoding runs in a worker thread, off the event loop."""
