@@ -79,6 +79,14 @@ class RunnerSettings(msgspec.Struct, tag_field="kind", tag="runner"):
     environ: dict[str, str | None] = {}
 
 
+class EngineSettings(msgspec.Struct, tag_field="kind", tag="engine"):
+    """The settings a stage of a kind with its own engine (the talker, Code2Wav) runs with:
+    its typed deploy settings as its engine took them."""
+
+    settings: PlainSettings
+    environ: dict[str, str | None] = {}
+
+
 class DiffusionSettings(msgspec.Struct, tag_field="kind", tag="diffusion"):
     """The settings a diffusion stage runs with, read back from its live engine."""
 
@@ -99,7 +107,7 @@ class StageInfo(msgspec.Struct, omit_defaults=True):
     """What a ready stage announces (GET /v1/omni/stages shows it as JSON)."""
 
     kind: str  # the topology's stage kind
-    effective: ARSettings | DiffusionSettings | RunnerSettings
+    effective: ARSettings | DiffusionSettings | EngineSettings | RunnerSettings
     pipeline: str | None = None  # an AR stage's topology key
     model: str | None = None  # an AR stage's model
     pipeline_class: str | None = None  # a diffusion stage's diffusers pipeline class
