@@ -148,3 +148,18 @@ def test_a_code2wav_stage_on_the_cpu_asks_ray_for_no_gpu():
     cfg = load_deploy_config(TINY)  # Code2Wav: device: cpu
     assert replica_resources(cfg.stage(2), "cuda") == {"num_cpus": 1, "num_gpus": 0}
     assert replica_resources(cfg.stage(1), "cuda") == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_each_stage_reaches_its_process_with_its_kinds_classes():
+    """A stage process rebuilds its StageConfig from JSON: the talker's sampling defaults
+    (also valid AR defaults) come back as the talker's class, every stage equal."""
+    from vllm_omni_plugin.config.deploy import StageConfig
+    from vllm_omni_plugin.config.owners_talker import TalkerSamplingDefaults
+
+    for stage in load_deploy_config(TINY).stages:
+        back = StageConfig.model_validate_json(stage.model_dump_json())
+        assert back == stage and type(back.sampling) is type(stage.sampling), stage.kind
+    talker = load_deploy_config(TINY).stage(1)
+    assert type(StageConfig.model_validate_json(talker.model_dump_json()).sampling) is (
+        TalkerSamplingDefaults
+    )

@@ -278,8 +278,8 @@ def test_stages_and_metrics_name_each_stage_kind(omni_speech_server):
     assert code2wav["settings"]["first_chunk_frames"] == 4
     text = httpx.get(f"{omni_speech_server.url}/metrics").text
     for sid, kind in ((0, "ar"), (1, "talker"), (2, "code2wav")):
-        labels = f'pipeline="qwen3_omni",stage_id="{sid}",kind="{kind}"'
-        assert f"omni_stage_restarts_total{{{labels}}}" in text, (kind, text)
+        labels = f'kind="{kind}",pipeline="qwen3_omni",stage_id="{sid}"'
+        assert f"omni_stage_up{{{labels}}} 1.0" in text, kind
 
 
 def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speech_server):

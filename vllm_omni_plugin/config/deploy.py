@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_omni_plugin.config.errors import ConfigError, ConfigProblem
 from vllm_omni_plugin.config.owners_ar import ARSamplingDefaults, CacheOwner, SchedulerOwner
@@ -47,6 +47,13 @@ _NOT_ENGINE_ARGS = frozenset(
         "vae_patch_parallel_size",
     }
 )
+
+
+_SAMPLING_OF_KIND: dict[str, type[BaseModel]] = {
+    "ar": ARSamplingDefaults,
+    "diffusion": DiffusionSamplingDefaults,
+    "talker": TalkerSamplingDefaults,
+}
 
 
 class ConnectorSpec(BaseModel):
@@ -105,6 +112,17 @@ class StageConfig(BaseModel):
     """Pipeline-wide request limits (the same object on every stage)."""
     provenance: dict[str, str] = Field(default_factory=dict)
     """Resolved field (dotted for nested values) -> the layer that set it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_of_its_kind(cls, data: Any) -> Any:
+        """Read `sampling` as its kind's class: the talker's defaults are also valid AR
+        defaults, so the union alone would give a stage process the wrong class."""
+        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
+            kind_cls = _SAMPLING_OF_KIND.get(data.get("kind"))
+            if kind_cls is not None:
+                data = {**data, "sampling": kind_cls.model_validate(data["sampling"])}
+        return data
 
     @property
     def devices(self) -> str | None:

@@ -1,7 +1,8 @@
 """Stages that run their own engine (the talker and Code2Wav kinds, whose settings classes list
-what they read, and a third-party loop's StageSpec.settings) read only those keys: any other key a user sets is refused at load, naming it
-and why the engine has no use for it (vLLM and vLLM-Omni files set such keys routinely), so a
-user knows what to drop and what they lose by dropping it."""
+what they read, and a third-party loop's StageSpec.settings) read only those keys: any other
+key a user sets is refused at load, naming it and why the engine has no use for it (vLLM and
+vLLM-Omni files set such keys routinely), so a user knows what to drop and what they lose by
+dropping it."""
 
 from __future__ import annotations
 
