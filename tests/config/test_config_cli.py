@@ -95,11 +95,11 @@ def test_every_shipped_stage_config_validates():
         assert main(["config", "validate", str(path)]) == 0, path.name
 
 
-def test_validate_says_what_a_custom_runner_stage_runs(capsys):
+def test_validate_says_what_a_talker_and_code2wav_stage_read(capsys):
     """The Qwen3-Omni talker (vLLM's engine in its own loop) and Code2Wav (its own engine):
-    `validate` names the loop and the settings it reads, not the plugin's scheduler pair (the
-    talker runs vLLM's own), and no diffusion engine lines (step_cache, lora) under Code2Wav;
-    the thinker keeps its scheduler line."""
+    `validate` names their kinds and the settings they read, not the plugin's scheduler pair
+    (the talker runs vLLM's own), and no diffusion engine lines (step_cache, lora) under
+    Code2Wav; the thinker keeps its scheduler line."""
     assert main(["config", "validate", "stage_configs/qwen3_omni_tiny.yaml"]) == 0
     out = capsys.readouterr().out
     lines = {line.split(" (")[0].strip(): line for line in out.splitlines()}
@@ -108,8 +108,9 @@ def test_validate_says_what_a_custom_runner_stage_runs(capsys):
     )
     assert "OmniARAsyncScheduler async_scheduling=True" in thinker
     assert "Scheduler" not in talker and "async_scheduling" not in talker
-    assert "runs qwen3_omni.talker (its own loop; reads only)" in talker
+    assert "stage 1 talker (talker)" in talker and "reads only: dtype=float32" in talker
     assert "max_num_seqs=4 max_model_len=1024 enforce_eager=True" in talker
     assert "default_sampling_params.max_tokens=64" in talker
-    assert "runs qwen3_omni.code2wav" in code2wav and "device=cpu max_batch_size=4" in code2wav
+    assert "stage 2 code2wav (code2wav)" in code2wav
+    assert "reads only: device=cpu dtype=float32 max_batch_size=4 enforce_eager=False" in code2wav
     assert "step_cache:" not in out and "lora:" not in out

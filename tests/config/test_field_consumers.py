@@ -21,15 +21,30 @@ from vllm_omni_plugin.config.owners_diffusion import (
     LoraOwner,
     StepCacheOwner,
 )
+from vllm_omni_plugin.config.owners_talker import TalkerSamplingDefaults, TalkerSettings
 from vllm_omni_plugin.config.owners_videos import VideoJobs
 from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
-from vllm_omni_plugin.config.stage_keys import AR_OWNERS, DIFFUSION_FIELDS, DIFFUSION_OWNERS
+from vllm_omni_plugin.config.stage_keys import (
+    AR_OWNERS,
+    DIFFUSION_FIELDS,
+    DIFFUSION_OWNERS,
+    OWN_SETTINGS,
+    owners_of,
+    route,
+)
 from vllm_omni_plugin.config.vllm_engine_fields import VLLM_ENGINE_FIELDS
 from vllm_omni_plugin.diffusion.config import OWNER_FIELDS_NOT_IN_ENGINE, DiffusionEngineConfig
 
 PACKAGE = Path(vllm_omni_plugin.__file__).parent
-# glm_image has both kinds: stage 0 is the AR stage, stage 1 the diffusion stage.
-STAGE_OF_KIND = {"ar": 0, "diffusion": 1}
+# glm_image has the ar and diffusion kinds: stage 0 is the AR stage, stage 1 the diffusion
+# stage; qwen3_omni has the talker (stage 1) and Code2Wav (stage 2) kinds.
+STAGE_OF_KIND = {"ar": 0, "diffusion": 1, "talker": 1, "code2wav": 2}
+PIPELINE_OF_KIND = {
+    "ar": "glm_image",
+    "diffusion": "glm_image",
+    "talker": "qwen3_omni",
+    "code2wav": "qwen3_omni",
+}
 
 
 def _all_owners() -> list[type[Owner]]:
@@ -50,6 +65,8 @@ def _kinds(owner: type[Owner], field: str) -> set[str]:
         return {"pipeline"}
     if owner is ARSamplingDefaults:
         return {"ar"}
+    if owner is TalkerSamplingDefaults:
+        return {"talker"}
     # StepCacheOwner: `step_cache:`; LoraOwner: `lora:` (sections of a diffusion stage)
     if owner in (DiffusionSamplingDefaults, StepCacheOwner, LoraOwner):
         return {"diffusion"}
@@ -59,6 +76,10 @@ def _kinds(owner: type[Owner], field: str) -> set[str]:
     name = next((n for n, c in DIFFUSION_OWNERS.items() if c is owner), None)
     if name is not None and DIFFUSION_FIELDS.get(field) == name:
         kinds.add("diffusion")
+    for kind in OWN_SETTINGS:  # only the fields routed to the owner (the rest are refused)
+        name = next((n for n, c in owners_of(kind).items() if c is owner), None)
+        if name is not None and route(field, kind) == name:
+            kinds.add(kind)
     return kinds
 
 
@@ -88,9 +109,12 @@ def test_every_field_has_a_fate(owner, field):
             token = fate.token or field
             assert token in path.read_text(), f"{fate.path} never mentions {token!r}"
         elif isinstance(fate, EngineArg):
-            assert kind == "ar"
+            assert kind in ("ar", "talker")
             assert field in VLLM_ENGINE_FIELDS, f"{field} is not a vLLM engine argument"
-            assert field not in deploy._NOT_ENGINE_ARGS, f"engine_kwargs() drops {field}"
+            if kind == "ar":
+                assert field not in deploy._NOT_ENGINE_ARGS, f"engine_kwargs() drops {field}"
+            else:
+                assert owner is TalkerSettings
         else:
             assert isinstance(fate, (Refused, Warned))
 
@@ -125,8 +149,10 @@ def test_diffusion_owner_reaches_the_engine_config_whole():
 
 
 def _yaml_with(kind: str, field: str, value) -> str:
-    """A glm_image config setting one field on the stage of `kind` (or in `serving:`)."""
-    doc: dict = {"pipeline": "glm_image", "stages": [{"stage_id": 0}, {"stage_id": 1}]}
+    """A config setting one field on the stage of `kind` (or in `serving:`)."""
+    pipeline = PIPELINE_OF_KIND.get(kind, "glm_image")
+    count = 3 if pipeline == "qwen3_omni" else 2
+    doc: dict = {"pipeline": pipeline, "stages": [{"stage_id": i} for i in range(count)]}
     if kind == "pipeline":
         doc["serving"] = {field: value}
         return yaml.safe_dump(doc)

@@ -75,8 +75,10 @@ def test_talker_and_code2wav_enforce_eager_is_read_and_shown():
     cfg = load_deploy_config(
         TINY, stage_overrides='{"1": {"enforce_eager": true}, "2": {"enforce_eager": true}}'
     )
+    assert cfg.stage(1).talker.enforce_eager is True
+    assert cfg.stage(2).code2wav.enforce_eager is True
     for sid in (1, 2):
-        assert cfg.stage(sid).runtime.enforce_eager is True
+        assert cfg.stage(sid).runtime.enforce_eager is None  # each kind's own settings hold it
         assert cfg.stage(sid).provenance["enforce_eager"] == "stage-overrides"
     # read, so not warned about as having no effect (as on other diffusion stages)
     assert not any("enforce_eager" in w for w in cfg.warnings), cfg.warnings

@@ -89,12 +89,13 @@ def test_two_gpu_and_one_gpu_layouts():
     assert (thinker.devices, talker.devices, code2wav.devices) == ("0", "1", "1")
     # the thinker keeps vLLM's GPU defaults: CUDA graphs, async scheduling
     assert thinker.runtime.enforce_eager is None and thinker.scheduler.async_scheduling is True
-    assert thinker.model.dtype == talker.model.dtype == code2wav.diffusion.dtype == "bfloat16"
-    assert thinker.scheduler.max_num_seqs == talker.scheduler.max_num_seqs == 64
-    assert code2wav.diffusion.max_batch_size == 64 and code2wav.diffusion.device == "cuda"
+    assert (thinker.kind, talker.kind, code2wav.kind) == ("ar", "talker", "code2wav")
+    assert thinker.model.dtype == talker.talker.dtype == code2wav.code2wav.dtype == "bfloat16"
+    assert thinker.scheduler.max_num_seqs == talker.talker.max_num_seqs == 64
+    assert code2wav.code2wav.max_batch_size == 64 and code2wav.code2wav.device == "cuda"
     # the talker samples as the checkpoint does (no temperature set), on half of GPU 1
     assert (talker.sampling.temperature, talker.sampling.max_tokens) == (None, 4096)
-    assert talker.cache.gpu_memory_utilization == 0.5
+    assert talker.talker.gpu_memory_utilization == talker.gpu_share == 0.5
     assert thinker.cache.gpu_memory_utilization == 0.9
     assert two.serving.max_input_audio_s == 300
     one = load_deploy_config("qwen3_omni_1gpu", platform="cuda")
@@ -102,10 +103,10 @@ def test_two_gpu_and_one_gpu_layouts():
     # the thinker's share leaves a quarter of the GPU (35 GB of an H200): 12% to the talker's
     # vLLM engine, the rest to Code2Wav's ~0.5 GB of weights and its activations
     assert one.stage(0).cache.gpu_memory_utilization == 0.75
-    assert one.stage(1).cache.gpu_memory_utilization == 0.12
+    assert one.stage(1).talker.gpu_memory_utilization == 0.12
     assert one.stage(2).gpu_share is None
     # the rest is qwen3_omni.yaml's
-    assert one.stage(1).sampling.max_tokens == 4096 and one.stage(2).diffusion.max_batch_size == 64
+    assert one.stage(1).sampling.max_tokens == 4096 and one.stage(2).code2wav.max_batch_size == 64
 
 
 # The keys of vLLM-Omni's talker / Code2Wav stages our stages do not read: refused by name.
@@ -178,9 +179,9 @@ def test_incumbent_file_loads_once_the_refused_keys_are_removed(name, tmp_path):
     assert thinker.cache.gpu_memory_utilization == 0.9
     assert thinker.cache.enable_prefix_caching is False and thinker.model.trust_remote_code
     assert (thinker.sampling.temperature, thinker.sampling.max_tokens) == (0.0, 2048)
-    assert (talker.scheduler.max_num_seqs, talker.sampling.max_tokens) == (64, 4096)
-    assert code2wav.diffusion.max_batch_size == 64  # vLLM-Omni's max_num_seqs of the stage
-    assert code2wav.runtime.enforce_eager is False  # its CUDA graphs, as there
+    assert (talker.talker.max_num_seqs, talker.sampling.max_tokens) == (64, 4096)
+    assert code2wav.code2wav.max_batch_size == 64  # vLLM-Omni's max_num_seqs of the stage
+    assert code2wav.code2wav.enforce_eager is False  # its CUDA graphs, as there
     # input_connectors name vLLM-Omni's SharedMemoryConnector: shared memory on both edges
     assert [(e.from_stage, e.to_stage, e.connector) for e in cfg.edges] == [
         (0, 1, "connector_of_shared_memory"),

@@ -257,6 +257,31 @@ def _live(server) -> list[dict]:
     return [s["live"] for s in r.json()["stages"]]
 
 
+def test_stages_and_metrics_name_each_stage_kind(omni_speech_server):
+    """The talker and Code2Wav are their own kinds in /v1/omni/stages and in /metrics' labels,
+    and each announces the typed settings its engine runs with."""
+    r = httpx.get(
+        f"{omni_speech_server.url}/v1/omni/stages",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    stages = r.json()["stages"]
+    assert [s["kind"] for s in stages] == ["ar", "talker", "code2wav"]
+    assert [s["info"]["kind"] for s in stages] == ["ar", "talker", "code2wav"]
+    talker, code2wav = (stages[i]["info"]["effective"] for i in (1, 2))
+    assert talker["kind"] == code2wav["kind"] == "engine"
+    # qwen3_omni_tiny.yaml's talker, as its vLLM engine took it
+    assert (talker["settings"]["max_num_seqs"], talker["settings"]["max_model_len"]) == (4, 1024)
+    assert talker["settings"]["enforce_eager"] is True and "block_size" in talker["settings"]
+    # the Code2Wav engine's whole config: the deploy file's settings and its fixed chunking
+    assert (code2wav["settings"]["device"], code2wav["settings"]["max_batch_size"]) == ("cpu", 4)
+    assert code2wav["settings"]["dtype"] == "float32"
+    assert code2wav["settings"]["first_chunk_frames"] == 4
+    text = httpx.get(f"{omni_speech_server.url}/metrics").text
+    for sid, kind in ((0, "ar"), (1, "talker"), (2, "code2wav")):
+        labels = f'kind="{kind}",pipeline="qwen3_omni",stage_id="{sid}"'
+        assert f"omni_stage_up{{{labels}}} 1.0" in text, kind
+
+
 def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speech_server):
     stream = chat(
         omni_speech_server,

@@ -79,6 +79,14 @@ class RunnerSettings(msgspec.Struct, tag_field="kind", tag="runner"):
     environ: dict[str, str | None] = {}
 
 
+class EngineSettings(msgspec.Struct, tag_field="kind", tag="engine"):
+    """The settings a stage of a kind with its own engine (the talker, Code2Wav) runs with:
+    its typed deploy settings as its engine took them."""
+
+    settings: PlainSettings
+    environ: dict[str, str | None] = {}
+
+
 class DiffusionSettings(msgspec.Struct, tag_field="kind", tag="diffusion"):
     """The settings a diffusion stage runs with, read back from its live engine."""
 
@@ -99,7 +107,7 @@ class StageInfo(msgspec.Struct, omit_defaults=True):
     """What a ready stage announces (GET /v1/omni/stages shows it as JSON)."""
 
     kind: str  # the topology's stage kind
-    effective: ARSettings | DiffusionSettings | RunnerSettings
+    effective: ARSettings | DiffusionSettings | EngineSettings | RunnerSettings
     pipeline: str | None = None  # an AR stage's topology key
     model: str | None = None  # an AR stage's model
     pipeline_class: str | None = None  # a diffusion stage's diffusers pipeline class
@@ -133,8 +141,9 @@ class Ready(msgspec.Struct, tag=True):
 
 
 # ---- requests ------------------------------------------------------------------------------
-class GenerationParams(msgspec.Struct, frozen=True):
-    """One validated request's generation parameters, as every stage receives them."""
+class GenerationParams(msgspec.Struct, frozen=True, tag="generation"):
+    """One validated request's generation parameters, as the AR and diffusion stages receive
+    them (the talker and Code2Wav receive only their part: `stage_params`)."""
 
     prompt: str
     n: int = 1
@@ -185,9 +194,34 @@ class GenerationParams(msgspec.Struct, frozen=True):
     speech_sampling: dict[str, float | int] = {}
 
 
+class TalkerParams(msgspec.Struct, frozen=True, tag="talker"):
+    """What a talker stage reads of a speech request (GenerationParams' fields of the same
+    names): the chat stage's request, the speaker, the request's frame sampling."""
+
+    chat_request: list[bytes] = []
+    voice: str | None = None
+    speech_sampling: dict[str, float | int] = {}
+
+
+class Code2WavParams(msgspec.Struct, frozen=True, tag="code2wav"):
+    """A Code2Wav stage reads nothing of the request: its frames arrive on its streamed edge."""
+
+
+StageParams = GenerationParams | TalkerParams | Code2WavParams
+
+
+def stage_params(kind: str, params: GenerationParams) -> StageParams:
+    """The part of a request's parameters a stage of `kind` reads (what its Submit carries)."""
+    if kind == "talker":
+        return TalkerParams(params.chat_request, params.voice, params.speech_sampling)
+    if kind == "code2wav":
+        return Code2WavParams()
+    return params
+
+
 class Submit(msgspec.Struct, tag=True):
     request_id: str
-    params: GenerationParams
+    params: StageParams
     # Outputs of upstream stages: stage_id -> connector descriptor (or the inline tensor when
     # no connector is configured for that edge).
     inputs: dict[int, StageOutput] = {}

@@ -74,6 +74,8 @@ def _guarded(func):
 
 @_guarded
 def _validate(args: argparse.Namespace) -> int:
+    from vllm_omni_plugin.config.runner_settings import stage_settings
+
     cfg = _load(args)
     for warning in cfg.warnings[:MAX_LINES]:
         print(f"warning: {warning}", file=sys.stderr)
@@ -82,7 +84,7 @@ def _validate(args: argparse.Namespace) -> int:
     for stage in cfg.stages:
         spec = specs[stage.stage_id]
         extra = ""
-        if spec.runner is not None:
+        if stage_settings(spec) is not None:
             extra = _runner_text(stage, spec)
         elif stage.scheduler is not None:
             extra = f", {stage.scheduler.scheduler_cls.rsplit('.', 1)[-1]} async_scheduling={stage.scheduler.async_scheduling}"
@@ -109,17 +111,21 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _runner_text(stage, spec) -> str:
-    """What a stage with its own runner runs (neither vLLM's engine and scheduler nor the
-    diffusion engine), and the values of the settings it reads."""
+    """What a stage that reads only its own settings runs (a talker or Code2Wav engine, or a
+    third-party loop), and the values of the settings it reads."""
+    from vllm_omni_plugin.config.runner_settings import stage_settings
+
     flat = stage.flat_dict()
     read = []
-    for entry in spec.settings or ():
+    for entry in stage_settings(spec) or ():
         path = entry.partition("=")[0]
         value: Any = flat
         for part in path.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         if value is not None:
             read.append(f"{path}={value}")
+    if spec.runner is None:
+        return f", reads only: {' '.join(read) or '-'}"
     name = spec.runner.rsplit(":", 1)[-1]
     return f", runs {name} (its own loop; reads only): {' '.join(read) or '-'}"
 

@@ -57,9 +57,15 @@ def _both(fate: Fate) -> dict[str, Fate]:
     return {"ar": fate, "diffusion": fate}
 
 
-# (owner class name, field) -> {stage kind ("ar" / "diffusion") or "pipeline": fate}. Kinds a
-# field does not apply to (AR-only fields on a diffusion stage, which loading already warns
-# about as "vLLM engine settings a diffusion stage does not use") are left out.
+def _every(fate: Fate) -> dict[str, Fate]:
+    """Fields every stage process reads, whatever its kind (where it runs, its connectors)."""
+    return {"ar": fate, "diffusion": fate, "talker": fate, "code2wav": fate}
+
+
+# (owner class name, field) -> {stage kind ("ar", "diffusion", "talker", "code2wav") or
+# "pipeline": fate}. Kinds a field does not apply to (AR-only fields on a diffusion stage, which
+# loading already warns about as "vLLM engine settings a diffusion stage does not use"; any
+# field but its own on a talker or Code2Wav stage, which loading refuses naming it) are left out.
 CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     # ModelOwner
     ("ModelOwner", "model"): _both(Code(_STAGE_FILE)),
@@ -95,20 +101,20 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ParallelOwner", "cfg_parallel_size"): _both(Refused(2)),
     ("ParallelOwner", "vae_patch_parallel_size"): _both(Refused(2)),
     # ConnectorOwner
-    ("ConnectorOwner", "input_connectors"): _both(Code(_EDGES)),
-    ("ConnectorOwner", "output_connectors"): _both(Code(_EDGES)),
-    ("ConnectorOwner", "omni_kv_config"): _both(Warned({"need_send_cache": True})),
+    ("ConnectorOwner", "input_connectors"): _every(Code(_EDGES)),
+    ("ConnectorOwner", "output_connectors"): _every(Code(_EDGES)),
+    ("ConnectorOwner", "omni_kv_config"): _every(Warned({"need_send_cache": True})),
     ("ConnectorOwner", "kv_transfer_config"): {"ar": EngineArg()},
     # RuntimeOwner
-    ("RuntimeOwner", "devices"): _both(Code(_ENV)),
-    ("RuntimeOwner", "num_replicas"): _both(
+    ("RuntimeOwner", "devices"): _every(Code(_ENV)),
+    ("RuntimeOwner", "num_replicas"): _every(
         Refused(2, unless=("runtime: {backend: ray}", Code(_RAY)))
     ),
-    ("RuntimeOwner", "env"): _both(Code(_ENV)),
+    ("RuntimeOwner", "env"): _every(Code(_ENV)),
     ("RuntimeOwner", "enforce_eager"): {"ar": EngineArg(), "diffusion": Warned(True)},
     ("RuntimeOwner", "compilation_config"): {"ar": EngineArg()},
     ("RuntimeOwner", "async_chunk"): _both(Warned(True)),
-    ("RuntimeOwner", "stall_timeout_s"): _both(Code("orchestrator/stage_client.py")),
+    ("RuntimeOwner", "stall_timeout_s"): _every(Code("orchestrator/stage_client.py")),
     # CacheOwner, SchedulerOwner: vLLM's own engine settings
     **{
         ("CacheOwner", f): {"ar": EngineArg()}
@@ -151,6 +157,36 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "include_stop_str_in_output",
             "extra",
         )
+    },
+    # TalkerSettings: the talker's vLLM engine arguments (StageConfig.engine_kwargs)
+    **{
+        ("TalkerSettings", f): {"talker": EngineArg()}
+        for f in (
+            "dtype",
+            "seed",
+            "max_num_seqs",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "enable_chunked_prefill",
+            "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "block_size",
+            "enforce_eager",
+            "compilation_config",
+            "max_cudagraph_capture_size",
+            "cudagraph_capture_sizes",
+        )
+    },
+    # TalkerSamplingDefaults: each frame's sampling (the frame cap bounds the talker's lengths)
+    **{
+        ("TalkerSamplingDefaults", f): {"talker": Code("stages/qwen3_omni.py")}
+        for f in ("min_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+    },
+    ("TalkerSamplingDefaults", "max_tokens"): {"talker": Code("pipelines/qwen3_omni.py")},
+    # Code2WavSettings: the Code2Wav engine's config, built by its stage
+    **{
+        ("Code2WavSettings", f): {"code2wav": Code("stages/qwen3_omni.py")}
+        for f in ("device", "dtype", "max_batch_size", "enforce_eager")
     },
     # The memory budget is planned in its own module (requests are admitted against it).
     **{

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_omni_plugin.config.errors import ConfigError, ConfigProblem
 from vllm_omni_plugin.config.owners_ar import ARSamplingDefaults, CacheOwner, SchedulerOwner
+from vllm_omni_plugin.config.owners_code2wav import Code2WavSettings
 from vllm_omni_plugin.config.owners_common import (
     ConnectorOwner,
     LoadOwner,
@@ -17,9 +18,10 @@ from vllm_omni_plugin.config.owners_common import (
     ServingLimits,
 )
 from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner, DiffusionSamplingDefaults
+from vllm_omni_plugin.config.owners_talker import TalkerSamplingDefaults, TalkerSettings
 from vllm_omni_plugin.config.owners_videos import VideoJobs
 from vllm_omni_plugin.config.pipeline_runtime import PipelineRuntime
-from vllm_omni_plugin.pipelines.topology import PipelineTopology
+from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageKind
 
 _FROZEN = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
@@ -47,6 +49,13 @@ _NOT_ENGINE_ARGS = frozenset(
 )
 
 
+_SAMPLING_OF_KIND: dict[str, type[BaseModel]] = {
+    "ar": ARSamplingDefaults,
+    "diffusion": DiffusionSamplingDefaults,
+    "talker": TalkerSamplingDefaults,
+}
+
+
 class ConnectorSpec(BaseModel):
     """A named stage-to-stage transport."""
 
@@ -71,7 +80,7 @@ class StageConfig(BaseModel):
     model_config = _FROZEN
     stage_id: int
     name: str
-    kind: Literal["ar", "diffusion"]
+    kind: StageKind
     inputs: list[int]
     emits: str
     final_output: bool
@@ -81,21 +90,39 @@ class StageConfig(BaseModel):
     """Resolved tokenizer of an AR stage (None: the model's own)."""
     pipeline_model_path: str | None
     """The pipeline's root model (the `vllm serve` MODEL, else the YAML's `model`)."""
-    model: ModelOwner
-    load: LoadOwner
-    parallel: ParallelOwner
     connector: ConnectorOwner
     runtime: RuntimeOwner
-    sampling: ARSamplingDefaults | DiffusionSamplingDefaults
+    model: ModelOwner | None = None
+    """Which weights and tokenizer (AR and diffusion stages; the talker's and Code2Wav's come
+    from the topology)."""
+    load: LoadOwner | None = None
+    parallel: ParallelOwner | None = None
+    sampling: ARSamplingDefaults | DiffusionSamplingDefaults | TalkerSamplingDefaults | None = None
+    """The stage's request defaults (None: a kind that samples nothing, Code2Wav)."""
     cache: CacheOwner | None = None
     scheduler: SchedulerOwner | None = None
     diffusion: DiffusionOwner | None = None
+    talker: TalkerSettings | None = None
+    """A talker stage's engine settings (all it reads besides where it runs)."""
+    code2wav: Code2WavSettings | None = None
+    """A Code2Wav stage's settings (all it reads besides where it runs)."""
     engine_extras: dict[str, Any] = Field(default_factory=dict)
     """Other vLLM engine arguments set for an AR stage, passed through."""
     serving: ServingLimits = Field(default_factory=ServingLimits)
     """Pipeline-wide request limits (the same object on every stage)."""
     provenance: dict[str, str] = Field(default_factory=dict)
     """Resolved field (dotted for nested values) -> the layer that set it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_of_its_kind(cls, data: Any) -> Any:
+        """Read `sampling` as its kind's class: the talker's defaults are also valid AR
+        defaults, so the union alone would give a stage process the wrong class."""
+        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
+            kind_cls = _SAMPLING_OF_KIND.get(data.get("kind"))
+            if kind_cls is not None:
+                data = {**data, "sampling": kind_cls.model_validate(data["sampling"])}
+        return data
 
     @property
     def devices(self) -> str | None:
@@ -110,7 +137,9 @@ class StageConfig(BaseModel):
     def gpu_share(self) -> float | None:
         """The fraction of its GPU the stage asks for: `gpu_memory_utilization` (vLLM's budget,
         the diffusion engine's allocator cap); None where unset."""
-        owner = self.cache if self.kind == "ar" else self.diffusion
+        owner = {"ar": self.cache, "diffusion": self.diffusion, "talker": self.talker}.get(
+            self.kind
+        )
         return owner.gpu_memory_utilization if owner is not None else None
 
     @property
@@ -118,6 +147,8 @@ class StageConfig(BaseModel):
         """A vLLM engine measures the GPU's free memory while it starts, unless
         `kv_cache_memory_bytes` fixes its KV cache (then the share is only checked against the
         free memory, once)."""
+        if self.kind == "talker":
+            return self.talker is None or self.talker.kv_cache_memory_bytes is None
         return self.kind == "ar" and (
             self.cache is None or self.cache.kv_cache_memory_bytes is None
         )
@@ -140,16 +171,22 @@ class StageConfig(BaseModel):
             "connector",
             "runtime",
             "diffusion",
+            "talker",
+            "code2wav",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `vllm.AsyncEngineArgs(**kw)` / `vllm.LLM(**kw)` (AR stages).
+        """Keyword arguments for `vllm.AsyncEngineArgs(**kw)` / `vllm.LLM(**kw)` (AR and talker
+        stages).
 
-        Only values that are set, plus the resolved model, tokenizer and scheduler pair.
+        Only values that are set, plus the resolved model, tokenizer and scheduler pair (an AR
+        stage's; the talker's engine adds what its model needs, stages/qwen3_omni.py).
         """
+        if self.kind == "talker" and self.talker is not None:
+            return {**self.talker.engine_kwargs(), "model": self.model_path}
         if self.kind != "ar":
-            raise TypeError(f"stage {self.stage_id} is a diffusion stage; it has no vLLM engine")
+            raise TypeError(f"stage {self.stage_id} is a {self.kind} stage; it has no vLLM engine")
         kwargs: dict[str, Any] = {}
         for owner in self.owners().values():
             for key, value in owner.model_dump().items():
@@ -182,7 +219,7 @@ class StageConfig(BaseModel):
         for owner in self.owners().values():
             out.update(owner.model_dump())
         out.update(self.engine_extras)
-        sampling = self.sampling.model_dump(exclude_none=True)
+        sampling = self.sampling.model_dump(exclude_none=True) if self.sampling else {}
         if not sampling.get("extra"):
             sampling.pop("extra", None)
         out["default_sampling_params"] = sampling

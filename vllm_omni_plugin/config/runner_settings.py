@@ -1,14 +1,15 @@
-"""Stages that run their own engine (StageSpec.settings: not vLLM's engine, not the diffusion
-engine) read only the keys they list: any other key a user sets is refused at load, naming it
-and why the engine has no use for it (vLLM and vLLM-Omni files set such keys routinely), so a
-user knows what to drop and what they lose by dropping it."""
+"""Stages that run their own engine (the talker and Code2Wav kinds, whose settings classes list
+what they read, and a third-party loop's StageSpec.settings) read only those keys: any other
+key a user sets is refused at load, naming it and why the engine has no use for it (vLLM and
+vLLM-Omni files set such keys routinely), so a user knows what to drop and what they lose by
+dropping it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vllm_omni_plugin.config.errors import ProblemSink
-from vllm_omni_plugin.config.stage_keys import route
+from vllm_omni_plugin.config.stage_keys import OWN_SETTINGS, route, settings_read
 from vllm_omni_plugin.pipelines import StageSpec
 
 _NO_SHARE = "it reserves no share of the GPU's memory: it allocates what its weights and batch need"
@@ -52,8 +53,7 @@ BY_KEY = {
     "max_model_len": "it has no vLLM context limit",
 }
 
-# An AR-kind stage with its own loop runs vLLM's engine on a model of ours (Qwen3-Omni's
-# talker): the vLLM keys it refuses, and why.
+# The talker runs vLLM's engine on a model of ours: the vLLM keys it refuses, and why.
 BY_KEY_VLLM_RUNNER = {
     "enable_prefix_caching": "its prompt is embeddings: there is no prefix to share",
     "async_scheduling": (
@@ -67,11 +67,11 @@ BY_KEY_VLLM_RUNNER = {
 
 # Sampling, by the stage's kind.
 SAMPLING = {
-    "ar": (
+    "talker": (
         "it samples with temperature, top_k, top_p, repetition_penalty, seed and min_tokens "
         "only (a frame's other code groups follow the checkpoint's code-predictor settings)"
     ),
-    "diffusion": "it decodes every frame it is given: it samples nothing and caps nothing",
+    "code2wav": "it decodes every frame it is given: it samples nothing and caps nothing",
 }
 
 
@@ -80,7 +80,7 @@ def why_unread(path: str, kind: str) -> str:
     if path.startswith("default_sampling_params"):
         return SAMPLING.get(kind, "it takes no sampling defaults")
     top = path.split(".")[0]
-    if kind == "ar":
+    if kind in ("talker", "ar"):
         return BY_KEY_VLLM_RUNNER.get(top, "it has no use for it")
     return BY_KEY.get(top, "it has no such setting")
 
@@ -97,17 +97,20 @@ _EVERY_RUNNER_OWNERS = ("connector", "topology")
 def check_runner_settings(
     spec: StageSpec, data: dict[str, Any], prov: dict[str, str], sink: ProblemSink
 ) -> None:
-    """A stage whose runner is not its kind's engine (StageSpec.settings) reads only the keys
-    it lists: any other key a user set is refused, naming it; "key=value" entries also fix the
-    value."""
-    if spec.settings is None:
+    """A stage of a kind with its own settings, or whose runner is not its kind's engine
+    (StageSpec.settings), reads only those keys: any other key a user set is refused, naming
+    it; "key=value" entries also fix the value."""
+    settings = stage_settings(spec)
+    if settings is None:
         return
-    allowed = dict(entry.partition("=")[::2] for entry in spec.settings)
+    allowed = dict(entry.partition("=")[::2] for entry in settings)
     for path, layer in sorted(prov.items()):
         if layer.split(":")[0].split("+")[0] not in _USER_LAYERS:
             continue
         top = path.split(".")[0]
-        if top in _EVERY_RUNNER_KEYS or route(top, spec.kind) in _EVERY_RUNNER_OWNERS:
+        if top == "kind":  # checked against the topology (stage_build.py)
+            continue
+        if top in _EVERY_RUNNER_KEYS or route(top, spec.kind) in (*_EVERY_RUNNER_OWNERS, "unknown"):
             continue
         value: Any = data
         for part in path.split("."):
@@ -119,7 +122,7 @@ def check_runner_settings(
                 spec.stage_id,
                 path,
                 f"stage {spec.stage_id} ({spec.name}) does not read it: "
-                f"{why_unread(path, spec.kind)}. It reads only {', '.join(spec.settings)} (and "
+                f"{why_unread(path, spec.kind)}. It reads only {', '.join(settings)} (and "
                 f"{', '.join(_EVERY_RUNNER_KEYS)}, connectors); remove it",
                 unread=True,
             )
@@ -133,6 +136,13 @@ def check_runner_settings(
                 f"here: {why_unread(path, spec.kind)}",
                 unread=True,
             )
+
+
+def stage_settings(spec: StageSpec) -> tuple[str, ...] | None:
+    """The keys a stage reads when not every key of its kind (None: every key)."""
+    if spec.settings is not None:
+        return spec.settings
+    return settings_read(spec.kind) if spec.kind in OWN_SETTINGS else None
 
 
 def _same_number(value: Any, text: str) -> bool:

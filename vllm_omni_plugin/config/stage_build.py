@@ -15,14 +15,20 @@ from vllm_omni_plugin.config.owners_ar import (
     VLLM_SAMPLING_EXTRA,
     ARSamplingDefaults,
 )
-from vllm_omni_plugin.config.owners_common import Owner, ServingLimits
+from vllm_omni_plugin.config.owners_common import ModelOwner, Owner, ServingLimits
 from vllm_omni_plugin.config.owners_diffusion import DiffusionSamplingDefaults
 from vllm_omni_plugin.config.provenance import Layered
-from vllm_omni_plugin.config.runner_settings import check_runner_settings
+from vllm_omni_plugin.config.runner_settings import (
+    check_runner_settings,
+    stage_settings,
+    why_unread,
+)
 from vllm_omni_plugin.config.scheduler import SchedulerPairError, resolve_scheduler
 from vllm_omni_plugin.config.stage_keys import (
-    AR_OWNERS,
-    DIFFUSION_OWNERS,
+    KIND_ALIASES,
+    OWN_SAMPLING,
+    OWN_SETTINGS,
+    owners_of,
     route,
     unknown_key_message,
 )
@@ -44,15 +50,23 @@ def build_stage(
 ) -> StageConfig | None:
     sid, kind = spec.stage_id, spec.kind
     data, prov = layered.data, layered.provenance
-    owners_cls = AR_OWNERS if kind == "ar" else DIFFUSION_OWNERS
+    owners_cls = owners_of(kind)
+    aliases = KIND_ALIASES.get(kind, {})
     buckets: dict[str, dict[str, Any]] = {name: {} for name in owners_cls}
     extras: dict[str, Any] = {}
-    ignored_topology, ignored_vllm = [], []
+    ignored_topology, ignored_vllm, unread = [], [], []
     before = len(sink.problems)
     for key, value in data.items():
         where = route(key, kind)
         if where in buckets:
+            if key in aliases:  # the key of its own name wins over vLLM-Omni's
+                if aliases[key] not in data:
+                    buckets[where][aliases[key]] = value
+                    prov[aliases[key]] = prov.pop(key, "yaml")
+                continue
             buckets[where][key] = value
+        elif where == "unread":
+            unread.append(key)
         elif where == "vllm-extra":
             if _coarse_ok(VLLM_ENGINE_FIELDS[key], value):
                 extras[key] = value
@@ -64,9 +78,12 @@ def build_stage(
             ignored_vllm.append(key)
         elif where == "unknown":
             sink.add(sid, key, unknown_key_message(key, kind))
-    _check_topology_keys(spec, data, sink)
+    _check_topology_keys(spec, topo, data, sink)
     check_runner_settings(spec, data, prov, sink)
-    if spec.settings is not None and len(sink.problems) > before:
+    named = {p.field.split(".")[0] for p in sink.problems[before:]}
+    for key in sorted(set(unread) - named):  # set by a layer no user writes
+        sink.add(sid, key, f"stage {sid} ({spec.name}) does not read it: {why_unread(key, kind)}")
+    if stage_settings(spec) is not None and len(sink.problems) > before:
         return None  # the refusals name each key; the owners would only repeat them
     if topo.chat_stage == sid:
         _check_chat_defaults(spec, data, sink)
@@ -101,16 +118,23 @@ def build_stage(
         if "size_granularity" not in diff:
             diff["size_granularity"] = topo.size_granularity
             prov["size_granularity"] = "topology"
-    elif "max_batch_size" in data:  # legacy runtime.max_batch_size of an AR stage
+    elif kind == "ar" and "max_batch_size" in data:  # legacy runtime.max_batch_size
         buckets["scheduler"].setdefault("max_num_seqs", data["max_batch_size"])
         prov.setdefault("max_num_seqs", prov.pop("max_batch_size", "yaml"))
 
     owners = {name: _build(cls, buckets[name], sid, sink) for name, cls in owners_cls.items()}
     sampling = _build_sampling(kind, data.get("default_sampling_params"), sid, sink)
-    if len(sink.problems) > before or any(o is None for o in owners.values()) or sampling is None:
+    samples = OWN_SAMPLING.get(kind, True) is not None
+    if (
+        len(sink.problems) > before
+        or any(o is None for o in owners.values())
+        or (sampling is None and samples)
+    ):
         return None
 
-    if kind == "ar":
+    if kind in OWN_SETTINGS:
+        _check_talker(owners.get("talker"), sampling, sid, sink)
+    elif kind == "ar":
         owners["scheduler"] = _pair_scheduler(owners["scheduler"], prov, sid, sink)
         if owners["scheduler"] is None:
             return None
@@ -118,11 +142,13 @@ def build_stage(
     else:
         _check_diffusion(owners["diffusion"], sampling, sid, sink)
         _check_diffusion_ranks(owners["diffusion"], owners["runtime"], sid, sink)
-    _check_without_effect(owners, kind, sid, sink, warnings, spec.settings or ())
+    _check_without_effect(owners, kind, sid, sink, warnings, stage_settings(spec) or ())
     if len(sink.problems) > before:
         return None
 
-    model_path, tokenizer_path = _model_paths(spec, owners["model"], pipeline_model)
+    model_path, tokenizer_path = _model_paths(
+        spec, owners.get("model") or ModelOwner(), pipeline_model
+    )
     prov["model_path"] = prov.get("model", "topology" if pipeline_model else "default")
     diffusion = owners.get("diffusion")
     if diffusion is not None and diffusion.pipeline_class is None and model_path:
@@ -145,15 +171,17 @@ def build_stage(
         model_path=model_path,
         tokenizer_path=tokenizer_path,
         pipeline_model_path=pipeline_model,
-        model=owners["model"],
-        load=owners["load"],
-        parallel=owners["parallel"],
+        model=owners.get("model"),
+        load=owners.get("load"),
+        parallel=owners.get("parallel"),
         connector=owners["connector"],
         runtime=owners["runtime"],
         sampling=sampling,
         cache=owners.get("cache"),
         scheduler=owners.get("scheduler"),
         diffusion=diffusion,
+        talker=owners.get("talker"),
+        code2wav=owners.get("code2wav"),
         engine_extras=extras,
         serving=serving,
         provenance=dict(prov),
@@ -189,7 +217,12 @@ def _report(exc: ValidationError, sid: int, sink: ProblemSink, prefix: str, fiel
 
 
 def _build_sampling(kind: str, raw: Any, sid: int, sink: ProblemSink) -> Any:
-    cls = ARSamplingDefaults if kind == "ar" else DiffusionSamplingDefaults
+    if kind in OWN_SAMPLING:
+        cls = OWN_SAMPLING[kind]
+        if cls is None:
+            return None  # any default_sampling_params key was refused as unread
+    else:
+        cls = ARSamplingDefaults if kind == "ar" else DiffusionSamplingDefaults
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -211,17 +244,42 @@ def _build_sampling(kind: str, raw: Any, sid: int, sink: ProblemSink) -> Any:
         return None
 
 
-def _check_topology_keys(spec: StageSpec, data: dict[str, Any], sink: ProblemSink) -> None:
+# vLLM-Omni's stage_type of each kind (it runs the talker and Code2Wav as "llm" stages).
+_STAGE_TYPES = {
+    "ar": ("llm",),
+    "diffusion": ("diffusion",),
+    "talker": ("llm",),
+    "code2wav": ("llm", "diffusion"),
+}
+_KIND_WORDS = {
+    "ar": "an AR (llm)",
+    "diffusion": "a diffusion",
+    "talker": "a talker",
+    "code2wav": "a code2wav",
+}
+
+
+def _check_topology_keys(
+    spec: StageSpec, topo: PipelineTopology, data: dict[str, Any], sink: ProblemSink
+) -> None:
     """Topology-owned keys are ignored, unless they contradict the frozen topology."""
+    kind = data.get("kind")
+    if kind is not None and kind != spec.kind:
+        sink.add(
+            spec.stage_id,
+            "kind",
+            f"is {kind!r} but stage {spec.stage_id} ({spec.name}) of pipeline {topo.key!r} "
+            f"is of kind {spec.kind!r}",
+        )
     stage_type = data.get("stage_type")
     if stage_type is not None:
-        expected = "llm" if spec.kind == "ar" else "diffusion"
-        if stage_type not in (expected, spec.kind):
+        expected = _STAGE_TYPES[spec.kind]
+        if stage_type not in (*expected, spec.kind):
             sink.add(
                 spec.stage_id,
                 "stage_type",
                 f"is {stage_type!r} but this pipeline's stage {spec.stage_id} ({spec.name}) is "
-                f"{'an AR (llm)' if spec.kind == 'ar' else 'a diffusion'} stage",
+                f"{_KIND_WORDS[spec.kind]} stage",
             )
     if data.get("final_output") not in (None, spec.final_output):
         sink.add(
@@ -262,6 +320,17 @@ def _pair_scheduler(owner: Any, prov: dict[str, str], sid: int, sink: ProblemSin
         prov["async_scheduling"] = "derived:scheduler_cls"
     # The pair is always written explicitly: downstream never re-derives it.
     return owner.model_copy(update={"scheduler_cls": cls, "async_scheduling": is_async})
+
+
+def _check_talker(talker: Any, sampling: Any, sid: int, sink: ProblemSink) -> None:
+    if talker is None or sampling is None:
+        return
+    if talker.max_model_len and sampling.max_tokens and sampling.max_tokens > talker.max_model_len:
+        sink.add(
+            sid,
+            "default_sampling_params.max_tokens",
+            f"{sampling.max_tokens} exceeds max_model_len {talker.max_model_len}",
+        )
 
 
 def _check_ar(owners: dict[str, Any], sampling: Any, sid: int, sink: ProblemSink) -> None:
@@ -329,7 +398,7 @@ def _check_without_effect(
     for owner_name, name in ((o, n) for table in warned for o, ns in table.items() for n in ns):
         owner = owners.get(owner_name)
         if owner is not None and name in owner.model_fields_set and name not in read:
-            what = "an AR" if kind == "ar" else "a diffusion"
+            what = "an AR" if kind == "ar" else f"a {kind}"
             warnings.append(
                 f"stage {sid}: {name} has no effect on {what} stage of this plugin "
                 "(accepted for vLLM-Omni files); remove it"
@@ -431,7 +500,7 @@ def _fill_default_provenance(owners: dict[str, Any], sampling: Any, prov: dict[s
         for key in type(owner).model_fields:
             if not any(k == key or k.startswith(key + ".") for k in prov):
                 prov[key] = "default"
-    for key, value in sampling.model_dump().items():
+    for key, value in (sampling.model_dump() if sampling is not None else {}).items():
         path = f"default_sampling_params.{key}"
         if value is not None and not any(k == path or k.startswith(path + ".") for k in prov):
             prov[path] = "default"

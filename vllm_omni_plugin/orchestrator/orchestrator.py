@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.limits import RequestLimits
-from ..common.messages import Progress, StageInfo, Submit
+from ..common.messages import Progress, StageInfo, Submit, stage_params
 from ..config.stage_init import StageInit
 from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError
@@ -241,7 +241,7 @@ class Orchestrator:
                 to_stage = consumers[0] if consumers else None
                 msg = Submit(
                     request_id=request_id,
-                    params=params,
+                    params=stage_params(spec.kind, params),
                     inputs={i: outputs.pop(i) for i in spec.inputs if i in outputs},
                     out_connector=self._edge_connector.get((sid, to_stage))
                     if to_stage is not None

@@ -51,8 +51,9 @@ def uses_ray(cfg: Any) -> bool:
 
 def replica_resources(stage: Any, platform: str) -> dict[str, float]:
     """What one replica of `stage` asks Ray for."""
-    diffusion = getattr(stage, "diffusion", None)
-    on_cpu = platform == "cpu" or (diffusion is not None and diffusion.device == "cpu")
+    # The stage kinds that name their torch device: diffusion and Code2Wav.
+    engine = getattr(stage, "diffusion", None) or getattr(stage, "code2wav", None)
+    on_cpu = platform == "cpu" or (engine is not None and engine.device == "cpu")
     gpus = 0 if on_cpu else (stage.runtime.device_count or 1)
     return {"num_cpus": 1, "num_gpus": gpus}
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..common.messages import Chunk, Credit, Progress, Result, Submit
+from ..common.messages import Chunk, Credit, Progress, Result, Submit, stage_params
 from .connector_stats import absorb as absorb_connector_stats
 from .errors import StageRequestError, StageUnavailableError
 from .handle import StageHandle
@@ -174,7 +174,7 @@ class StreamedRun:
                 raise StageUnavailableError(f"stage {to_stage} is not ready")
         msg = Submit(
             request_id=self.request_id,
-            params=self.params,
+            params=stage_params(spec.kind, self.params),
             inputs=inputs,
             out_connector=orch.edge_connector(sid, to_stage),
             to_stage=to_stage,

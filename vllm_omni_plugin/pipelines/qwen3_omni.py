@@ -12,9 +12,6 @@ from typing import Any
 
 from vllm_omni_plugin.pipelines.topology import PipelineTopology, StageSpec
 
-# The talker's and Code2Wav's stage loops, by name (stages/loops.py maps each to its class).
-TALKER_LOOP = "qwen3_omni.talker"
-CODE2WAV_LOOP = "qwen3_omni.code2wav"
 TALKER = 1
 # The talker's defaults where its deploy settings give none. Its KV cache holds, per request, the
 # prompt's positions, a short assistant head and one position per frame; it grows with the
@@ -27,7 +24,7 @@ TALKER_HEAD_POSITIONS = 9  # the assistant head the talker adds after the prompt
 def talker_lengths(talker: Any) -> tuple[int, int]:
     """(max_model_len, frame cap) of the talker stage's resolved config, defaults filled in."""
     return (
-        talker.model.max_model_len or DEFAULT_TALKER_MAX_MODEL_LEN,
+        talker.talker.max_model_len or DEFAULT_TALKER_MAX_MODEL_LEN,
         talker.sampling.max_tokens or DEFAULT_MAX_FRAMES,
     )
 
@@ -56,48 +53,21 @@ QWEN3_OMNI = PipelineTopology(
         StageSpec(
             stage_id=1,
             name="talker",
-            kind="ar",
+            kind="talker",
             inputs=[0],
             emits="codec_frames",
             stream_output=True,
             stream_window=8,
-            runner=TALKER_LOOP,
-            # vLLM's engine running the talker model: the settings of vLLM's that apply to it
-            # (its prompt is embeddings: no prefix cache; one device).
-            settings=(
-                "dtype",
-                "seed",
-                "max_num_seqs",
-                "max_model_len",
-                "max_num_batched_tokens",
-                "enable_chunked_prefill",
-                "gpu_memory_utilization",
-                "kv_cache_memory_bytes",
-                "block_size",
-                "enforce_eager",
-                "compilation_config",
-                "max_cudagraph_capture_size",
-                "cudagraph_capture_sizes",
-                "default_sampling_params.max_tokens",
-                "default_sampling_params.min_tokens",
-                "default_sampling_params.temperature",
-                "default_sampling_params.top_k",
-                "default_sampling_params.top_p",
-                "default_sampling_params.repetition_penalty",
-                "default_sampling_params.seed",
-            ),
         ),
         StageSpec(
             stage_id=2,
             name="code2wav",
-            kind="diffusion",
+            kind="code2wav",
             inputs=[1],
             emits="audio",
             final_output=True,
             stream_output=True,
             stream_window=8,
-            runner=CODE2WAV_LOOP,
-            settings=("dtype", "device", "max_batch_size", "max_num_seqs", "enforce_eager"),
         ),
     ),
     hf_model_types=("qwen3_omni_moe",),

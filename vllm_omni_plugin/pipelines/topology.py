@@ -9,7 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-StageKind = Literal["ar", "diffusion"]
+StageKind = Literal["ar", "diffusion", "talker", "code2wav"]
+"""What a stage runs, and so which settings its deploy entry may set (config/stage_keys.py):
+"ar": vLLM's engine generating tokens; "diffusion": our diffusion engine; "talker": vLLM's
+engine writing Qwen3-Omni's codec frames; "code2wav": the Code2Wav engine (frames -> audio)."""
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class StageSpec:
     name: str
     """Short role name ("ar", "dit"), used in logs and process titles."""
     kind: StageKind
-    """"ar": a vLLM engine generating tokens; "diffusion": our diffusion engine."""
+    """What the stage runs (see StageKind); a deploy file's `kind:` must match it."""
     inputs: list[int] = field(default_factory=list)
     """Stage ids whose outputs this stage consumes; empty for an entry stage."""
     emits: str = "image"
@@ -49,10 +52,9 @@ class StageSpec:
     """Chunks of one request the stage may have out that the consumer has not finished with
     (back-pressure: the stage waits beyond it). Only with `stream_output`."""
     runner: str | None = None
-    """The stage process's loop when not its kind's (a stages.loop.StageLoop subclass): the
-    name of one this package ships (stages/loops.py maps it to its class), or "module:Class"
-    of one outside the package (a third-party pipeline's), which the stage process imports;
-    None: the loop of the stage's kind."""
+    """The stage process's loop when not its kind's (a stages.loop.StageLoop subclass):
+    "module:Class" of one outside the package (a third-party pipeline's), which the stage
+    process imports; None: the loop of the stage's kind (stages/loops.py)."""
     settings: tuple[str, ...] | None = None
     """With a `runner` that is not its kind's engine: the deploy keys it reads (dotted for
     nested ones, "key=value" where only that value works); loading refuses any other key a
@@ -127,7 +129,7 @@ class PipelineTopology:
             if s.stream_output and s.stream_window < 1:
                 problems.append(f"stage {s.stage_id}: stream_window must be at least 1")
             module, colon, name = (s.runner or "").partition(":")
-            if colon and not (module and name and ":" not in name):
+            if s.runner is not None and not (colon and module and name and ":" not in name):
                 problems.append(f"stage {s.stage_id}: runner {s.runner!r} is not 'module:Class'")
         if self.chat_stage is not None:
             chat = [s for s in self.stages if s.stage_id == self.chat_stage]

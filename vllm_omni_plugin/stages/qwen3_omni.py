@@ -24,6 +24,7 @@ cross the edge in fewer, larger chunks; alone, each leaves as soon as it is made
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..common.messages import Result, RunnerSettings, StageInfo, Submit
+from ..common.messages import EngineSettings, Result, StageInfo, Submit
 from ..pipelines.qwen3_omni import talker_lengths
 from .loop import AsyncStageLoop, RequestRefused
 
@@ -99,7 +100,7 @@ class _BatchedEngineStage(AsyncStageLoop):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-stage-{self.stage_id}")
 
     def info(self) -> StageInfo:
-        return StageInfo(self.kind, RunnerSettings(self.init.spec.runner or ""))
+        return StageInfo(self.kind, EngineSettings(dataclasses.asdict(self.engine.config)))
 
     def background(self) -> list:
         return [self._drive()]
@@ -201,7 +202,7 @@ class TalkerStage(AsyncStageLoop):
         self.sampling = talker_sampling(stage)
         # The prefill conditioning runs here, beside the engine: the thinker's embedding and
         # the talker's projections only (the stage's device, the talker's dtype).
-        dtype = stage.model.dtype if stage.model.dtype not in (None, "auto") else None
+        dtype = stage.talker.dtype if stage.talker.dtype not in (None, "auto") else None
         device = _device()
         dtype = getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))
         self.conditioner = load_conditioner(stage.model_path, device, dtype)
@@ -223,7 +224,7 @@ class TalkerStage(AsyncStageLoop):
         return engine
 
     def info(self) -> StageInfo:
-        return StageInfo(self.kind, RunnerSettings(self.init.spec.runner or ""))
+        return StageInfo(self.kind, EngineSettings(self.init.stage.talker.model_dump()))
 
     def background(self) -> list:
         return [self._watch_engine()]
@@ -352,14 +353,14 @@ class Code2WavStage(_BatchedEngineStage):
         super().__init__(init, conn)
         from ..code2wav import Code2WavEngine, Code2WavEngineConfig
 
-        diffusion = init.stage.diffusion
+        settings = init.stage.code2wav
         self.engine = Code2WavEngine(
             Code2WavEngineConfig(
                 model=init.stage.model_path,
-                device=diffusion.device or _device(),
-                dtype=diffusion.dtype,
-                max_batch_size=diffusion.max_batch_size,
-                enforce_eager=bool(init.stage.runtime.enforce_eager),
+                device=settings.device or _device(),
+                dtype=settings.dtype,
+                max_batch_size=settings.max_batch_size,
+                enforce_eager=settings.enforce_eager,
             )
         )
         self.groups = self.engine.decoder.num_groups
