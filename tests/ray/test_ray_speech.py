@@ -1,0 +1,215 @@
+"""Qwen3-Omni speech with two replicas of every stage on a real two-node Ray cluster (CPU, the
+tiny checkpoint, stage_configs/qwen3_omni_ray_tiny.yaml), streamed through the official openai
+client (tests/multinode/ns_client.py, run in the head's namespace).
+
+* A streamed pcm16 answer (greedy talker) equals, byte for byte, the local pipeline's
+  (qwen3_omni_tiny.yaml, every stage one process on one host), on either chain of replicas.
+* A talker replica killed while concurrent streams run (its stage process paused first, so the
+  requests routed to it are surely in flight) fails exactly its own requests with 503; the
+  others stream to the end with the expected audio. Ray restarts it on the same node and it
+  serves again.
+
+Over 60 s: two start-ups of the tiny Qwen3-Omni on a 2-core CPU box (the local reference, then
+six replicas on Ray, four of them loading a vLLM engine) and a replica's restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from ray_cluster import REPO, VLLM, TwoNodeRay, free_port, replica_actor_pid, replica_rows
+
+pytestmark = pytest.mark.slow
+
+NS_CLIENT = REPO / "tests" / "multinode" / "ns_client.py"
+LOCAL = "stage_configs/qwen3_omni_tiny.yaml"
+RAY_TINY = "qwen3_omni_ray_tiny"
+THINKER_TOKENS = "8"
+FRAMES = 48  # codec frames per answer, exactly (3.8 s of audio: several audio deltas)
+# The talker greedy, as the served speech tests run it (tests/serving/conftest.py's
+# OMNI_GREEDY_TALKER), writing exactly FRAMES frames: every layout gives the same audio.
+OVERRIDES = [
+    "--stage-overrides",
+    json.dumps(
+        {
+            "1": {
+                "default_sampling_params": {
+                    "temperature": 0,
+                    "repetition_penalty": 1.0,
+                    "max_tokens": FRAMES,
+                    "min_tokens": FRAMES,
+                }
+            }
+        }
+    ),
+]
+TALKER = 1
+CONCURRENT = 4
+
+
+def speech_async(cluster: TwoNodeRay, url: str, model: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", cluster.head_ns, sys.executable, str(NS_CLIENT), "speech"]
+        + [url, model, THINKER_TOKENS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def answer_of(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def speech(cluster: TwoNodeRay, url: str, model: str) -> dict:
+    return answer_of(speech_async(cluster, url, model))
+
+
+def metrics(cluster: TwoNodeRay, url: str) -> str:
+    return cluster.call("get", f"{url}/metrics")["text"]
+
+
+def wait_healthy(cluster: TwoNodeRay, server: subprocess.Popen, url: str) -> None:
+    t0 = time.monotonic()
+    while cluster.call("get", f"{url}/health")["status"] != 200:
+        assert server.poll() is None, cluster.server_tail()
+        assert time.monotonic() - t0 < 600, cluster.server_tail()
+        time.sleep(1.0)
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_models, tmp_path_factory):
+    """The local pipeline's answer, then the same checkpoint served on Ray: (cluster, url,
+    model, reference)."""
+    model = str(tiny_models("qwen3-omni"))
+    cluster = TwoNodeRay(tmp_path_factory.mktemp("ray-omni"), cpus_per_node=3)
+    url = f"http://127.0.0.1:{free_port()}"
+    port = url.rsplit(":", 1)[1]
+    try:
+        cluster.start()
+        # The local reference first, in the head's namespace (the cluster only idles meanwhile).
+        local = subprocess.Popen(
+            ["ip", "netns", "exec", cluster.head_ns, VLLM, "serve", model, "--stage-config"]
+            + [LOCAL, "--host", "127.0.0.1", "--port", port, *OVERRIDES],
+            env=cluster.env,
+            stdout=open(cluster.server_log, "ab"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        try:
+            wait_healthy(cluster, local, url)
+            reference = speech(cluster, url, model)
+        finally:
+            local.send_signal(signal.SIGTERM)
+            local.wait(60)
+        assert reference["error"] is None, reference
+        assert reference["audio_deltas"] >= 2 and reference["samples"] > 0, reference
+
+        t0 = time.monotonic()
+        cluster.serve(model, RAY_TINY, int(port), *OVERRIDES)
+        wait_healthy(cluster, cluster.server, url)
+        print(f"six replicas on Ray healthy in {time.monotonic() - t0:.1f} s")
+        yield cluster, url, model, reference
+    finally:
+        cluster.stop()
+
+
+def test_streamed_speech_on_either_chain_equals_the_local_pipeline(omni):
+    cluster, url, model, reference = omni
+    # One request at a time: idle replicas take turns, so the two answers ran on both chains.
+    answers = [speech(cluster, url, model) for _ in range(2)]
+    assert answers == [reference, reference]
+    text = metrics(cluster, url)
+    for stage in (0, 1, 2):
+        done = replica_rows(text, "omni_replica_requests_completed_total", stage)
+        assert sorted(n for n, _ in done.values()) == sorted([cluster.head_ip, cluster.node_ip])
+        assert [count for _, count in sorted(done.values())] == [1.0, 1.0], (stage, done)
+
+
+def completed(text: str) -> float:
+    """Requests the talker's replicas completed, together."""
+    rows = replica_rows(text, "omni_replica_requests_completed_total", TALKER)
+    return sum(v for _, v in rows.values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
+    cluster, url, model, reference = omni
+    before = metrics(cluster, url)
+    victim = next(
+        i
+        for i, (node, _) in replica_rows(before, "omni_replica_up", TALKER).items()
+        if node == cluster.node_ip
+    )
+    actor = replica_actor_pid(cluster.node_ns, TALKER)
+    (stage_proc,) = [
+        p.pid for p in psutil.Process(actor).children() if "omni-stage-1" in " ".join(p.cmdline())
+    ]
+
+    done_before = completed(before)
+
+    # Paused before the load: the streams routed to the victim stay in flight until the kill.
+    os.kill(stage_proc, signal.SIGSTOP)
+    try:
+        clients = [speech_async(cluster, url, model) for _ in range(CONCURRENT)]
+        t0 = time.monotonic()
+        while True:
+            text = metrics(cluster, url)
+            talkers = replica_rows(text, "omni_replica_requests_in_flight", TALKER)
+            held = talkers[victim][1]
+            # Every stream reached a talker replica (some may be done), the victim holds some.
+            reached = sum(v for _, v in talkers.values()) + completed(text) - done_before
+            if held >= 1 and reached == CONCURRENT:
+                break
+            assert all(c.poll() is None for c in clients), "a stream ended before the kill"
+            assert time.monotonic() - t0 < 120, cluster.server_tail()
+            time.sleep(0.1)
+        log_at_kill = cluster.server_log_size()
+        os.kill(actor, signal.SIGKILL)  # the replica's actor, its streams still in flight
+    finally:
+        os.kill(stage_proc, signal.SIGCONT)  # it reads EOF on its control socket and exits
+    answers = [answer_of(c) for c in clients]
+
+    failed = [a for a in answers if a["error"] is not None]
+    served = [a for a in answers if a["error"] is None]
+    assert len(failed) == held, (held, answers)
+    for a in failed:
+        assert a["error"]["body"]["type"] == "service_unavailable_error", a
+    assert served, "every stream was on the killed replica"
+    for a in served:
+        assert a["samples"] == reference["samples"] and a["audio_deltas"] >= 2, a
+    assert "on another replica" not in cluster.server_log_since(log_at_kill)  # never retried
+
+    # Ray restarts it on the same node; it serves again (idle replicas take turns).
+    t0 = time.monotonic()
+    while True:
+        text = metrics(cluster, url)
+        up = replica_rows(text, "omni_replica_up", TALKER)
+        restarts = replica_rows(text, "omni_replica_restarts_total", TALKER)
+        if up[victim][1] == 1.0 and restarts[victim][1] >= 1:
+            break
+        assert time.monotonic() - t0 < 300, cluster.server_tail()
+        time.sleep(0.5)
+    assert up[victim][0] == cluster.node_ip
+    assert replica_actor_pid(cluster.node_ns, TALKER) != actor
+    assert not _alive(stage_proc), "the dead replica's stage process outlived it"
+    mid = replica_rows(metrics(cluster, url), "omni_replica_requests_completed_total", TALKER)
+    assert [speech(cluster, url, model) for _ in range(2)] == [reference, reference]
+    after = replica_rows(metrics(cluster, url), "omni_replica_requests_completed_total", TALKER)
+    assert after[victim][1] == mid[victim][1] + 1, (mid, after)
