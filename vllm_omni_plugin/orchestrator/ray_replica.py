@@ -12,8 +12,8 @@ today. The replica is the pair, and Ray restarts the pair as one unit:
 After a restart the driver (ray_backend.py) calls `start` again, which spawns a new stage
 process and returns when it is ready.
 
-`submit` is a Ray streaming generator: the request's Progress messages and, for a final
-streaming stage, its Chunks go to the driver as they come, then its Result. A stage that reads
+`submit` is a Ray streaming generator: the request's Progress messages, a chat stage's text
+outputs and a final streaming stage's Chunks go to the driver as they come, then its Result. A stage that reads
 a streamed edge also listens on TCP on its node's address (`start` returns it): the producer's
 replica, on this node or another, opens the request's channel there. Credits and the caller's
 waits (`send_stream`, `set_waiting`) come back as calls of their own; the stage's watchdog
@@ -29,7 +29,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..common.messages import Chunk, Progress, Result, Submit
+from ..common.messages import GenerateText, Progress, Submit
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
 from .handle import StageState
@@ -39,10 +39,14 @@ from .stage_client import StageClient
 logger = logging.getLogger("vllm_omni_plugin.orchestrator.ray")
 
 WATCH_INTERVAL_S = 0.2
-# Progress messages a request may have queued for the driver beyond its chunks; more are
-# dropped (a later one says as much). Chunks need no such bound: a stage has at most its
-# window of them unconsumed, the driver's Credits release more.
+# Progress reports a request may have queued for the driver; more are dropped (a later one
+# says as much).
 PROGRESS_BACKLOG = 64
+# Its other outputs (a chat stage's TextOutputs, a final stage's Chunks) queued for the driver
+# at most: none may be dropped, so a request whose driver falls this far behind fails. The
+# driver drains the queue as Ray delivers; a final stage has at most its window of chunks
+# unconsumed anyway (the driver's Credits release more).
+OUTPUT_BACKLOG = 4096
 
 
 class StageReplicaActor:
@@ -86,21 +90,27 @@ class StageReplicaActor:
             "edge_address": self.client.edge_tcp_address,
         }
 
-    async def submit(self, msg: Submit) -> AsyncIterator[Progress | Chunk | Result]:
-        """The request's Progress and Chunks as they come, then its Result (a generator: the
-        driver calls it with Ray's streaming returns)."""
+    async def submit(self, msg: Submit | GenerateText) -> AsyncIterator[Any]:
+        """The request's Progress, TextOutputs and Chunks as they come, then its Result (a
+        generator: the driver calls it with Ray's streaming returns)."""
         client = self.client
         if client is None:
             raise StageUnavailableError(f"replica {self.replica} has no stage process yet")
-        queue: asyncio.Queue = asyncio.Queue(maxsize=msg.stream_window + PROGRESS_BACKLOG)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=PROGRESS_BACKLOG + OUTPUT_BACKLOG)
+        overflow: list[str] = []
 
-        def on_progress(progress: Progress) -> None:
-            if queue.qsize() < PROGRESS_BACKLOG:
-                queue.put_nowait(progress)
+        def on_output(out: Any) -> None:
+            if isinstance(out, Progress):
+                if queue.qsize() < PROGRESS_BACKLOG:
+                    queue.put_nowait(out)
+                return
+            try:
+                queue.put_nowait(out)
+            except asyncio.QueueFull:
+                overflow.append(f"{OUTPUT_BACKLOG} outputs of the request wait for the driver")
+                task.cancel()  # the StageClient sends the stage its Abort
 
-        task = asyncio.ensure_future(
-            client.submit(msg, on_progress=on_progress, on_stream=queue.put_nowait)
-        )
+        task = asyncio.ensure_future(client.submit(msg, on_progress=on_output, on_stream=on_output))
         self._requests[msg.request_id] = task
         getter: asyncio.Future | None = None
         try:
@@ -111,6 +121,8 @@ class StageReplicaActor:
                     getter.cancel()  # the request ended; an item it left stays queued
                     break
                 yield getter.result()
+            if overflow:
+                raise RuntimeError(f"replica {self.replica}: {overflow[0]}")
             while not queue.empty():
                 yield queue.get_nowait()
             yield task.result()  # raises the request's error

@@ -15,7 +15,8 @@ whose replicas are themselves stage handles (today Ray actors, ray_backend.py).
   request's replica first (`route`), the least loaded of each, and sends the request's Submit,
   its channels' address and its Credits to that replica only, so its chunks stay within that
   chain of replicas (picking each stage's least loaded replica picks the least loaded chain).
-  Such a request is never retried: its chunks may have reached the caller or the next stage.
+  Such a request is never retried: its chunks may have reached the caller or the next stage;
+  nor is any request whose output (a chat stage's text) reached the caller.
 * Health and restarts stay with each replica (Ray restarts an actor); the set is ready while
   any replica is, and its counters are the sums of its replicas'.
 """
@@ -174,6 +175,21 @@ class ReplicaSet:
         on_stream: Any = None,
     ) -> Result:
         tried: list[Any] = []
+        # Whether any of the request's output (a chat stage's text, a final stage's chunks)
+        # reached the caller: then it is never retried. Progress is only a report: a retried
+        # request reports its steps again.
+        relayed: list[bool] = []
+
+        def progress(out: Any) -> None:
+            if not isinstance(out, Progress):
+                relayed.append(True)
+            if on_progress is not None:
+                on_progress(out)
+
+        def stream(chunk: Any) -> None:
+            relayed.append(True)
+            on_stream(chunk)
+
         while True:
             replica = self._pick(exclude=tried)
             if replica is None:
@@ -181,10 +197,16 @@ class ReplicaSet:
             tried.append(replica)
             self._remember(msg.request_id, replica)
             try:
-                return await replica.submit(msg, on_progress=on_progress, on_stream=on_stream)
+                return await replica.submit(
+                    msg,
+                    on_progress=progress,
+                    on_stream=stream if on_stream is not None else None,
+                )
             except ReplicaLostError as exc:
-                streamed = msg.stream_output or msg.stream_inputs or on_stream is not None
-                if streamed or not self.retry_lost or len(tried) > 1:
+                streamed = getattr(msg, "stream_output", False) or getattr(
+                    msg, "stream_inputs", None
+                )
+                if relayed or streamed or not self.retry_lost or len(tried) > 1:
                     raise
                 if self._pick(exclude=tried) is None:
                     raise
