@@ -4,9 +4,10 @@
     ns_client.py generate BASE_URL MODEL SEED  -> {"png": [w, h], "sha": ...}  (openai client)
     ns_client.py metrics BASE_URL              -> {"text": "..."}
     ns_client.py speech BASE_URL MODEL MAX_TOKENS [MARK]
-        -> {"pcm_sha", "pcm", "samples", "transcript", "audio_deltas", "error"}: a streamed Qwen3-Omni
-           answer (pcm16, greedy) through the openai client; with MARK, the file is created at
-           the first audio delta and the rest is read slowly (a client the stream waits for)
+        -> {"pcm_sha", "pcm", "samples", "transcript", "audio_deltas", "error"}: a streamed
+           Qwen3-Omni answer (pcm16, greedy; "pcm" in base64) through the openai client; with
+           MARK, the file is created at the first audio delta and the rest is read slowly (a
+           client the stream waits for)
     ns_client.py chat BASE_URL MODEL MAX_TOKENS   -> {"text", "error"}: a text-only answer
            (greedy, not streamed) through the openai client
 Prints one JSON line.

@@ -4,8 +4,8 @@ client (tests/multinode/ns_client.py, run in the head's namespace).
 
 * A streamed pcm16 answer (greedy talker) equals the local pipeline's (qwen3_omni_tiny.yaml,
   every stage one process on one host) on either chain of replicas: the same transcript, the
-  same number of samples and audio deltas, every sample within float rounding (see
-  PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly.
+  same number of samples and audio deltas, every sample within float rounding
+  (PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly.
 * A talker replica killed while concurrent streams run (its stage process paused first, so the
   requests routed to it are surely in flight) fails exactly its own requests with 503; the
   others stream to the end with the expected audio. Ray restarts it on the same node and it
@@ -56,9 +56,9 @@ TALKER = 1
 CONCURRENT = 4
 # A Ray actor's torch runs the threads its CPUs allow (1 here), the local stages as many as
 # the machine's: reductions add in another order, so Code2Wav's samples may differ in their
-# last bits. Other codec frames (a greedy choice gone another way) change the waveform by far
-# more than this share of its peak.
-PCM_TOLERANCE = 0.01
+# last bits (1 of a peak of ~28000 seen). Other codec frames (a greedy choice gone another
+# way) change the waveform by thousands.
+PCM_TOLERANCE = 16  # of 32767
 
 
 def assert_same_speech(got: dict, want: dict) -> None:
@@ -73,7 +73,7 @@ def assert_same_speech(got: dict, want: dict) -> None:
     peak = max(abs(x) for x in b)
     worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
     print(f"speech: worst sample difference {worst} of a peak of {peak}")
-    assert peak > 0 and worst <= PCM_TOLERANCE * peak, (worst, peak)
+    assert peak > 100 * PCM_TOLERANCE and worst <= PCM_TOLERANCE, (worst, peak)
 
 
 def speech_async(cluster: TwoNodeRay, url: str, model: str) -> subprocess.Popen:

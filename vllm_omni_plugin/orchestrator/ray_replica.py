@@ -13,11 +13,11 @@ After a restart the driver (ray_backend.py) calls `start` again, which spawns a 
 process and returns when it is ready.
 
 `submit` is a Ray streaming generator: the request's Progress messages, a chat stage's text
-outputs and a final streaming stage's Chunks go to the driver as they come, then its Result. A stage that reads
-a streamed edge also listens on TCP on its node's address (`start` returns it): the producer's
-replica, on this node or another, opens the request's channel there. Credits and the caller's
-waits (`send_stream`, `set_waiting`) come back as calls of their own; the stage's watchdog
-runs here, in the replica's StageClient, per chunk as on a single host.
+outputs and a final streaming stage's Chunks go to the driver as they come, then its Result.
+A stage that reads a streamed edge also listens on TCP on its node's address (`start` returns
+it): the producer's replica, on this node or another, opens the request's channel there.
+Credits and the caller's waits (`send_stream`, `set_waiting`) come back as calls of their own;
+the stage's watchdog runs here, in the replica's StageClient, per chunk as on a single host.
 """
 
 from __future__ import annotations
