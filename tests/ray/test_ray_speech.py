@@ -227,6 +227,7 @@ def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
 
     failed = [a for a in answers if a["error"] is not None]
     served = [a for a in answers if a["error"] is None]
+    print(f"{len(failed)} of {CONCURRENT} streams were on the killed replica")
     assert len(failed) == held, (held, [a["error"] for a in answers])
     for a in failed:
         assert a["error"]["body"]["type"] == "service_unavailable_error", a
