@@ -375,9 +375,9 @@ class RayReplicaClient:
         )
 
     async def _call(self, request_id: str, replies: Any) -> None:
-        """Relay the actor's Progress and Chunks for the request, then hand its Result to the
-        pending request (or fail it)."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        """Relay the actor's Progress, text outputs and Chunks for the request, then hand its
+        Result to the pending request (or fail it)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
         try:
             async for ref in replies:
@@ -400,7 +400,14 @@ class RayReplicaClient:
                 request_id, ReplicaLostError(f"{self.name} on {self.node_ip}: {cause}")
             )
             return
-        except Exception as exc:  # anything else the call raised: this request fails (500)
+        except RayTaskError as exc:  # anything else the call raised: this request fails (500)
+            self.pending.fail(request_id, exc)
+            return
+        except RayError as exc:  # Ray lost the call itself (its worker, its replies)
+            why = f"{self.name} on {self.node_ip}: {type(exc).__name__}"
+            self.pending.fail(request_id, ReplicaLostError(why))
+            return
+        except Exception as exc:
             self.pending.fail(request_id, exc)
             return
         self.pending.fail(request_id, ReplicaLostError(f"{self.name}: no result for the request"))
