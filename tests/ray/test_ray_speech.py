@@ -7,6 +7,8 @@ client (tests/multinode/ns_client.py, run in the head's namespace).
   every stage one process on one host) on either chain of replicas: the same transcript, the
   same number of samples and audio deltas, every sample within float rounding
   (PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly.
+* A client that hangs up mid-stream (a slow reader, whose Credits the pipeline waits for)
+  frees every replica of its chain.
 * A talker replica killed while concurrent streams run (its stage process paused first, so the
   requests routed to it are surely in flight) fails exactly its own requests with 503; the
   others stream to the end with the expected audio. Ray restarts it on the same node and it
@@ -190,6 +192,45 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def in_flight(text: str) -> float:
+    """Requests in flight on every replica of every stage, together."""
+    rows = [replica_rows(text, "omni_replica_requests_in_flight", sid) for sid in (0, 1, 2)]
+    return sum(v for r in rows for _, v in r.values())
+
+
+def test_a_client_gone_mid_stream_frees_every_replica(omni, tmp_path):
+    """A slow reader holds Code2Wav's replica to its window (the pipeline waits on the
+    caller's Credits, and no watchdog fires); when it hangs up, the request is cancelled in
+    every replica of its chain: nothing stays in flight, and it completes nowhere."""
+    cluster, url, model, *_ = omni
+    mark = tmp_path / "first-audio"
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.head_ns, sys.executable, str(NS_CLIENT), "speech"]
+        + [url, model, THINKER_TOKENS, str(mark)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        t0 = time.monotonic()
+        while not mark.exists():
+            assert client.poll() is None, client.communicate()
+            assert time.monotonic() - t0 < 120, "no audio"
+            time.sleep(0.05)
+        text = metrics(cluster, url)
+        done = replica_rows(text, "omni_replica_requests_completed_total", 2)
+        assert in_flight(text) >= 1
+    finally:
+        client.kill()  # `ip netns exec` ran python in its place: the client's socket closes
+        client.communicate()
+    t0 = time.monotonic()
+    while in_flight(text := metrics(cluster, url)) > 0:
+        assert time.monotonic() - t0 < 30, cluster.server_tail()
+        time.sleep(0.2)
+    assert replica_rows(text, "omni_replica_requests_completed_total", 2) == done
 
 
 def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
