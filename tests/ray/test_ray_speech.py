@@ -7,8 +7,7 @@ client (tests/multinode/ns_client.py, run in the head's namespace).
   every stage one process on one host) on either chain of replicas: the same transcript, the
   same number of samples and audio deltas, every sample within float rounding
   (PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly.
-* A client that hangs up mid-stream (a slow reader, whose Credits the pipeline waits for)
-  frees every replica of its chain.
+* A client that hangs up mid-stream frees every replica of its chain.
 * A talker replica killed while concurrent streams run (its stage process paused first, so the
   requests routed to it are surely in flight) fails exactly its own requests with 503; the
   others stream to the end with the expected audio. Ray restarts it on the same node and it
@@ -200,12 +199,25 @@ def in_flight(text: str) -> float:
     return sum(v for r in rows for _, v in r.values())
 
 
+def stage_processes(cluster: TwoNodeRay, stage: int) -> list[int]:
+    """The stage processes of `stage`'s two replicas (one on each node)."""
+    title = f"omni-stage-{stage}"
+    return [
+        c.pid
+        for ns in (cluster.head_ns, cluster.node_ns)
+        for c in psutil.Process(replica_actor_pid(ns, stage)).children()
+        if title in " ".join(c.cmdline())
+    ]
+
+
 def test_a_client_gone_mid_stream_frees_every_replica(omni, tmp_path):
-    """A slow reader holds Code2Wav's replica to its window (the pipeline waits on the
-    caller's Credits, and no watchdog fires); when it hangs up, the request is cancelled in
-    every replica of its chain: nothing stays in flight, and it completes nowhere."""
+    """A client that hangs up after its first audio chunk: the request is cancelled in every
+    replica of its chain, nothing stays in flight and it completes nowhere. Code2Wav's replicas
+    are paused from the first chunk to the hang-up, so the answer cannot have finished by
+    then, however fast the rest would come."""
     cluster, url, model, *_ = omni
     mark = tmp_path / "first-audio"
+    code2wav = stage_processes(cluster, 2)
     client = subprocess.Popen(
         ["ip", "netns", "exec", cluster.head_ns, sys.executable, str(NS_CLIENT), "speech"]
         + [url, model, THINKER_TOKENS, str(mark)],
@@ -220,16 +232,22 @@ def test_a_client_gone_mid_stream_frees_every_replica(omni, tmp_path):
             assert client.poll() is None, client.communicate()
             assert time.monotonic() - t0 < 120, "no audio"
             time.sleep(0.05)
+        for pid in code2wav:
+            os.kill(pid, signal.SIGSTOP)
         text = metrics(cluster, url)
         done = replica_rows(text, "omni_replica_requests_completed_total", 2)
-        assert in_flight(text) >= 1
-    finally:
+        assert sum(v for _, v in replica_rows(text, "omni_replica_requests_in_flight", 2).values())
         client.kill()  # `ip netns exec` ran python in its place: the client's socket closes
         client.communicate()
-    t0 = time.monotonic()
-    while in_flight(text := metrics(cluster, url)) > 0:
-        assert time.monotonic() - t0 < 30, cluster.server_tail()
-        time.sleep(0.2)
+        t0 = time.monotonic()
+        while in_flight(text := metrics(cluster, url)) > 0:
+            assert time.monotonic() - t0 < 30, cluster.server_tail()
+            time.sleep(0.2)
+    finally:
+        for pid in code2wav:
+            os.kill(pid, signal.SIGCONT)  # each then reads its Abort
+        if client.poll() is None:
+            client.kill()
     assert replica_rows(text, "omni_replica_requests_completed_total", 2) == done
 
 
