@@ -61,7 +61,7 @@ TALKER = 1
 CONCURRENT = 4
 # A Ray actor's torch runs the threads its CPUs allow (1 here), the local stages as many as
 # the machine's: reductions add in another order, so Code2Wav's samples may differ in their
-# last bits (1 of a peak of ~28000 seen). Other codec frames (a greedy choice gone another
+# last bits (by 1 at most, seen here). Other codec frames (a greedy choice gone another
 # way) change the waveform by thousands.
 PCM_TOLERANCE = 16  # of 32767
 
@@ -71,7 +71,7 @@ def assert_same_speech(got: dict, want: dict) -> None:
     import base64
 
     same = ("transcript", "samples", "audio_deltas", "error")
-    assert {k: got[k] for k in same} == {k: want[k] for k in same}, (got, want)
+    assert {k: got[k] for k in same} == {k: want[k] for k in same}, {k: got[k] for k in same}
     a, b = array.array("h"), array.array("h")
     a.frombytes(base64.b64decode(got["pcm"]))
     b.frombytes(base64.b64decode(want["pcm"]))
