@@ -51,6 +51,8 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
         "qwen3_omni_tiny",
         "qwen3_omni_nodes",
         "qwen3_omni_nodes_tiny",
+        "qwen3_omni_ray",
+        "qwen3_omni_ray_tiny",
     ],
 )
 def test_bundled_files_validate_against_tiny_and_full_checkpoints(name, model_dirs, capsys):
@@ -81,6 +83,32 @@ def test_two_node_layout_and_a_stream_into_the_head_refused():
         refuse_streams_into_head(nodes, [0, 2])
     tiny = load_deploy_config("qwen3_omni_nodes_tiny")
     assert tiny.to_dict()["stages"] == load_deploy_config("qwen3_omni_tiny").to_dict()["stages"]
+
+
+def test_ray_layout_two_replicas_of_every_stage():
+    """qwen3_omni_ray: every stage 2 replicas on Ray, each replica one GPU of its own (the
+    talker, no longer sharing one with Code2Wav, takes 90% of it); the tiny file is
+    qwen3_omni_tiny's stages, replicated."""
+    from vllm_omni_plugin.orchestrator.ray_backend import replica_resources, uses_ray
+
+    gpu = load_deploy_config("qwen3_omni_ray", platform="cuda")
+    assert uses_ray(gpu) and gpu.runtime.address == "auto"
+    assert [s.num_replicas for s in gpu.stages] == [2, 2, 2]
+    assert [replica_resources(s, "cuda") for s in gpu.stages] == [
+        {"num_cpus": 1, "num_gpus": 1}
+    ] * 3
+    assert gpu.stage(1).cache.gpu_memory_utilization == 0.9
+    assert gpu.stage(1).sampling.max_tokens == 4096  # the rest is qwen3_omni.yaml's
+    assert gpu.stage(2).diffusion.device == "cuda"
+    tiny = load_deploy_config("qwen3_omni_ray_tiny")
+    assert uses_ray(tiny) and [s.num_replicas for s in tiny.stages] == [2, 2, 2]
+    assert [replica_resources(s, "cpu") for s in tiny.stages] == [
+        {"num_cpus": 1, "num_gpus": 0}
+    ] * 3
+    plain = load_deploy_config("qwen3_omni_tiny").to_dict()["stages"]
+    for stage in plain:
+        stage["num_replicas"] = 2
+    assert tiny.to_dict()["stages"] == plain
 
 
 def test_two_gpu_and_one_gpu_layouts():

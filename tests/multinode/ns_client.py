@@ -4,9 +4,12 @@
     ns_client.py generate BASE_URL MODEL SEED  -> {"png": [w, h], "sha": ...}  (openai client)
     ns_client.py metrics BASE_URL              -> {"text": "..."}
     ns_client.py speech BASE_URL MODEL MAX_TOKENS [MARK]
-        -> {"pcm_sha", "samples", "transcript", "audio_deltas", "error"}: a streamed Qwen3-Omni
-           answer (pcm16, greedy) through the openai client; with MARK, the file is created at
-           the first audio delta and the rest is read slowly (a client the stream waits for)
+        -> {"pcm_sha", "pcm", "samples", "transcript", "audio_deltas", "error"}: a streamed
+           Qwen3-Omni answer (pcm16, greedy; "pcm" in base64) through the openai client; with
+           MARK, the file is created at the first audio delta and the rest is read slowly (a
+           client the stream waits for)
+    ns_client.py chat BASE_URL MODEL MAX_TOKENS   -> {"text", "error"}: a text-only answer
+           (greedy, not streamed) through the openai client
 Prints one JSON line.
 """
 
@@ -53,6 +56,8 @@ def main(argv: list[str]) -> dict:
         }
     if cmd == "speech":
         return speech(argv[1], argv[2], int(argv[3]), argv[4] if len(argv) > 4 else None)
+    if cmd == "chat":
+        return chat(argv[1], argv[2], int(argv[3]))
     raise SystemExit(f"unknown command {cmd!r}")
 
 
@@ -90,11 +95,29 @@ def speech(url: str, model: str, max_tokens: int, mark: str | None) -> dict:
         error = {"message": exc.message, "body": exc.body}
     return {
         "pcm_sha": hashlib.sha256(pcm).hexdigest(),
+        "pcm": base64.b64encode(pcm).decode(),
         "samples": len(pcm) // 2,
         "transcript": transcript,
         "audio_deltas": deltas,
         "error": error,
     }
+
+
+def chat(url: str, model: str, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    try:
+        answer = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say hi"}],
+            temperature=0,
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True},
+        )
+    except openai.APIError as exc:
+        return {"text": None, "error": {"message": exc.message, "body": exc.body}}
+    return {"text": answer.choices[0].message.content, "error": None}
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def pids_in(ns: str) -> list[int]:
 
 
 class TwoNodeRay:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, cpus_per_node: int = 2):
+        self.cpus_per_node = cpus_per_node  # logical CPUs: each replica's bundle asks 1
         tag = os.getpid() % 100000
         net = f"10.202.{tag % 200 + 20}"
         self.head_ns, self.node_ns = f"omni-r{tag}-head", f"omni-r{tag}-node"
@@ -106,11 +107,12 @@ class TwoNodeRay:
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # 2 logical CPUs a node: room for one replica each (the bundles ask 1 CPU); a small
-        # object store (requests and images are small) keeps /dev/shm free for the stages.
+        # Logical CPUs: room for the replicas spread over the two nodes (the bundles ask 1 CPU
+        # each); a small object store (requests and images are small) keeps /dev/shm free for
+        # the stages.
         common = [
             "--num-cpus",
-            "2",
+            str(self.cpus_per_node),
             "--object-store-memory",
             str(200 << 20),
             "--disable-usage-stats",
@@ -137,10 +139,10 @@ class TwoNodeRay:
         if out.returncode != 0:
             raise RuntimeError(f"ray {args[0]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
 
-    def serve(self, model: Path, config: str, port: int) -> None:
+    def serve(self, model: Path, config: str, port: int, *extra: str) -> None:
         """`vllm serve` in the head's namespace, a driver of this cluster (RAY_ADDRESS)."""
         cmd = [VLLM, "serve", str(model), "--stage-config", config]
-        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *extra]
         self.server = subprocess.Popen(
             ["ip", "netns", "exec", self.head_ns, *cmd],
             env={**self.env, "RAY_ADDRESS": self.address},
@@ -216,11 +218,11 @@ class TwoNodeRay:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def replica_rows(metrics: str, name: str) -> dict[int, tuple[str, float]]:
-    """{replica: (node, value)} of one omni_replica_* family of stage 0."""
+def replica_rows(metrics: str, name: str, stage: int = 0) -> dict[int, tuple[str, float]]:
+    """{replica: (node, value)} of one omni_replica_* family of a stage."""
     rows = {}
     for line in metrics.splitlines():
-        if line.startswith(name + "{") and 'stage_id="0"' in line:
+        if line.startswith(name + "{") and f'stage_id="{stage}"' in line:
             labels = dict(
                 kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
             )
@@ -231,10 +233,18 @@ def replica_rows(metrics: str, name: str) -> dict[int, tuple[str, float]]:
     return rows
 
 
-def replica_actor_pid(ns: str) -> int:
-    """The one stage-replica actor process inside namespace `ns`."""
+def replica_actor_pid(ns: str, stage: int | None = None) -> int:
+    """The one stage-replica actor process inside namespace `ns` (of `stage`: the one whose
+    stage process is `omni-stage-<stage>`)."""
     found = [
         pid for pid in pids_in(ns) if "StageReplicaActor" in " ".join(psutil.Process(pid).cmdline())
     ]
+    if stage is not None:
+        title = f"omni-stage-{stage}"
+        found = [
+            pid
+            for pid in found
+            if any(title in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
+        ]
     assert len(found) == 1, found
     return found[0]

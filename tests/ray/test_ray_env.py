@@ -37,7 +37,7 @@ cfg = load_deploy_config(sys.argv[1])
 backend = RayBackend(cfg, 60.0)
 asyncio.run(backend.connect())
 init = StageInit(stage=cfg.stage(0), spec=cfg.topology.stages[0], pipeline=cfg.pipeline)
-actor = backend.create_actor(init, 0)
+actor = backend.create_actor(init, 0, edge_listener=False)
 names = json.loads(sys.argv[2])
 
 

@@ -19,7 +19,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..common.limits import RequestLimits
 from ..common.messages import Progress, Result, StageInfo, Submit
-from .errors import StageUnavailableError
 from .pending import PendingRequests
 
 
@@ -96,15 +95,6 @@ ProgressListener = Callable[[Progress], None]
 StreamListener = Callable[[Any], None]  # a final stage's Chunks for one request
 
 
-def refuse_streams(handle: Any, msg: Submit, on_stream: Any) -> None:
-    """For handles that do not relay streamed edges (yet): a clear error, not a hang."""
-    if on_stream is not None or msg.stream_inputs or msg.stream_output:
-        raise StageUnavailableError(
-            f"stage {handle.stage_id} ({handle.kind}): streamed edges run between local stages "
-            "and headless nodes only (not yet through Ray replicas)"
-        )
-
-
 @runtime_checkable
 class StageHandle(Protocol):
     """One stage of the pipeline as the orchestrator sees it."""
@@ -170,6 +160,12 @@ class StageHandle(Protocol):
 
     def send_stream(self, msg: Any) -> None:
         """Hand a final streaming stage the Credit for one of its chunks."""
+        ...
+
+    def route(self, request_id: str) -> StageHandle:
+        """The handle that serves every message of `request_id` (its Submit, its Credits, its
+        channels' address): the handle itself, or the replica a replica set pins the request
+        to (StageUnavailableError when none is ready)."""
         ...
 
     def set_waiting(self, request_id: str, waiting: bool) -> None:

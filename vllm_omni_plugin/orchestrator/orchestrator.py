@@ -130,8 +130,8 @@ class Orchestrator:
         for spec in self.order:
             if spec.stream_output and not self.stages[spec.stage_id].streams:
                 raise ValueError(
-                    f"stage {spec.stage_id} ({spec.name}) streams its output, which local stages "
-                    "and headless nodes relay (not Ray replicas so far)"
+                    f"stage {spec.stage_id} ({spec.name}) streams its output, which its "
+                    "runner here does not relay"
                 )
         starts: dict[int, asyncio.Future] = {}
         for sid, stage in self.stages.items():

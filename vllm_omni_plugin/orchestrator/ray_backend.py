@@ -13,8 +13,17 @@ calls `start` until the restarted actor has its stage process ready again.
 
 Resources per replica: 1 CPU, and as many GPUs as the stage's `devices` lists (1 when unset on
 a GPU platform, 0 for a stage on the CPU); Ray picks the GPUs. Payloads between stages move
-over the stages' connectors (NIXL) as they do without Ray. Progress messages of streaming
-requests are not relayed from Ray replicas (their final images are).
+over the stages' connectors (NIXL) as they do without Ray.
+
+Streamed edges (Qwen3-Omni's thinker -> talker -> Code2Wav) run between replicas: every
+replica of a stage that reads one listens on TCP on its node's address, and a request's
+replicas are fixed when it starts (replicas.py `route`), so the producer's replica opens the
+request's channel to the consumer's, on the same node or another, as between headless nodes.
+A final stage's chunks reach this process through the actor's `submit` (a Ray streaming
+generator, with the request's Progress), their Credits go back as calls. A replica that dies
+fails its own requests (503) and no other; a streamed request is not retried. The request's
+edge tokens reach the actors inside the Submit, over Ray's transport: a cluster whose links
+others can read runs Ray with TLS.
 """
 
 from __future__ import annotations
@@ -24,11 +33,11 @@ import logging
 from typing import Any
 
 from ..common.limits import RequestLimits
-from ..common.messages import Result, StageInfo, Submit
+from ..common.messages import Chunk, Result, StageInfo, Submit
 from ..config.resolve import detect_platform
 from ..config.stage_init import StageInit
 from .errors import StageUnavailableError
-from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats, refuse_streams
+from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats
 from .pending import PendingRequests, stall_timeout_of
 from .ray_auth import START_HINT, RayAuthError, use_token_auth
 from .replicas import ReplicaLostError, ReplicaSet
@@ -150,13 +159,15 @@ class RayBackend:
     def stage_factory(self, init: StageInit) -> ReplicaSet:
         """For Orchestrator(stage_factory=...): every stage a ReplicaSet of Ray actors."""
         n = init.stage.num_replicas
-        replicas = [RayReplicaClient(self, init, i) for i in range(n)]
+        topo = self.cfg.topology
+        listens = any(topo.streams(src, init.stage.stage_id) for src in init.spec.inputs)
+        replicas = [RayReplicaClient(self, init, i, listens) for i in range(n)]
         # Retrying a lost request is safe only when it consumed nothing (replicas.py).
         return ReplicaSet(
             init.stage.stage_id, init.spec.kind, replicas, retry_lost=not init.spec.inputs
         )
 
-    def create_actor(self, init: StageInit, replica: int) -> Any:
+    def create_actor(self, init: StageInit, replica: int, edge_listener: bool) -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -176,16 +187,17 @@ class RayBackend:
             # the stage process must see as a local stage would (stage_process.forwarded_env).
             runtime_env={"env_vars": forwarded_env()},
         )
-        return actor_cls.remote(init, replica, self.startup_timeout_s)
+        return actor_cls.remote(init, replica, self.startup_timeout_s, edge_listener)
 
 
 class RayReplicaClient:
     """The API server's handle on one replica (a StageHandle), backed by a Ray actor. Its own
     stall clock stays unused: the actor's StageClient runs the stage's watchdog."""
 
-    def __init__(self, backend: RayBackend, init: StageInit, replica: int):
+    def __init__(self, backend: RayBackend, init: StageInit, replica: int, edge_listener: bool):
         self.backend = backend
         self.init = init
+        self.edge_listener = edge_listener  # the stage reads a streamed edge
         self.stage_id: int = init.stage.stage_id
         self.kind: str = init.spec.kind
         self.replica = replica
@@ -194,6 +206,7 @@ class RayReplicaClient:
         self._info: StageInfo | None = None
         self.pid: int | None = None  # the actor's process
         self.node_ip: str | None = None
+        self._edge_address: str | None = None  # its stage's TCP listener for streamed edges
         self.pending = PendingRequests(stall_timeout_of(init.stage))
         self.restarts = 0
         self.deaths = 0
@@ -234,7 +247,7 @@ class RayReplicaClient:
         return None
 
     async def start(self) -> None:
-        self.actor = self.backend.create_actor(self.init, self.replica)
+        self.actor = self.backend.create_actor(self.init, self.replica, self.edge_listener)
         await self._started()
         self._watcher = asyncio.ensure_future(self._watch())
 
@@ -243,6 +256,7 @@ class RayReplicaClient:
         self._info = started["info"]
         self.pid = started["pid"]
         self.node_ip = started["node_ip"]
+        self._edge_address = started["edge_address"]
         self.state = StageState.READY
         logger.info(
             "%s ready on node %s (actor pid %s, stage pid %s)",
@@ -324,18 +338,29 @@ class RayReplicaClient:
                 pass
 
     # ---- requests ----------------------------------------------------------------------
-    streams = False  # Ray replicas do not relay streamed edges yet
-    edge_address = None
+    streams = True
+
+    @property
+    def edge_address(self) -> str | None:
+        """Its stage's TCP listener (None while it is down, or when it reads no streamed edge)."""
+        return self._edge_address if self.ready else None
+
+    def route(self, request_id: str) -> RayReplicaClient:
+        return self
 
     def send_stream(self, msg: Any) -> None:
-        pass
+        """A Credit for a final stage's chunk. A replica that is down drops it: its death
+        fails the request anyway."""
+        if self.actor is not None and self.state == StageState.READY:
+            self.actor.send_stream.remote(msg)
 
     def set_waiting(self, request_id: str, waiting: bool) -> None:
+        """The caller holds the stage's window: the replica's watchdog must not count it."""
         self.pending.set_waiting(request_id, waiting)
+        if self.actor is not None and self.state == StageState.READY:
+            self.actor.set_waiting.remote(request_id, waiting)
 
     async def submit(self, msg: Submit, on_progress: Any = None, on_stream: Any = None) -> Result:
-        """Progress is not relayed from Ray replicas (`on_progress` is never called)."""
-        refuse_streams(self, msg, on_stream)
         if not self.ready:
             raise StageUnavailableError(f"{self.name} is {self.state}")
         actor = self.actor
@@ -346,14 +371,26 @@ class RayReplicaClient:
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
 
-        return await self.pending.run(rid, send, self.cancel, f"{self.name} is unreachable")
+        return await self.pending.run(
+            rid, send, self.cancel, f"{self.name} is unreachable", on_progress, on_stream
+        )
 
-    async def _call(self, request_id: str, ref: Any) -> None:
-        """Await the actor's answer and hand it to the pending request (or fail it)."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
+    async def _call(self, request_id: str, replies: Any) -> None:
+        """Relay the actor's Progress, text outputs and Chunks for the request, then hand its
+        Result to the pending request (or fail it)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
         try:
-            result = await ref
+            async for ref in replies:
+                reply = await ref
+                if isinstance(reply, Result):
+                    reply.metrics["replica"] = self.replica
+                    self.pending.resolve(reply)
+                    return
+                if isinstance(reply, Chunk):
+                    self.pending.stream(reply)
+                else:
+                    self.pending.progress(reply)
         except (RayActorError, ActorUnavailableError) as exc:
             why = f"{self.name} on {self.node_ip} died: {type(exc).__name__}"
             self.pending.fail(request_id, ReplicaLostError(why))
@@ -364,11 +401,17 @@ class RayReplicaClient:
                 request_id, ReplicaLostError(f"{self.name} on {self.node_ip}: {cause}")
             )
             return
-        except Exception as exc:  # anything else the call raised: this request fails (500)
+        except RayTaskError as exc:  # anything else the call raised: this request fails (500)
             self.pending.fail(request_id, exc)
             return
-        result.metrics["replica"] = self.replica
-        self.pending.resolve(result)
+        except RayError as exc:  # Ray lost the call itself (its worker, its replies)
+            why = f"{self.name} on {self.node_ip}: {type(exc).__name__}"
+            self.pending.fail(request_id, ReplicaLostError(why))
+            return
+        except Exception as exc:
+            self.pending.fail(request_id, exc)
+            return
+        self.pending.fail(request_id, ReplicaLostError(f"{self.name}: no result for the request"))
 
     def cancel(self, request_id: str) -> None:
         if self.actor is not None and self.state == StageState.READY:

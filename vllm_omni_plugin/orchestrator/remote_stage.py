@@ -146,6 +146,9 @@ class RemoteStageClient:
             with contextlib.suppress(OSError):
                 link.send(ToStage(self.stage_id, msg))
 
+    def route(self, request_id: str) -> RemoteStageClient:
+        return self  # one node serves every request
+
     def set_waiting(self, request_id: str, waiting: bool) -> None:
         """The caller holds the stage's window of chunks (or no longer does): both stall
         clocks stop, the head's and the node's own."""

@@ -11,6 +11,12 @@ whose replicas are themselves stage handles (today Ray actors, ray_backend.py).
   DiT): nothing was consumed, and a request with a fixed seed gets exactly the image the dead
   replica would have returned (without a seed, an equally random one). A stage fed by another
   stage's payload is not retried: the dead replica may already have read, and so released, it.
+* Streamed requests (streaming.py) are pinned: the orchestrator asks every stage for the
+  request's replica first (`route`), the least loaded of each, and sends the request's Submit,
+  its channels' address and its Credits to that replica only, so its chunks stay within that
+  chain of replicas (picking each stage's least loaded replica picks the least loaded chain).
+  Such a request is never retried: its chunks may have reached the caller or the next stage;
+  nor is any request whose output (a chat stage's text) reached the caller.
 * Health and restarts stay with each replica (Ray restarts an actor); the set is ready while
   any replica is, and its counters are the sums of its replicas'.
 """
@@ -135,7 +141,8 @@ class ReplicaSet:
 
     @property
     def edge_address(self) -> str | None:
-        return None  # a request's replica is picked at its submit: no one address
+        """A ready replica's (each streamed request uses its own replica's: `route`)."""
+        return next((r.edge_address for r in self.replicas if r.ready), None)
 
     def send_stream(self, msg: Any) -> None:
         replica = self._routes.get(msg.request_id)
@@ -147,6 +154,20 @@ class ReplicaSet:
         if replica is not None:
             replica.set_waiting(request_id, waiting)
 
+    def route(self, request_id: str) -> StageHandle:
+        """Pin the request to the ready replica with the fewest requests in flight."""
+        replica = self._pick(exclude=[])
+        if replica is None:
+            raise StageUnavailableError(self._none_ready())
+        self._remember(request_id, replica)
+        return replica
+
+    def _none_ready(self) -> str:
+        return (
+            f"stage {self.stage_id} ({self.kind}): none of its {len(self.replicas)} replicas "
+            f"is ready ({self.describe_state()})"
+        )
+
     async def submit(
         self,
         msg: Submit,
@@ -154,19 +175,40 @@ class ReplicaSet:
         on_stream: Any = None,
     ) -> Result:
         tried: list[Any] = []
+        # Whether any of the request's output (a chat stage's text, a final stage's chunks)
+        # reached the caller: then it is never retried. Progress is only a report: a retried
+        # request reports its steps again.
+        relayed: list[bool] = []
+
+        def progress(out: Any) -> None:
+            if not isinstance(out, Progress):
+                relayed.append(True)
+            if on_progress is not None:
+                on_progress(out)
+
+        def stream(chunk: Any) -> None:
+            relayed.append(True)
+            on_stream(chunk)
+
         while True:
             replica = self._pick(exclude=tried)
             if replica is None:
-                raise StageUnavailableError(
-                    f"stage {self.stage_id} ({self.kind}): none of its "
-                    f"{len(self.replicas)} replicas is ready ({self.describe_state()})"
-                )
+                raise StageUnavailableError(self._none_ready())
             tried.append(replica)
             self._remember(msg.request_id, replica)
             try:
-                return await replica.submit(msg, on_progress=on_progress, on_stream=on_stream)
+                return await replica.submit(
+                    msg,
+                    on_progress=progress,
+                    on_stream=stream if on_stream is not None else None,
+                )
             except ReplicaLostError as exc:
-                if not self.retry_lost or len(tried) > 1 or self._pick(exclude=tried) is None:
+                streamed = getattr(msg, "stream_output", False) or getattr(
+                    msg, "stream_inputs", None
+                )
+                if relayed or streamed or not self.retry_lost or len(tried) > 1:
+                    raise
+                if self._pick(exclude=tried) is None:
                     raise
                 self.retried += 1
                 logger.warning("%s; retrying %s on another replica", exc, msg.request_id)

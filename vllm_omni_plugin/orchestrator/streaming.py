@@ -123,6 +123,11 @@ class StreamedRun:
         self.client: dict[int, ClientRelay] = {}
         self.stage_s = 0.0
         self.metrics: dict[str, Any] = {}
+        # Each stage's handle for this request, fixed before any Submit: a replicated stage's
+        # replica gets the request's Submit, its channels and its Credits (replicas.py).
+        self.handles: dict[int, StageHandle] = {
+            spec.stage_id: orch.stages[spec.stage_id].route(request_id) for spec in orch.order
+        }
         topo = orch.cfg.topology
         for spec in orch.order:
             for src in spec.inputs:
@@ -130,7 +135,7 @@ class StreamedRun:
                     self.edges[(src, spec.stage_id)] = secrets.token_hex(16)
             if spec.stream_output and spec.stage_id in orch.final_ids:
                 self.client[spec.stage_id] = ClientRelay(
-                    request_id, orch.stages[spec.stage_id], spec.stream_window, sink
+                    request_id, self.handles[spec.stage_id], spec.stream_window, sink
                 )
 
     async def run(self) -> dict[int, Any]:
@@ -143,7 +148,7 @@ class StreamedRun:
         except BaseException:
             for sid, task in self.tasks.items():
                 if task.done():  # finished: release what it emitted for the request
-                    self.orch.stages[sid].cancel(self.request_id)
+                    self.handles[sid].cancel(self.request_id)
                 task.cancel()  # a cancelled submit cancels the request in its stage
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
             raise
@@ -169,7 +174,7 @@ class StreamedRun:
         edge = (sid, to_stage)
         stream_to = None
         if edge in self.edges:
-            stream_to = orch.stages[to_stage].edge_address
+            stream_to = self.handles[to_stage].edge_address
             if stream_to is None:  # restarting: its Submit fails the request the same way
                 raise StageUnavailableError(f"stage {to_stage} is not ready")
         msg = Submit(
@@ -188,7 +193,7 @@ class StreamedRun:
                 src: orch.cfg.topology.stage(src).stream_window for src in streamed
             },
         )
-        result = await orch.stages[sid].submit(
+        result = await self.handles[sid].submit(
             msg,
             on_progress=self.on_progress,
             on_stream=self._relay_for(sid) if sid in self.client else None,

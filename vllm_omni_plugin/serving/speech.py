@@ -225,7 +225,10 @@ class SpeechService:
             yield error_chunk(exc.body())
             yield DONE
         except Exception as exc:  # a stage failed or died after the 200 went out
-            outcome = "503" if type(exc).__name__ == "StageUnavailableError" else "500"
+            from ..orchestrator import StageUnavailableError
+
+            # Its subclasses too: a lost Ray replica (ReplicaLostError) is a 503 as well.
+            outcome = "503" if isinstance(exc, StageUnavailableError) else "500"
             status = int(outcome)
             yield error_chunk(APIError(status, str(exc)).body())
             yield DONE
