@@ -97,9 +97,9 @@ def test_ray_layout_two_replicas_of_every_stage():
     assert [replica_resources(s, "cuda") for s in gpu.stages] == [
         {"num_cpus": 1, "num_gpus": 1}
     ] * 3
-    assert gpu.stage(1).cache.gpu_memory_utilization == 0.9
+    assert gpu.stage(1).talker.gpu_memory_utilization == 0.9
     assert gpu.stage(1).sampling.max_tokens == 4096  # the rest is qwen3_omni.yaml's
-    assert gpu.stage(2).diffusion.device == "cuda"
+    assert gpu.stage(2).code2wav.device == "cuda"
     tiny = load_deploy_config("qwen3_omni_ray_tiny")
     assert uses_ray(tiny) and [s.num_replicas for s in tiny.stages] == [2, 2, 2]
     assert [replica_resources(s, "cpu") for s in tiny.stages] == [
