@@ -43,45 +43,80 @@ def _margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.fixture(scope="module")
-def references(omni_model, omni_dir):
-    """prompt -> (prompt ids, transformers' greedy output, number of leading frames without a
-    near-tie)."""
+def _reference(omni_model, ids: torch.Tensor, **media):
+    """(transformers' greedy output, number of leading frames without a near-tie)."""
     talker = omni_model.talker
     tcfg = omni_model.config.talker_config
     from vllm_omni_plugin.models.qwen3_omni.talker import suppressed_codec_ids
 
     suppressed = suppressed_codec_ids(tcfg.text_config.vocab_size, tcfg.codec_eos_token_id)
+    heads: list[list[float]] = [[] for _ in range(tcfg.num_code_groups)]
+
+    def record(group):
+        def hook(_module, _args, logits):
+            last = logits[0, -1]
+            if group == 0:
+                last = last.masked_fill(suppressed, float("-inf"))
+            heads[group].append(_margin(last))
+
+        return hook
+
+    hooks = [talker.codec_head.register_forward_hook(record(0))]
+    hooks += [
+        head.register_forward_hook(record(j + 1))
+        for j, head in enumerate(talker.code_predictor.lm_head)
+    ]
+    try:
+        ref = reference_generate(
+            omni_model, ids, thinker_max_new_tokens=6, max_frames=MAX_FRAMES, **media
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    margins = [min(h[f] for h in heads) for f in range(ref.num_frames)]
+    clear = next((f for f, m in enumerate(margins) if m < NEAR_TIE), ref.num_frames)
+    return ref, clear
+
+
+@pytest.fixture(scope="module")
+def references(omni_model, omni_dir):
+    """prompt -> (prompt ids, transformers' greedy output, number of leading frames without a
+    near-tie)."""
     out = {}
     for p in PROMPTS:
-        heads: list[list[float]] = [[] for _ in range(tcfg.num_code_groups)]
-
-        def record(group, heads=heads):
-            def hook(_module, _args, logits):
-                last = logits[0, -1]
-                if group == 0:
-                    last = last.masked_fill(suppressed, float("-inf"))
-                heads[group].append(_margin(last))
-
-            return hook
-
-        hooks = [talker.codec_head.register_forward_hook(record(0))]
-        hooks += [
-            head.register_forward_hook(record(j + 1))
-            for j, head in enumerate(talker.code_predictor.lm_head)
-        ]
-        try:
-            ids = chat_input_ids(omni_dir, p)
-            ref = reference_generate(
-                omni_model, ids, thinker_max_new_tokens=6, max_frames=MAX_FRAMES
-            )
-        finally:
-            for h in hooks:
-                h.remove()
-        margins = [min(h[f] for h in heads) for f in range(ref.num_frames)]
-        clear = next((f for f, m in enumerate(margins) if m < NEAR_TIE), ref.num_frames)
-        out[p] = (ids[0].tolist(), ref, clear)
+        ids = chat_input_ids(omni_dir, p)
+        out[p] = (ids[0].tolist(), *_reference(omni_model, ids))
     return out
+
+
+@pytest.fixture(scope="module")
+def audio_reference(omni_model, omni_dir):
+    """An `input_audio` prompt (1 s of 440 Hz) through transformers' processor: (prompt ids,
+    the thinker's hidden states at its media positions as transformers' generate reads them,
+    transformers' greedy output, leading frames without a near-tie)."""
+    import json
+
+    import numpy as np
+
+    from .thinker_states_common import chat_prompt, processor_for
+
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
+    with processor_for(omni_dir) as processor:
+        text = chat_prompt(
+            processor, [{"type": "text", "text": "What is this?"}, {"type": "audio"}]
+        )
+        inputs = processor(text=[text], audio=[tone], return_tensors="pt")
+    ids = inputs.pop("input_ids")
+    layer = json.loads((omni_dir / "config.json").read_text())["talker_config"][
+        "accept_hidden_layer"
+    ]
+    with torch.no_grad():
+        states = omni_model.thinker(input_ids=ids, output_hidden_states=True, **inputs)
+    cfg = omni_model.config.thinker_config
+    media = torch.isin(ids[0], torch.tensor([cfg.audio_token_id, cfg.image_token_id]))
+    assert int(media.sum()) > 4
+    hidden = states.hidden_states[layer][0][media]
+    return (ids[0].tolist(), hidden, *_reference(omni_model, ids, **inputs))
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +144,18 @@ def llm(omni_dir):
 
 
 def _generate(llm, conditioner, talker_config, requests, **sampling) -> list[torch.Tensor]:
-    """requests: [(prompt ids, thinker text ids)] in one batch -> each one's frames [G, n]."""
+    """requests: [(prompt ids, thinker text ids[, media hidden states])] in one batch -> each
+    one's frames [G, n]."""
     from vllm_omni_plugin.models.qwen3_omni.talker_runner import (
         frame_sampling_params,
         frames_from_logprobs,
     )
 
     speaker = talker_config.speaker_id["ethan"]
-    prompts = [{"prompt_embeds": conditioner.prefill(i, t[0], speaker)} for i, t in requests]
-    params = [frame_sampling_params(talker_config, t, MAX_FRAMES, **sampling) for _, t in requests]
+    prompts = [
+        {"prompt_embeds": conditioner.prefill(r[0], r[1][0], speaker, *r[2:])} for r in requests
+    ]
+    params = [frame_sampling_params(talker_config, r[1], MAX_FRAMES, **sampling) for r in requests]
     outs = llm.generate(prompts, params, use_tqdm=False)
     text = talker_config.text_config
     frames = []
@@ -189,3 +227,32 @@ def test_vllm_talker_penalty_ignores_earlier_requests(llm, conditioner, talker_c
     run(short_ids, short_ref.text_ids)
     assert first.shape[1] > 1
     assert torch.equal(run(long_ids, long_ref.text_ids), first)
+
+
+def test_vllm_talker_audio_prompt_frames_equal_transformers(
+    llm, conditioner, talker_config, audio_reference, references
+):
+    """An audio prompt: the prefill reads the thinker's hidden states at the audio positions
+    (`hidden_projection`) and text embeddings elsewhere, as transformers' generate builds it
+    (whose talker runs 1-D positions for audio prompts, as vLLM's does here): every frame
+    equals transformers' exactly up to the first near-tie (NEAR_TIE). Batched with two text
+    prompts, each gives what it gives alone."""
+    ids, hidden, ref, clear = audio_reference
+    assert clear > 1
+    (alone,) = _generate(llm, conditioner, talker_config, [(ids, ref.text_ids, hidden)], **GREEDY)
+    if clear == ref.num_frames:
+        assert alone.shape == ref.codes.shape
+    assert torch.equal(alone[:, :clear], ref.codes[:, :clear])
+    # The states matter: zeros in their place speak otherwise.
+    (other,) = _generate(
+        llm, conditioner, talker_config, [(ids, ref.text_ids, torch.zeros_like(hidden))], **GREEDY
+    )
+    assert not torch.equal(other[:, :clear], alone[:, :clear])
+    texts = [references[p] for p in PROMPTS[:2]]
+    requests = [(i, r.text_ids) for i, r, _ in texts]
+    got = _generate(
+        llm, conditioner, talker_config, [*requests, (ids, ref.text_ids, hidden)], **GREEDY
+    )
+    assert torch.equal(got[-1][:, :clear], ref.codes[:, :clear])
+    for frames, (_, text_ref, text_clear) in zip(got[:2], texts, strict=True):
+        assert torch.equal(frames[:, :text_clear], text_ref.codes[:, :text_clear])

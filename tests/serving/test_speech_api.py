@@ -106,17 +106,21 @@ def test_bad_speech_requests_are_400s_naming_the_field(fields, param, code):
     assert body["type"] == "invalid_request_error"
 
 
-def test_speech_for_media_inputs_is_a_400_not_yet_supported():
-    """Audio within the bound passes the audio checks, then speech for a prompt with media is
-    refused (the talker would need the thinker's hidden states at those positions)."""
-    for messages in (
-        audio_message(wav_b64(1.0)),
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+def test_speech_for_audio_inputs_passes_and_for_images_or_video_is_a_400():
+    """Audio within the bound passes (the talker reads the thinker's hidden states at its
+    positions); speech for a prompt with an image or a video part is refused (the talker would
+    need 3-D positions for them), also when the part sits among text and audio parts."""
+    audio = audio_message(wav_b64(1.0))
+    assert check(chat_request(**{**SPEECH, "messages": audio})).voice
+    for part in (
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+        {"type": "video_url", "video_url": {"url": "data:,"}},
     ):
+        content = [{"type": "text", "text": "and this?"}, *audio[0]["content"], part]
         with pytest.raises(APIError) as err:
-            check(chat_request(**{**SPEECH, "messages": messages}))
+            check(chat_request(**{**SPEECH, "messages": [{"role": "user", "content": content}]}))
         assert (err.value.status, err.value.code) == (400, "unsupported_modality")
-        assert "not supported yet" in err.value.message
+        assert f"{part['type']} inputs are not supported yet" in err.value.message
 
 
 def test_speech_of_a_text_only_deployment_is_a_400():

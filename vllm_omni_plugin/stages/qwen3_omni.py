@@ -187,7 +187,8 @@ class TalkerStage(AsyncStageLoop):
     (models/qwen3_omni/talker.py), many requests per step; at most `max_tokens` frames.
 
     A request starts on the thinker's first id (its prefill embeds the prompt and that id,
-    models/qwen3_omni/prompt.py); the rest of the thinker's text streams into the engine's worker
+    models/qwen3_omni/prompt.py; for a prompt with media, also the thinker's hidden states at
+    those positions, which arrive before the ids: stages/thinker_media.py); the rest of the thinker's text streams into the engine's worker
     through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames leave as
     the engine writes them."""
 
@@ -262,18 +263,24 @@ class TalkerStage(AsyncStageLoop):
         speaker = speakers.get((msg.params.voice or "").lower())
         if speaker is None:
             raise RequestRefused(f"unknown voice {msg.params.voice!r}", "audio.voice")
+        num_media = self.conditioner.media_positions(prompt_ids)
         try:
-            self.conditioner.check_prompt(prompt_ids, has_hidden=False)
+            self.conditioner.check_prompt(prompt_ids, has_hidden=num_media > 0)
         except ValueError as exc:
             raise RequestRefused(str(exc), "messages") from None
         (source,) = msg.stream_inputs
         chunks = self.chunks(msg, source).__aiter__()
+        media_hidden = None
+        if num_media:  # the thinker's states at the media positions come first
+            media_hidden = await self._media_hidden(chunks, num_media)
+            if media_hidden is None:
+                return Result(rid, metrics={"codec_frames": 0})
         first = await _next_ids(chunks)
         if not first:  # the thinker wrote nothing: nothing to say
             await _drain(chunks)
             return Result(rid, metrics={"codec_frames": 0})
         self.text.send(rid, first)
-        prefill = self.conditioner.prefill(prompt_ids, first[0], speaker)
+        prefill = self.conditioner.prefill(prompt_ids, first[0], speaker, media_hidden)
         params = frame_sampling_params(
             self.talker_config,
             rid,
@@ -304,6 +311,21 @@ class TalkerStage(AsyncStageLoop):
             feeder.cancel()
             self.text.close_request(rid)
         return Result(rid, metrics={"codec_frames": frames})
+
+    async def _media_hidden(self, chunks, num_media: int) -> torch.Tensor | None:
+        """The thinker's first chunk for a prompt with media: its hidden states there,
+        `[num_media, thinker hidden]` (stages/thinker_media.py); None if the stream ended."""
+        try:
+            hidden = await chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+        width = self.conditioner.embed.weight.shape[-1]
+        if not hidden.is_floating_point() or tuple(hidden.shape) != (num_media, width):
+            raise RuntimeError(
+                f"the thinker's media states are {hidden.dtype} {tuple(hidden.shape)}, not "
+                f"[{num_media}, {width}] floats: is its stage's omni_thinker_states on?"
+            )
+        return hidden
 
     def _frames(self, logprobs: list) -> torch.Tensor:
         """New sample logprobs -> frames `[G, n]` (the codec EOS ends the speech: no frame)."""

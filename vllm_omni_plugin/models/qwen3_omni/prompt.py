@@ -60,7 +60,14 @@ class TalkerConditioner:
         if not has_hidden:
             ids = torch.tensor(prompt_ids)
             if bool((self._user_mask(ids) & torch.isin(ids, self.mm_ids.cpu())).any()):
-                raise ValueError("the prompt has audio/image/video: prompt_hidden is required")
+                raise ValueError(
+                    "the prompt has audio/image/video: the thinker's hidden states are required"
+                )
+
+    def media_positions(self, prompt_ids: list[int]) -> int:
+        """How many prompt positions hold an audio/image/video token: the rows of the thinker's
+        `media_hidden` a request with this prompt carries."""
+        return int(torch.isin(torch.tensor(prompt_ids), self.mm_ids.cpu()).sum())
 
     def prefill_length(self, prompt_ids: list[int]) -> int:
         """Positions `prefill` makes of a prompt: its user-turn ids and the 9-entry assistant
@@ -88,9 +95,14 @@ class TalkerConditioner:
         prompt_ids: list[int],
         first_token: int,
         speaker_id: int,
-        prompt_hidden: torch.Tensor | None = None,
+        media_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`[L, talker_hidden]` prefill embeddings of one request (check_prompt passed)."""
+        """`[L, talker_hidden]` prefill embeddings of one request (check_prompt passed).
+
+        `media_hidden` `[media_positions(prompt_ids), thinker_hidden]`: the thinker's hidden
+        state at `accept_hidden_layer` of each audio/image/video position of the prompt, in
+        order (those of the user turns condition the talker); needed when a user turn has
+        media."""
         ids = torch.tensor(prompt_ids, device=self.device)
         user = self._user_mask(ids)
         mm = torch.isin(ids, self.mm_ids.to(ids.device))
@@ -101,7 +113,7 @@ class TalkerConditioner:
         sel_mm = mm[user]
         user_part[~sel_mm] = user_text
         if bool(sel_mm.any()):
-            hidden = prompt_hidden.to(self.device, user_text.dtype)[user & mm]
+            hidden = media_hidden.to(self.device, user_text.dtype)[user[mm]]
             user_part[sel_mm] = self.talker.hidden_projection(hidden)
         a = self._assistant_start(prompt_ids)
         head_ids = torch.tensor(prompt_ids[a : a + 3] + [first_token], device=self.device)

@@ -71,9 +71,12 @@ class ThinkerStatesStore:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
         endpoint: str | None = None,
+        accept_layer: int | None = None,
     ):
         import zmq
 
+        # The decoder-layer input the talker reads (the other captured layer is 0).
+        self.accept_layer = accept_layer
         self.max_request_bytes = max_request_bytes
         self.max_total_bytes = max_total_bytes
         self._dir = None
