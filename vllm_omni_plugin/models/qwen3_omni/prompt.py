@@ -69,6 +69,34 @@ class TalkerConditioner:
         `media_hidden` a request with this prompt carries."""
         return int(torch.isin(torch.tensor(prompt_ids), self.mm_ids.cpu()).sum())
 
+    def positions(self, prompt_ids: list[int], grids: list) -> tuple[torch.Tensor, int]:
+        """(`[3, prefill_length]` positions, decode delta) of the prefill (positions.py);
+        `grids` one VisualGrid per image/video item of the whole prompt, in prompt order (those
+        outside the user turns are not spoken to)."""
+        from .positions import talker_positions
+
+        tcfg = self.config.talker_config
+        visual = (tcfg.image_token_id, tcfg.video_token_id)
+        ids = torch.tensor(prompt_ids)
+        user = self._user_mask(ids).tolist()
+        starts = [
+            i
+            for i, t in enumerate(prompt_ids)
+            if t in visual and (i == 0 or prompt_ids[i - 1] != t)
+        ]
+        if len(starts) != len(grids):
+            raise ValueError(f"{len(starts)} image/video runs in the prompt, {len(grids)} items")
+        spoken = [g for start, g in zip(starts, grids, strict=True) if user[start]]
+        head = [self.config.tts_pad_token_id] * (self.prefill_length(prompt_ids) - sum(user))
+        return talker_positions(
+            ids[torch.tensor(user, dtype=torch.bool)].tolist() + head,
+            spoken,
+            image_token_id=tcfg.image_token_id,
+            video_token_id=tcfg.video_token_id,
+            spatial_merge_size=tcfg.spatial_merge_size,
+            position_id_per_seconds=tcfg.position_id_per_seconds,
+        )
+
     def prefill_length(self, prompt_ids: list[int]) -> int:
         """Positions `prefill` makes of a prompt: its user-turn ids and the 9-entry assistant
         head (3 head ids, 4 pads, text bos, the first generated token)."""
