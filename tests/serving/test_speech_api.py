@@ -106,17 +106,20 @@ def test_bad_speech_requests_are_400s_naming_the_field(fields, param, code):
     assert body["type"] == "invalid_request_error"
 
 
-def test_speech_for_audio_inputs_passes_and_for_images_or_video_is_a_400():
-    """Audio within the bound passes (the talker reads the thinker's hidden states at its
-    positions); speech for a prompt with an image or a video part is refused (the talker would
-    need 3-D positions for them), also when the part sits among text and audio parts."""
+def test_speech_for_audio_and_image_inputs_passes_and_for_video_is_a_400():
+    """Audio within the bound and images pass (the talker reads the thinker's hidden states at
+    their positions, on 3-D positions for images); speech for a prompt with a video part is
+    refused, also when the part sits among text, audio and image parts."""
     audio = audio_message(wav_b64(1.0))
-    assert check(chat_request(**{**SPEECH, "messages": audio})).voice
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    mixed = [{"role": "user", "content": [*audio[0]["content"], image]}]
+    for messages in (audio, mixed):
+        assert check(chat_request(**{**SPEECH, "messages": messages})).voice
     for part in (
-        {"type": "image_url", "image_url": {"url": "data:,"}},
         {"type": "video_url", "video_url": {"url": "data:,"}},
+        {"type": "image_embeds", "image_embeds": "AAAA"},
     ):
-        content = [{"type": "text", "text": "and this?"}, *audio[0]["content"], part]
+        content = [{"type": "text", "text": "and this?"}, *mixed[0]["content"], part]
         with pytest.raises(APIError) as err:
             check(chat_request(**{**SPEECH, "messages": [{"role": "user", "content": content}]}))
         assert (err.value.status, err.value.code) == (400, "unsupported_modality")

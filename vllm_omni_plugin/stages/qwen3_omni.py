@@ -268,6 +268,13 @@ class TalkerStage(AsyncStageLoop):
             self.conditioner.check_prompt(prompt_ids, has_hidden=num_media > 0)
         except ValueError as exc:
             raise RequestRefused(str(exc), "messages") from None
+        positions = None  # 1-D
+        grids = visual_grids(request.mm_features or [])
+        if grids:
+            try:
+                positions = self.conditioner.positions(prompt_ids, grids)
+            except ValueError as exc:
+                raise RequestRefused(str(exc), "messages") from None
         (source,) = msg.stream_inputs
         chunks = self.chunks(msg, source).__aiter__()
         media_hidden = None
@@ -285,6 +292,7 @@ class TalkerStage(AsyncStageLoop):
             self.talker_config,
             rid,
             self.max_frames,
+            positions,
             output_kind=RequestOutputKind.DELTA,
             **{**self.sampling, **msg.params.speech_sampling},
         )
@@ -350,6 +358,25 @@ class TalkerStage(AsyncStageLoop):
             self.engine.shutdown()
         finally:
             self.text.close()
+
+
+def visual_grids(features: list) -> list:
+    """The patch grid of each image and video of a chat request (vLLM's processed items, in
+    prompt order): what the talker's 3-D positions read (models/qwen3_omni/positions.py)."""
+    from ..models.qwen3_omni.positions import VisualGrid
+
+    grids = []
+    for feature in sorted(features, key=lambda f: f.mm_position.offset):
+        if feature.modality not in ("image", "video"):
+            continue
+        if feature.data is None:
+            raise RequestRefused(f"the chat request's {feature.modality} arrived without data")
+        data = feature.data.get_data()
+        t, h, w = (int(v) for v in data[f"{feature.modality}_grid_thw"].reshape(-1).tolist())
+        seconds = data.get("video_second_per_grid")
+        seconds = float(seconds.reshape(-1)[0]) if seconds is not None else 1.0
+        grids.append(VisualGrid(t, h, w, seconds))
+    return grids
 
 
 async def _next_ids(chunks) -> list[int]:
