@@ -30,6 +30,11 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   batch bucket, captured after vLLM's own graphs (predictor_graphs.py). A prompt given as
   embeddings has no codec ids for the repetition penalty to count (`_update_states`).
 
+- positions (`_init_mrope_positions`): the talker keeps its checkpoint's M-RoPE scheme, so
+  vLLM's runner runs 3-D positions; a prompt given as embeddings has no ids to derive them
+  from, so a request brings its own (`extra_args[POSITIONS]`, built by prompt.py for image
+  prompts) or runs 1-D ones (all three components equal: plain rope, as text and audio run).
+
 Per-request frame state lives in the runner, keyed by request id, and ends with the request.
 Synchronous scheduling only: the step reads the previous step's codes on the host.
 """
