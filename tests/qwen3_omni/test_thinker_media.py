@@ -64,3 +64,22 @@ def test_take_returns_the_media_rows_of_the_accept_layer_and_releases(store):
     positions = torch.tensor([2, 3, 4, 6], dtype=torch.float32)
     torch.testing.assert_close(got, -positions[:, None].expand(4, DIM))
     assert store.held_bytes == 0 and store.keys() == []
+
+
+def test_a_prompt_too_big_to_hold_is_a_400_naming_the_bound():
+    """A prompt whose states pass the request's `max_request_bytes` fails with a 400 naming
+    the setting (its states are dropped, nothing stays held)."""
+    row = DIM * 4 * len(LAYERS)
+    store = ThinkerStatesStore(max_request_bytes=6 * row, accept_layer=LAYERS[1])
+    worker = Worker(store.endpoint)
+    try:
+        media = ThinkerMedia(store, CONFIG)
+        media.opt_in("big", SamplingParams())
+        worker.step(("big", 0, 9))  # the whole prompt in one prefill step
+        with pytest.raises(RequestValidationError, match="max_request_bytes") as err:
+            asyncio.run(media.take("big", media.media_mask(PROMPT)))
+        assert err.value.field == "messages"
+        assert store.held_bytes == 0 and store.keys() == []
+    finally:
+        worker.close()
+        store.close()

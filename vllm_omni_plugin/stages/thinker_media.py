@@ -71,6 +71,14 @@ class ThinkerMedia:
         try:
             store.finish(request_id, len(mask))  # the prompt's positions only
             states = await asyncio.to_thread(store.collect, request_id, PROMPT_STATES_TIMEOUT_S)
+        except thinker_states.StatesOverflow as exc:
+            if exc.own:  # this prompt alone is too big to hold (not the stage's load)
+                raise RequestValidationError(
+                    "messages",
+                    f"the prompt is too long for a spoken answer ({exc}; the thinker stage's "
+                    f"{thinker_states.ADDITIONAL_CONFIG_KEY}.max_request_bytes)",
+                ) from None
+            raise
         finally:
             store.release(request_id)
         hidden = states.layers[store.accept_layer]
