@@ -5,6 +5,9 @@ behind a streamed edge.
     thinker (vLLM, stage 0) ==int64 ids==> talker (1) ==int64 [G, n] frames==> Code2Wav (2)
                                                               ==float32 samples==> API server
 
+(For a prompt with audio or images the thinker's first chunk is its hidden states at those
+positions, `[media positions, hidden]` floats: stages/thinker_media.py.)
+
 The talker stage drives an AsyncLLM: one task per request prefills from the request's own chat
 request (vLLM's EngineCoreRequest, rendered by the API server's chat template), its voice and
 the thinker's first token, streams the rest of the thinker's text into the engine's worker
@@ -188,9 +191,10 @@ class TalkerStage(AsyncStageLoop):
 
     A request starts on the thinker's first id (its prefill embeds the prompt and that id,
     models/qwen3_omni/prompt.py; for a prompt with media, also the thinker's hidden states at
-    those positions, which arrive before the ids: stages/thinker_media.py); the rest of the thinker's text streams into the engine's worker
-    through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames leave as
-    the engine writes them."""
+    those positions, which arrive before the ids (stages/thinker_media.py), on the 3-D
+    positions of its images' grids); the rest of the thinker's text streams into the engine's
+    worker through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames
+    leave as the engine writes them."""
 
     def __init__(self, init: Any, conn: Any):
         super().__init__(init, conn)
