@@ -19,8 +19,9 @@ PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
 
 def talker_hf_config(config: Any) -> Any:
     """vLLM's `hf_overrides` callable for the talker stage: the checkpoint's
-    `Qwen3OmniMoeConfig` -> its `talker_config`, with our architecture (and its 3-D M-RoPE scheme: the talker's runner
-    gives each request its positions, models/qwen3_omni/talker_runner.py).
+    `Qwen3OmniMoeConfig` -> its `talker_config`, with our architecture. Its 3-D M-RoPE
+    scheme stays: the talker's runner gives each request its positions
+    (models/qwen3_omni/talker_runner.py).
 
     A module-level function so the engine config pickles into vLLM's engine-core process.
     A config without a talker (vLLM probes the callable with a bare config) passes through."""
