@@ -33,9 +33,9 @@ the source declares (its dist-info or vllm/_version.py):
   `OpenAIServingChat.render_chat_request` / `default_sampling_params`,
   `ChatCompletionRequest.to_sampling_params`, vLLM's chat route's parameters;
 * the talker's V1 model-runner seams (`check_talker_runner`): the worker builds its runner in
-  `init_device`; `_preprocess` / `_sample` / `execute_model` / `get_model` / `capture_model`
-  (called after the KV cache, unless enforce_eager), the request state fields,
-  `LogprobsTensors` / `SamplerOutput`, per-request logprobs slicing;
+  `init_device`; `_preprocess` / `_sample` / `execute_model` / `get_model` /
+  `_init_mrope_positions` / `capture_model` (called after the KV cache, unless enforce_eager),
+  the request state fields, `LogprobsTensors` / `SamplerOutput`, per-request logprobs slicing;
 * `engine_fields(minor)` equals the wheel's EngineArgs/AsyncEngineArgs fields, both ways, with
   matching coarse types where the annotation is a plain type.
 

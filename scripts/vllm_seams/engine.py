@@ -158,7 +158,8 @@ def check_fixed_kv_cache_skips_profiling(r: Report) -> None:
 def check_talker_runner(r: Report) -> None:
     """models/qwen3_omni/talker_runner.py: the talker's worker builds vLLM's V1 model runner in
     `init_device` and mixes `TalkerRunnerMixin` into it, which overrides `_preprocess`,
-    `_sample`, `_update_states`, `execute_model` and `capture_model` (which the worker calls
+    `_sample`, `_update_states`, `execute_model`, `_init_mrope_positions` (setting a request
+    state's `mrope_positions` / `mrope_position_delta`) and `capture_model` (which the worker calls
     after the KV cache is allocated, only without `enforce_eager`; the runner's returns early
     when `compilation_config.cudagraph_mode` is NONE), marks prompt-embeds rows of the input
     batch's token table and sampling metadata, reads `input_batch.req_ids`, `requests` (their
@@ -209,6 +210,7 @@ def check_talker_runner(r: Report) -> None:
             "get_model": [],
             "_update_states": ["scheduler_output"],
             "capture_model": [],
+            "_init_mrope_positions": ["req_state"],
         }
         for name, args in want.items():
             m = class_method(runner, name)
@@ -235,7 +237,14 @@ def check_talker_runner(r: Report) -> None:
     state = _fn(r, "vllm.v1.worker.gpu_input_batch", "CachedRequestState", "talker")
     if isinstance(state, ast.ClassDef):
         text = ast.unparse(state)
-        for attr in ("num_computed_tokens", "self.num_prompt_tokens", "sampling_params"):
+        for attr in (
+            "num_computed_tokens",
+            "self.num_prompt_tokens",
+            "sampling_params",
+            "prompt_embeds",
+            "mrope_positions",
+            "mrope_position_delta",
+        ):
             r.check(attr in text, f"talker: CachedRequestState has no {attr}")
     batch = _fn(r, "vllm.v1.worker.gpu_input_batch", "InputBatch", "talker")
     if isinstance(batch, ast.ClassDef):

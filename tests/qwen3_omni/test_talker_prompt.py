@@ -53,6 +53,6 @@ def test_prompts_the_talker_cannot_speak_for_are_refused(conditioner, omni_dir):
         conditioner.check_prompt(ids[:-1], has_hidden=False)
     audio = conditioner.config.thinker_config.audio_token_id
     with_audio = ids[:3] + [audio] + ids[3:]
-    with pytest.raises(ValueError, match="prompt_hidden is required"):
+    with pytest.raises(ValueError, match="hidden states are required"):
         conditioner.check_prompt(with_audio, has_hidden=False)
     conditioner.check_prompt(with_audio, has_hidden=True)

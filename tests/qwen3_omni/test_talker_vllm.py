@@ -43,45 +43,105 @@ def _margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.fixture(scope="module")
-def references(omni_model, omni_dir):
-    """prompt -> (prompt ids, transformers' greedy output, number of leading frames without a
-    near-tie)."""
+def _reference(omni_model, ids: torch.Tensor, **media):
+    """(transformers' greedy output, number of leading frames without a near-tie)."""
     talker = omni_model.talker
     tcfg = omni_model.config.talker_config
     from vllm_omni_plugin.models.qwen3_omni.talker import suppressed_codec_ids
 
     suppressed = suppressed_codec_ids(tcfg.text_config.vocab_size, tcfg.codec_eos_token_id)
+    heads: list[list[float]] = [[] for _ in range(tcfg.num_code_groups)]
+
+    def record(group):
+        def hook(_module, _args, logits):
+            last = logits[0, -1]
+            if group == 0:
+                last = last.masked_fill(suppressed, float("-inf"))
+            heads[group].append(_margin(last))
+
+        return hook
+
+    hooks = [talker.codec_head.register_forward_hook(record(0))]
+    hooks += [
+        head.register_forward_hook(record(j + 1))
+        for j, head in enumerate(talker.code_predictor.lm_head)
+    ]
+    try:
+        ref = reference_generate(
+            omni_model, ids, thinker_max_new_tokens=6, max_frames=MAX_FRAMES, **media
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    margins = [min(h[f] for h in heads) for f in range(ref.num_frames)]
+    clear = next((f for f, m in enumerate(margins) if m < NEAR_TIE), ref.num_frames)
+    return ref, clear
+
+
+@pytest.fixture(scope="module")
+def references(omni_model, omni_dir):
+    """prompt -> (prompt ids, transformers' greedy output, number of leading frames without a
+    near-tie)."""
     out = {}
     for p in PROMPTS:
-        heads: list[list[float]] = [[] for _ in range(tcfg.num_code_groups)]
-
-        def record(group, heads=heads):
-            def hook(_module, _args, logits):
-                last = logits[0, -1]
-                if group == 0:
-                    last = last.masked_fill(suppressed, float("-inf"))
-                heads[group].append(_margin(last))
-
-            return hook
-
-        hooks = [talker.codec_head.register_forward_hook(record(0))]
-        hooks += [
-            head.register_forward_hook(record(j + 1))
-            for j, head in enumerate(talker.code_predictor.lm_head)
-        ]
-        try:
-            ids = chat_input_ids(omni_dir, p)
-            ref = reference_generate(
-                omni_model, ids, thinker_max_new_tokens=6, max_frames=MAX_FRAMES
-            )
-        finally:
-            for h in hooks:
-                h.remove()
-        margins = [min(h[f] for h in heads) for f in range(ref.num_frames)]
-        clear = next((f for f, m in enumerate(margins) if m < NEAR_TIE), ref.num_frames)
-        out[p] = (ids[0].tolist(), ref, clear)
+        ids = chat_input_ids(omni_dir, p)
+        out[p] = (ids[0].tolist(), *_reference(omni_model, ids))
     return out
+
+
+def _media_reference(omni_model, omni_dir, kind: str):
+    """A prompt with one media part through transformers' processor: (prompt ids, the
+    thinker's hidden states at its media positions as transformers' generate reads them, the
+    items' grids (images), the talker's prefill positions in transformers `[3, L]`,
+    transformers' greedy output, leading frames without a near-tie)."""
+    import json
+
+    import numpy as np
+
+    from vllm_omni_plugin.models.qwen3_omni.positions import VisualGrid
+
+    from .thinker_states_common import chat_prompt, processor_for, random_image
+
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
+    media = {"audio": {"audio": [tone]}, "image": {"images": [random_image()]}}[kind]
+    with processor_for(omni_dir) as processor:
+        text = chat_prompt(processor, [{"type": "text", "text": "What is this?"}, {"type": kind}])
+        inputs = processor(text=[text], return_tensors="pt", **media)
+    ids = inputs.pop("input_ids")
+    layer = json.loads((omni_dir / "config.json").read_text())["talker_config"][
+        "accept_hidden_layer"
+    ]
+    with torch.no_grad():
+        states = omni_model.thinker(input_ids=ids, output_hidden_states=True, **inputs)
+    cfg = omni_model.config.thinker_config
+    mask = torch.isin(ids[0], torch.tensor([cfg.audio_token_id, cfg.image_token_id]))
+    assert int(mask.sum()) >= 4
+    hidden = states.hidden_states[layer][0][mask]
+    grids = [VisualGrid(*map(int, g)) for g in inputs.get("image_grid_thw", [])]
+    prefill_positions = []
+
+    def record(_module, _args, kwargs):
+        if kwargs["inputs_embeds"].shape[1] > 1:
+            prefill_positions.append(kwargs["position_ids"])
+
+    hook = omni_model.talker.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        ref = _reference(omni_model, ids, **inputs)
+    finally:
+        hook.remove()
+    # [4, 1, L] (text row, then the three M-RoPE rows): the three rows, as vLLM takes them.
+    (positions,) = prefill_positions
+    return ids[0].tolist(), hidden, grids, positions[1:, 0].long(), *ref
+
+
+@pytest.fixture(scope="module")
+def audio_reference(omni_model, omni_dir):
+    return _media_reference(omni_model, omni_dir, "audio")
+
+
+@pytest.fixture(scope="module")
+def image_reference(omni_model, omni_dir):
+    return _media_reference(omni_model, omni_dir, "image")
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +169,21 @@ def llm(omni_dir):
 
 
 def _generate(llm, conditioner, talker_config, requests, **sampling) -> list[torch.Tensor]:
-    """requests: [(prompt ids, thinker text ids)] in one batch -> each one's frames [G, n]."""
+    """requests: [(prompt ids, thinker text ids[, media hidden states[, 3-D positions]])] in
+    one batch -> each one's frames [G, n]."""
     from vllm_omni_plugin.models.qwen3_omni.talker_runner import (
         frame_sampling_params,
         frames_from_logprobs,
     )
 
     speaker = talker_config.speaker_id["ethan"]
-    prompts = [{"prompt_embeds": conditioner.prefill(i, t[0], speaker)} for i, t in requests]
-    params = [frame_sampling_params(talker_config, t, MAX_FRAMES, **sampling) for _, t in requests]
+    prompts = [
+        {"prompt_embeds": conditioner.prefill(r[0], r[1][0], speaker, *r[2:3])} for r in requests
+    ]
+    params = [
+        frame_sampling_params(talker_config, r[1], MAX_FRAMES, *r[3:4], **sampling)
+        for r in requests
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     text = talker_config.text_config
     frames = []
@@ -189,3 +255,58 @@ def test_vllm_talker_penalty_ignores_earlier_requests(llm, conditioner, talker_c
     run(short_ids, short_ref.text_ids)
     assert first.shape[1] > 1
     assert torch.equal(run(long_ids, long_ref.text_ids), first)
+
+
+def test_vllm_talker_audio_prompt_frames_equal_transformers(
+    llm, conditioner, talker_config, audio_reference, references
+):
+    """An audio prompt: the prefill reads the thinker's hidden states at the audio positions
+    (`hidden_projection`) and text embeddings elsewhere, as transformers' generate builds it
+    (whose talker runs 1-D positions for audio prompts, as vLLM's does here): every frame
+    equals transformers' exactly up to the first near-tie (NEAR_TIE). Batched with two text
+    prompts, each gives what it gives alone."""
+    ids, hidden, _, positions, ref, clear = audio_reference
+    torch.testing.assert_close(positions, torch.arange(positions.shape[1]).expand(3, -1))
+    assert clear > 1
+    (alone,) = _generate(llm, conditioner, talker_config, [(ids, ref.text_ids, hidden)], **GREEDY)
+    if clear == ref.num_frames:
+        assert alone.shape == ref.codes.shape
+    assert torch.equal(alone[:, :clear], ref.codes[:, :clear])
+    # The states matter: zeros in their place speak otherwise.
+    (other,) = _generate(
+        llm, conditioner, talker_config, [(ids, ref.text_ids, torch.zeros_like(hidden))], **GREEDY
+    )
+    assert not torch.equal(other[:, :clear], alone[:, :clear])
+    texts = [references[p] for p in PROMPTS[:2]]
+    requests = [(i, r.text_ids) for i, r, _ in texts]
+    got = _generate(
+        llm, conditioner, talker_config, [*requests, (ids, ref.text_ids, hidden)], **GREEDY
+    )
+    assert torch.equal(got[-1][:, :clear], ref.codes[:, :clear])
+    for frames, (_, text_ref, text_clear) in zip(got[:2], texts, strict=True):
+        assert torch.equal(frames[:, :text_clear], text_ref.codes[:, :text_clear])
+
+
+def test_vllm_talker_image_prompt_frames_equal_transformers(
+    llm, conditioner, talker_config, image_reference, references
+):
+    """An image prompt: the prefill reads the thinker's states at the image positions, and the
+    talker runs transformers' 3-D positions (the image's merged patch grid, the text after it
+    one past the grid's largest; positions.py), computed from the prompt's grid equal to those
+    transformers' talker ran: every frame equals transformers' exactly up to the first near-tie
+    (NEAR_TIE). Batched with a text prompt (1-D positions), each gives what it gives alone."""
+    ids, hidden, grids, want, ref, clear = image_reference
+    assert clear >= 1
+    positions = conditioner.positions(ids, grids)
+    torch.testing.assert_close(positions[0], want, atol=0, rtol=0)
+    assert positions[1] == int(want.max()) + 1 - want.shape[1] < 0
+    request = (ids, ref.text_ids, hidden, positions)
+    (alone,) = _generate(llm, conditioner, talker_config, [request], **GREEDY)
+    if clear == ref.num_frames:
+        assert alone.shape == ref.codes.shape
+    assert torch.equal(alone[:, :clear], ref.codes[:, :clear])
+    text_ids, text_ref, text_clear = references[PROMPTS[0]]
+    pair = [(text_ids, text_ref.text_ids), request]
+    got = _generate(llm, conditioner, talker_config, pair, **GREEDY)
+    assert torch.equal(got[0][:, :text_clear], text_ref.codes[:, :text_clear])
+    assert torch.equal(got[1][:, :clear], ref.codes[:, :clear])

@@ -157,9 +157,10 @@ def test_global_bound_fails_the_request_that_passes_it(store, worker):
 
 
 def test_stage_config_opt_in_configures_the_engine(omni_dir, monkeypatch):
-    """`additional_config: {omni_thinker_states: {}}` on the thinker stage: the engine arguments
-    the AR stage builds get our worker, prefix caching off, V1 runner, the layers (0 and the
-    checkpoint's accept_hidden_layer) and the store's endpoint. Without it: untouched."""
+    """`additional_config: {omni_thinker_states: {}}` on the thinker stage (the bundled tiny
+    file sets it, for spoken answers to media prompts): the engine arguments the AR stage
+    builds get our worker, prefix caching off, V1 runner, the layers (0 and the checkpoint's
+    accept_hidden_layer) and the store's endpoint. Without it: untouched."""
     import json
     from pathlib import Path
 
@@ -169,14 +170,10 @@ def test_stage_config_opt_in_configures_the_engine(omni_dir, monkeypatch):
     # Recorded so that the test's end restores it (attach sets it in this process).
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")
     tiny = Path(__file__).resolve().parents[2] / "stage_configs" / "qwen3_omni_tiny.yaml"
-    plain = load_deploy_config(tiny, model=str(omni_dir)).stage(0).engine_kwargs()
+    kwargs = load_deploy_config(tiny, model=str(omni_dir)).stage(0).engine_kwargs()
+    assert kwargs["additional_config"] == {ts.ADDITIONAL_CONFIG_KEY: {}}
+    plain = {k: v for k, v in kwargs.items() if k != "additional_config"}
     assert ts.attach(dict(plain)) is None
-    cfg = load_deploy_config(
-        tiny,
-        model=str(omni_dir),
-        stage_overrides={"0": {"additional_config": {ts.ADDITIONAL_CONFIG_KEY: {}}}},
-    )
-    kwargs = cfg.stage(0).engine_kwargs()
     store = ts.attach(kwargs)
     try:
         assert kwargs["worker_cls"] == WORKER_CLS

@@ -11,7 +11,11 @@ Parity, greedy (the thinker at temperature 0, the talker greedy by the server's
   quantization (3e-5); it is ~0.002 here;
 - the streamed pcm16 deltas join to exactly the non-streamed WAV's samples;
 - requests decoded together give what each gives alone within 2 LSB of 16-bit audio (6e-5: a
-  batched decode sums in another order; tests/qwen3_omni bounds it at 1e-4 in float).
+  batched decode sums in another order; tests/qwen3_omni bounds it at 1e-4 in float);
+- `input_audio` and `image_url` prompts answer as transformers does, in text and in speech (the
+  WAV within the same 0.01), alone or batched with text-only prompts. Video is not served by
+  the CPU config at all (transformers' video processor needs torchvision), and speech for it is
+  a 400 (tests/serving/test_speech_api.py).
 """
 
 from __future__ import annotations
@@ -143,58 +147,121 @@ def test_the_thinker_stage_default_sampling_params_apply(omni_speech_server):
     assert chat(omni_speech_server, max_tokens=100, **ignore).usage.completion_tokens == 32
 
 
-def test_audio_input_text_answer_equals_transformers_thinker(
-    omni_speech_server, reference, monkeypatch
-):
-    """An `input_audio` part (1 s of 440 Hz at 16 kHz) answered in text: vLLM's thinker through
-    vLLM's own chat and audio processing gives transformers' thinker's greedy ids (exactly) for
-    the same processor output; speech for it is a 400 (not supported yet)."""
-    import torch
-    from transformers import AutoProcessor
-    from vllm_omni_plugin.entry_points import patches
+MEDIA_QUESTION = "What is this?"
 
+
+def _tone() -> np.ndarray:
+    """1 s of 440 Hz at 16 kHz."""
+    return (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
+
+
+def _image():
+    """64 x 64 random pixels (4 merged patches for the tiny thinker's vision tower)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), "RGB")
+
+
+def media_content(kind: str) -> list[dict]:
+    """A question and one `input_audio` or `image_url` (PNG data URL) part."""
     from vllm_omni_plugin.serving.audio_encode import encode_audio
+
+    if kind == "audio":
+        data = base64.b64encode(encode_audio(_tone(), 16000, "wav")).decode()
+        part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    else:
+        png = io.BytesIO()
+        _image().save(png, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        part = {"type": "image_url", "image_url": {"url": url}}
+    return [{"type": "text", "text": MEDIA_QUESTION}, part]
+
+
+def chat_content(server, content: list[dict], **kw):
+    kw.setdefault("max_tokens", THINKER_TOKENS)
+    return client(server).chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": content}], temperature=0, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def media_references(omni_speech_server):
+    """kind -> (prompt ids, transformers' greedy generate end to end: thinker, talker,
+    Code2Wav) for the same prompt through transformers' processor."""
+    from transformers import AutoProcessor
+
+    from vllm_omni_plugin.entry_points import patches
 
     # transformers' Qwen3-Omni processor here, as in the server: without torchvision it needs
     # patch 7 (entry_points/patches.py), which stage pipelines install.
-    monkeypatch.setenv(patches.STAGE_PIPELINE_ENV, "1")
-    patches.install_torchvision_free_qwen2_vl()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(patches.STAGE_PIPELINE_ENV, "1")
+        patches.install_torchvision_free_qwen2_vl()
+        processor = AutoProcessor.from_pretrained(omni_speech_server.model)
+        model = load_reference_model(omni_speech_server.model)
+        out = {}
+        for kind, media in (("audio", {"audio": [_tone()]}), ("image", {"images": [_image()]})):
+            parts = [{"type": "text", "text": MEDIA_QUESTION}, {"type": kind}]
+            prompt = processor.apply_chat_template(
+                [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+            )
+            inputs = processor(text=[prompt], return_tensors="pt", **media)
+            ids = inputs.pop("input_ids")
+            out[kind] = (
+                ids,
+                reference_generate(
+                    model,
+                    ids,
+                    thinker_max_new_tokens=THINKER_TOKENS,
+                    max_frames=MAX_FRAMES,
+                    **inputs,
+                ),
+            )
+    return out
 
-    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
-    data = base64.b64encode(encode_audio(tone, 16000, "wav")).decode()
-    content = [
-        {"type": "text", "text": "What is this?"},
-        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
-    ]
-    served = client(omni_speech_server).chat.completions.create(
-        model=omni_speech_server.model,
-        messages=[{"role": "user", "content": content}],
-        temperature=0,
-        max_tokens=6,
-        extra_body={"return_token_ids": True},
-    )
-    processor = AutoProcessor.from_pretrained(omni_speech_server.model)
-    prompt = processor.apply_chat_template(
-        [
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "What is this?"}, {"type": "audio"}],
-            }
-        ],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    inputs = processor(text=[prompt], audio=[tone], return_tensors="pt")
-    model = load_reference_model(omni_speech_server.model)
-    with torch.no_grad():
-        out = model.thinker.generate(**inputs, max_new_tokens=6, do_sample=False)
-    assert served.usage.prompt_tokens == inputs["input_ids"].shape[1]
-    assert served.choices[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
-    with pytest.raises(openai.BadRequestError):
-        chat_with = {"messages": [{"role": "user", "content": content}]}
-        client(omni_speech_server).chat.completions.create(
-            model=omni_speech_server.model, **chat_with, **SPEECH
-        )
+
+@pytest.mark.parametrize("kind", ["audio", "image"])
+def test_media_input_answers_equal_transformers(omni_speech_server, media_references, kind):
+    """An `input_audio` or `image_url` part beside text, through vLLM's own chat and media
+    processing:
+    - in text: transformers' thinker's greedy ids (exactly) for the same processor output;
+    - in speech: the same transcript, and the WAV equals transformers' `generate(...,
+      return_audio=True)` within max abs 0.01 (as for text prompts above: chunked Code2Wav plus
+      16-bit quantization): the talker read the thinker's hidden states at the media positions
+      (vLLM's thinker's, within 1e-4 of transformers': tests/qwen3_omni/test_thinker_states.py)
+      and, for the image, ran transformers' 3-D positions.
+    """
+    ids, reference = media_references[kind]
+    content = media_content(kind)
+    served = chat_content(omni_speech_server, content, extra_body={"return_token_ids": True})
+    assert served.usage.prompt_tokens == ids.shape[1]
+    assert served.choices[0].token_ids == reference.text_ids
+    audio = chat_content(omni_speech_server, content, **SPEECH).choices[0].message.audio
+    assert audio.transcript == served.choices[0].message.content
+    samples = wav_samples(audio.data)
+    assert len(samples) == len(reference.waveform) > 1920
+    diff = np.abs(samples / 32768.0 - reference.waveform)
+    assert diff.max() <= 0.01, diff.max()
+
+
+def test_text_audio_and_image_prompts_together_give_what_each_gives_alone(omni_speech_server):
+    """Text-only, audio, image and audio + image prompts spoken at once (batched in each stage)
+    give what each gives alone, within 2 LSB of 16-bit audio."""
+
+    def speak_content(content) -> tuple[str, np.ndarray]:
+        audio = chat_content(omni_speech_server, content, **SPEECH).choices[0].message.audio
+        return audio.transcript, wav_samples(audio.data)
+
+    both = [*media_content("audio"), media_content("image")[1]]
+    contents = [[{"type": "text", "text": "Say hi"}], media_content("audio")]
+    contents += [media_content("image"), both]
+    alone = [speak_content(c) for c in contents]
+    with concurrent.futures.ThreadPoolExecutor(len(contents)) as pool:
+        together = list(pool.map(speak_content, contents))
+    for (t1, a1), (t2, a2) in zip(alone, together, strict=True):
+        assert t1 == t2 and a1.shape == a2.shape and len(a1) > 0
+        assert np.abs(a1.astype(np.int32) - a2).max() <= 2
 
 
 def test_bad_speech_requests_are_openai_400s(omni_speech_server):

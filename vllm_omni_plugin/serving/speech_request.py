@@ -13,7 +13,8 @@ Each refusal is an APIError 400 (OpenAI's error object) naming the field:
   with a key outside SPEECH_SAMPLING or a value out of its range;
 - an `input_audio` part whose data is not base64 of audio FFmpeg decodes, or longer than
   `serving.max_input_audio_s`;
-- speech asked for a prompt with image, audio or video parts (not supported yet).
+- speech asked for a prompt with video (or embedding) parts (not supported yet: text,
+  `input_audio` and `image_url` parts only).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from .audio_encode import FORMATS
 from .errors import invalid
 
 STREAM_FORMAT = "pcm16"
+# Content parts a spoken answer may follow besides text (the talker reads the thinker's hidden
+# states at their positions: stages/thinker_media.py).
+SPOKEN_MEDIA = ("input_audio", "image_url")
 # The talker's per-request sampling (`extra_body={"speech_sampling": {...}}`): name -> check.
 # Unset keys take the talker stage's `default_sampling_params`, then the checkpoint's; the
 # chat request's own `seed` seeds the talker too unless `speech_sampling.seed` is set.
@@ -128,13 +132,15 @@ def check_speech_request(
                 "messages",
                 "audio_too_long",
             )
-    media = media_parts(getattr(request, "messages", []))
-    if media:
-        # The talker conditions on the thinker's hidden states at media positions; the thinker
-        # stage does not hand those over yet (text prompts need only its token ids).
+    unspoken = [m for m in media_parts(getattr(request, "messages", [])) if m not in SPOKEN_MEDIA]
+    if unspoken:
+        # Video's 3-D talker positions follow its frame timing, which no test here can check
+        # against transformers (its video processor needs torchvision); embedding parts carry
+        # no grid of their own.
         raise invalid(
-            f"speech answers to {media[0]} inputs are not supported yet; send text only with "
-            '`modalities: ["text", "audio"]`, or drop `audio` for a text answer',
+            f"speech answers to {unspoken[0]} inputs are not supported yet; send text, "
+            'input_audio and image_url parts with `modalities: ["text", "audio"]`, or drop '
+            "`audio` for a text answer",
             "messages",
             "unsupported_modality",
         )

@@ -33,6 +33,7 @@ from . import engine_metrics
 from .ar_glue import glue_for
 from .ar_text import run_text, speak_chat
 from .loop import AsyncStageLoop, _cancel_all, _log_task_failure
+from .thinker_media import ThinkerMedia
 from .token_clock import TokenClock
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
@@ -148,6 +149,7 @@ class ARStageRunner(AsyncStageLoop):
         if own:
             kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), *own]
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.thinker_media = ThinkerMedia(self.thinker_states, engine.model_config.hf_config)
         await self._warm_up(engine)
         nice = worker_nice()
         if nice > 0:

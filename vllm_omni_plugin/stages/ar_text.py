@@ -106,7 +106,10 @@ async def speak_chat(stage: Any, msg: Any) -> Result:
     API server as a TextOutput (the transcript) and, as this stage's output, on to the next
     stage: with a streamed edge (`stream_output`) a chunk of the new token ids (int64 tensor)
     per delta, else all ids in one payload at the end. The consumer reads the prompt ids and
-    the voice from the same params (`chat_request`, `voice`)."""
+    the voice from the same params (`chat_request`, `voice`).
+
+    A prompt with audio, images or video (on a streamed edge) first sends the thinker's hidden
+    states at its media positions, once its prefill ran (stages/thinker_media.py)."""
     import torch
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine import EngineCoreRequest
@@ -116,12 +119,20 @@ async def speak_chat(stage: Any, msg: Any) -> Result:
     request = MsgpackDecoder(EngineCoreRequest).decode(msg.params.chat_request)
     request.sampling_params.output_kind = RequestOutputKind.DELTA  # pieces, as they come
     streamed = bool(stage.init.spec.stream_output)
+    media = stage.thinker_media.media_mask(list(request.prompt_token_ids or []))
+    if media is not None and streamed:
+        stage.thinker_media.opt_in(rid, request.sampling_params)
+    else:
+        media = None
     ids: list[int] = []
     first = True
     async for out in stage.engine.generate(
         request, request.sampling_params, rid, prompt_text=msg.params.prompt or None
     ):
         stage.pulse()
+        if media is not None:  # the prompt's prefill ran: its states go first
+            await stage.emit_chunk(msg, await stage.thinker_media.take(rid, media))
+            media = None
         stage.reply(to_text_output(rid, out, first))
         first = False
         new = list(out.outputs[0].token_ids) if out.outputs else []

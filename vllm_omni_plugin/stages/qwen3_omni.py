@@ -5,6 +5,9 @@ behind a streamed edge.
     thinker (vLLM, stage 0) ==int64 ids==> talker (1) ==int64 [G, n] frames==> Code2Wav (2)
                                                               ==float32 samples==> API server
 
+(For a prompt with audio or images the thinker's first chunk is its hidden states at those
+positions, `[media positions, hidden]` floats: stages/thinker_media.py.)
+
 The talker stage drives an AsyncLLM: one task per request prefills from the request's own chat
 request (vLLM's EngineCoreRequest, rendered by the API server's chat template), its voice and
 the thinker's first token, streams the rest of the thinker's text into the engine's worker
@@ -188,9 +191,11 @@ class TalkerStage(AsyncStageLoop):
     (models/qwen3_omni/talker.py), many requests per step; at most `max_tokens` frames.
 
     A request starts on the thinker's first id (its prefill embeds the prompt and that id,
-    models/qwen3_omni/prompt.py); the rest of the thinker's text streams into the engine's worker
-    through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames leave as
-    the engine writes them."""
+    models/qwen3_omni/prompt.py; for a prompt with media, also the thinker's hidden states at
+    those positions, which arrive before the ids (stages/thinker_media.py), on the 3-D
+    positions of its images' grids); the rest of the thinker's text streams into the engine's
+    worker through the text feed (models/qwen3_omni/text_feed.py) as it arrives, and frames
+    leave as the engine writes them."""
 
     def __init__(self, init: Any, conn: Any):
         super().__init__(init, conn)
@@ -263,22 +268,36 @@ class TalkerStage(AsyncStageLoop):
         speaker = speakers.get((msg.params.voice or "").lower())
         if speaker is None:
             raise RequestRefused(f"unknown voice {msg.params.voice!r}", "audio.voice")
+        num_media = self.conditioner.media_positions(prompt_ids)
         try:
-            self.conditioner.check_prompt(prompt_ids, has_hidden=False)
+            self.conditioner.check_prompt(prompt_ids, has_hidden=num_media > 0)
         except ValueError as exc:
             raise RequestRefused(str(exc), "messages") from None
+        positions = None  # 1-D
+        grids = visual_grids(request.mm_features or [])
+        if grids:
+            try:
+                positions = self.conditioner.positions(prompt_ids, grids)
+            except ValueError as exc:
+                raise RequestRefused(str(exc), "messages") from None
         (source,) = msg.stream_inputs
         chunks = self.chunks(msg, source).__aiter__()
+        media_hidden = None
+        if num_media:  # the thinker's states at the media positions come first
+            media_hidden = await self._media_hidden(chunks, num_media)
+            if media_hidden is None:
+                return Result(rid, metrics={"codec_frames": 0})
         first = await _next_ids(chunks)
         if not first:  # the thinker wrote nothing: nothing to say
             await _drain(chunks)
             return Result(rid, metrics={"codec_frames": 0})
         self.text.send(rid, first)
-        prefill = self.conditioner.prefill(prompt_ids, first[0], speaker)
+        prefill = self.conditioner.prefill(prompt_ids, first[0], speaker, media_hidden)
         params = frame_sampling_params(
             self.talker_config,
             rid,
             self.max_frames,
+            positions,
             output_kind=RequestOutputKind.DELTA,
             **{**self.sampling, **msg.params.speech_sampling},
         )
@@ -306,6 +325,21 @@ class TalkerStage(AsyncStageLoop):
             self.text.close_request(rid)
         return Result(rid, metrics={"codec_frames": frames})
 
+    async def _media_hidden(self, chunks, num_media: int) -> torch.Tensor | None:
+        """The thinker's first chunk for a prompt with media: its hidden states there,
+        `[num_media, thinker hidden]` (stages/thinker_media.py); None if the stream ended."""
+        try:
+            hidden = await chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+        width = self.conditioner.embed.weight.shape[-1]
+        if not hidden.is_floating_point() or tuple(hidden.shape) != (num_media, width):
+            raise RuntimeError(
+                f"the thinker's media states are {hidden.dtype} {tuple(hidden.shape)}, not "
+                f"[{num_media}, {width}] floats: is its stage's omni_thinker_states on?"
+            )
+        return hidden
+
     def _frames(self, logprobs: list) -> torch.Tensor:
         """New sample logprobs -> frames `[G, n]` (the codec EOS ends the speech: no frame)."""
         from ..models.qwen3_omni.talker_runner import frames_from_logprobs
@@ -329,6 +363,25 @@ class TalkerStage(AsyncStageLoop):
             self.engine.shutdown()
         finally:
             self.text.close()
+
+
+def visual_grids(features: list) -> list:
+    """The patch grid of each image and video of a chat request (vLLM's processed items, in
+    prompt order): what the talker's 3-D positions read (models/qwen3_omni/positions.py)."""
+    from ..models.qwen3_omni.positions import VisualGrid
+
+    grids = []
+    for feature in sorted(features, key=lambda f: f.mm_position.offset):
+        if feature.modality not in ("image", "video"):
+            continue
+        if feature.data is None:
+            raise RequestRefused(f"the chat request's {feature.modality} arrived without data")
+        data = feature.data.get_data()
+        t, h, w = (int(v) for v in data[f"{feature.modality}_grid_thw"].reshape(-1).tolist())
+        seconds = data.get("video_second_per_grid")
+        seconds = float(seconds.reshape(-1)[0]) if seconds is not None else 1.0
+        grids.append(VisualGrid(t, h, w, seconds))
+    return grids
 
 
 async def _next_ids(chunks) -> list[int]:

@@ -16,15 +16,12 @@ TALKER_CLASS = "vllm_omni_plugin.models.qwen3_omni.talker:Qwen3OmniTalkerForCode
 TALKER_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
 
-# Rope keys of the talker's 3-D (interleaved M-RoPE) scheme. For text-only prompts the three
-# position components are equal, where M-RoPE is plain 1-D rope: vLLM then needs no 3-D
-# positions (its runners assert SupportsMRoPE for M-RoPE configs).
-_MROPE_KEYS = ("mrope_section", "mrope_interleaved", "interleaved")
-
 
 def talker_hf_config(config: Any) -> Any:
     """vLLM's `hf_overrides` callable for the talker stage: the checkpoint's
-    `Qwen3OmniMoeConfig` -> its `talker_config`, with our architecture and 1-D rope.
+    `Qwen3OmniMoeConfig` -> its `talker_config`, with our architecture. Its 3-D M-RoPE
+    scheme stays: the talker's runner gives each request its positions
+    (models/qwen3_omni/talker_runner.py).
 
     A module-level function so the engine config pickles into vLLM's engine-core process.
     A config without a talker (vLLM probes the callable with a bare config) passes through."""
@@ -37,9 +34,4 @@ def talker_hf_config(config: Any) -> Any:
     talker.thinker_vocab_size = config.thinker_config.text_config.vocab_size
     for name in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id"):
         setattr(talker, name, getattr(config, name))
-    text = talker.text_config
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    for key in _MROPE_KEYS:
-        rope.pop(key, None)
-    text.rope_parameters = rope
     return talker

@@ -60,7 +60,42 @@ class TalkerConditioner:
         if not has_hidden:
             ids = torch.tensor(prompt_ids)
             if bool((self._user_mask(ids) & torch.isin(ids, self.mm_ids.cpu())).any()):
-                raise ValueError("the prompt has audio/image/video: prompt_hidden is required")
+                raise ValueError(
+                    "the prompt has audio/image/video: the thinker's hidden states are required"
+                )
+
+    def media_positions(self, prompt_ids: list[int]) -> int:
+        """How many prompt positions hold an audio/image/video token: the rows of the thinker's
+        `media_hidden` a request with this prompt carries."""
+        return int(torch.isin(torch.tensor(prompt_ids), self.mm_ids.cpu()).sum())
+
+    def positions(self, prompt_ids: list[int], grids: list) -> tuple[torch.Tensor, int]:
+        """(`[3, prefill_length]` positions, decode delta) of the prefill (positions.py);
+        `grids` one VisualGrid per image/video item of the whole prompt, in prompt order (those
+        outside the user turns are not spoken to)."""
+        from .positions import talker_positions
+
+        tcfg = self.config.talker_config
+        visual = (tcfg.image_token_id, tcfg.video_token_id)
+        ids = torch.tensor(prompt_ids)
+        user = self._user_mask(ids).tolist()
+        starts = [
+            i
+            for i, t in enumerate(prompt_ids)
+            if t in visual and (i == 0 or prompt_ids[i - 1] != t)
+        ]
+        if len(starts) != len(grids):
+            raise ValueError(f"{len(starts)} image/video runs in the prompt, {len(grids)} items")
+        spoken = [g for start, g in zip(starts, grids, strict=True) if user[start]]
+        head = [self.config.tts_pad_token_id] * (self.prefill_length(prompt_ids) - sum(user))
+        return talker_positions(
+            ids[torch.tensor(user, dtype=torch.bool)].tolist() + head,
+            spoken,
+            image_token_id=tcfg.image_token_id,
+            video_token_id=tcfg.video_token_id,
+            spatial_merge_size=tcfg.spatial_merge_size,
+            position_id_per_seconds=tcfg.position_id_per_seconds,
+        )
 
     def prefill_length(self, prompt_ids: list[int]) -> int:
         """Positions `prefill` makes of a prompt: its user-turn ids and the 9-entry assistant
@@ -88,9 +123,14 @@ class TalkerConditioner:
         prompt_ids: list[int],
         first_token: int,
         speaker_id: int,
-        prompt_hidden: torch.Tensor | None = None,
+        media_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`[L, talker_hidden]` prefill embeddings of one request (check_prompt passed)."""
+        """`[L, talker_hidden]` prefill embeddings of one request (check_prompt passed).
+
+        `media_hidden` `[media_positions(prompt_ids), thinker_hidden]`: the thinker's hidden
+        state at `accept_hidden_layer` of each audio/image/video position of the prompt, in
+        order (those of the user turns condition the talker); needed when a user turn has
+        media."""
         ids = torch.tensor(prompt_ids, device=self.device)
         user = self._user_mask(ids)
         mm = torch.isin(ids, self.mm_ids.to(ids.device))
@@ -101,7 +141,7 @@ class TalkerConditioner:
         sel_mm = mm[user]
         user_part[~sel_mm] = user_text
         if bool(sel_mm.any()):
-            hidden = prompt_hidden.to(self.device, user_text.dtype)[user & mm]
+            hidden = media_hidden.to(self.device, user_text.dtype)[user[mm]]
             user_part[sel_mm] = self.talker.hidden_projection(hidden)
         a = self._assistant_start(prompt_ids)
         head_ids = torch.tensor(prompt_ids[a : a + 3] + [first_token], device=self.device)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul, get_act_fn
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -45,6 +46,19 @@ from vllm.sequence import IntermediateTensors
 # transformers' `Qwen3OmniMoeForConditionalGeneration.generate` suppresses this many ids at the
 # top of the codec vocabulary (the codec specials and speakers), all but the codec EOS.
 SUPPRESSED_TOP_IDS = 1024
+
+
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": 0,
+        "positions": -1,
+        "intermediate_tensors": 0,
+        "inputs_embeds": 0,
+    }
+)
+class TalkerDecoder(Qwen3MoeModel):
+    """vLLM's Qwen3-MoE decoder, compiled with the token dimension last in `positions`: the
+    talker runs 3-D (M-RoPE) positions `[3, tokens]` (talker_runner.py)."""
 
 
 class TalkerResizeMLP(nn.Module):
@@ -214,7 +228,7 @@ class Qwen3OmniTalkerForCodecGeneration(nn.Module):
         config = vllm_config.model_config.hf_config  # Qwen3OmniMoeTalkerConfig
         text = vllm_config.model_config.hf_text_config
         self.config = config
-        self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.model = TalkerDecoder(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.codec_head = ParallelLMHead(
             text.vocab_size, text.hidden_size, prefix=maybe_prefix(prefix, "codec_head")
         )

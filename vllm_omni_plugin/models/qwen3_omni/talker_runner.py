@@ -30,6 +30,11 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   batch bucket, captured after vLLM's own graphs (predictor_graphs.py). A prompt given as
   embeddings has no codec ids for the repetition penalty to count (`_update_states`).
 
+- positions (`_init_mrope_positions`): the talker keeps its checkpoint's M-RoPE scheme, so
+  vLLM's runner runs 3-D positions; a prompt given as embeddings has no ids to derive them
+  from, so a request brings its own (`extra_args[POSITIONS]`, built by prompt.py for image
+  prompts) or runs 1-D ones (all three components equal: plain rope, as text and audio run).
+
 Per-request frame state lives in the runner, keyed by request id, and ends with the request.
 Synchronous scheduling only: the step reads the previous step's codes on the host.
 """
@@ -48,6 +53,9 @@ from .predictor_sampling import PredictorDraws
 from .text_feed import ADDITIONAL_CONFIG_KEY, TEXT_STREAM, TextFeed
 
 TEXT_IDS = "talker_text_ids"
+# A prompt's 3-D positions (positions.py), `[3 * L]` flat, with its decode delta; a request
+# without them runs 1-D positions (all three components equal: plain rope).
+POSITIONS = "talker_positions"
 _SAMPLING_EPS = 1e-5  # vLLM's sampler: a temperature below this is greedy
 
 
@@ -164,6 +172,19 @@ class TalkerRunnerMixin:
             captured += self._predictor_graphs().capture()
         return captured
 
+    def _init_mrope_positions(self, req_state) -> None:
+        # The talker's config keeps its M-RoPE scheme, so vLLM's runner keeps 3-D positions;
+        # a prompt given as embeddings has no ids for a model to derive them from: the stage
+        # computed them (prompt.py) and they travel in the request's extra_args.
+        n = int(req_state.prompt_embeds.shape[0])
+        given = (req_state.sampling_params.extra_args or {}).get(POSITIONS)
+        if given is None:
+            positions, delta = torch.arange(n).expand(3, n).clone(), 0
+        else:
+            flat, delta = given
+            positions = torch.tensor(flat, dtype=torch.long).view(3, n)
+        req_state.mrope_positions, req_state.mrope_position_delta = positions, int(delta)
+
     def _update_states(self, scheduler_output):
         out = super()._update_states(scheduler_output)
         # A prompt given as embeddings leaves its rows of the batch's token table unwritten
@@ -248,18 +269,27 @@ def frames_from_logprobs(
     return frames
 
 
-def frame_sampling_params(config, text: list[int] | str, max_frames: int, **kwargs):
+def frame_sampling_params(
+    config,
+    text: list[int] | str,
+    max_frames: int,
+    positions: tuple[torch.Tensor, int] | None = None,
+    **kwargs,
+):
     """vLLM `SamplingParams` for one talker request: `config` the talker's (hf_overrides'd)
     config; `text` the thinker's generated ids, or the text feed's key that streams them
     (text_feed.py); at most `max_frames` frames; sampling as the checkpoint samples
     (families.qwen3_omni.TALKER_SAMPLING) unless `kwargs` say otherwise (temperature=0: greedy,
-    the code predictor too; seed=...: reproducible frames)."""
+    the code predictor too; seed=...: reproducible frames); `positions` the prompt's 3-D
+    positions and decode delta (prompt.py `positions`) where they are not 1-D."""
     from vllm import SamplingParams
 
     from vllm_omni_plugin.families.qwen3_omni import TALKER_SAMPLING
 
     kwargs = {**TALKER_SAMPLING, **kwargs}
     extra = {TEXT_STREAM: text} if isinstance(text, str) else {TEXT_IDS: list(text)}
+    if positions is not None:
+        extra[POSITIONS] = (positions[0].reshape(-1).tolist(), int(positions[1]))
     return SamplingParams(
         max_tokens=max_frames,
         stop_token_ids=[config.codec_eos_token_id],

@@ -61,7 +61,7 @@ def attach(kwargs: dict[str, Any]) -> ThinkerStatesStore | None:
             f"{ADDITIONAL_CONFIG_KEY} needs vLLM's V1 model runner; unset {V2_RUNNER_ENV}"
         )
     os.environ[V2_RUNNER_ENV] = "0"
-    store = ThinkerStatesStore(stage.max_request_bytes, stage.max_total_bytes)
+    store = ThinkerStatesStore(stage.max_request_bytes, stage.max_total_bytes, accept_layer=layer)
     additional[ADDITIONAL_CONFIG_KEY] = EngineSettings(
         layers=(0, layer), endpoint=store.endpoint, capture=stage.capture
     ).to_dict()

@@ -37,7 +37,12 @@ _DTYPES = {
 
 
 class StatesOverflow(RuntimeError):
-    """The request's states passed a bound; they were dropped."""
+    """The request's states passed a bound; they were dropped. `own` when the request alone
+    passed `max_request_bytes` (else the stage's total passed `max_total_bytes`)."""
+
+    def __init__(self, message: str, own: bool = False):
+        super().__init__(message)
+        self.own = own
 
 
 @dataclass
@@ -63,6 +68,7 @@ class _Entry:
     next_pos: int = 0  # first position not yet received
     end: int | None = None  # positions that will ever come (known at finish)
     error: str | None = None
+    own_error: bool = False  # the request alone passed its bound
 
 
 class ThinkerStatesStore:
@@ -71,9 +77,12 @@ class ThinkerStatesStore:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
         endpoint: str | None = None,
+        accept_layer: int | None = None,
     ):
         import zmq
 
+        # The decoder-layer input the talker reads (the other captured layer is 0).
+        self.accept_layer = accept_layer
         self.max_request_bytes = max_request_bytes
         self.max_total_bytes = max_total_bytes
         self._dir = None
@@ -145,7 +154,7 @@ class ThinkerStatesStore:
                 timeout,
             )
             if entry.error:
-                raise StatesOverflow(entry.error)
+                raise StatesOverflow(entry.error, entry.own_error)
             if not entry.queue and self._done(entry):
                 return None
             out = list(entry.queue)
@@ -253,6 +262,7 @@ class ThinkerStatesStore:
         size = chunk.nbytes
         if entry.held + size > self.max_request_bytes:
             self._fail(entry, f"request {key!r} passed {self.max_request_bytes} bytes held")
+            entry.own_error = True
             return
         if self._held + size > self.max_total_bytes:
             self._fail(entry, f"the stage passed {self.max_total_bytes} bytes held")
