@@ -190,7 +190,6 @@ def media_references(omni_speech_server):
     """kind -> (prompt ids, transformers' greedy generate end to end: thinker, talker,
     Code2Wav) for the same prompt through transformers' processor."""
     from transformers import AutoProcessor
-
     from vllm_omni_plugin.entry_points import patches
 
     # transformers' Qwen3-Omni processor here, as in the server: without torchvision it needs
