@@ -29,10 +29,8 @@ def chat_request(**fields):
     return ChatCompletionRequest.model_validate(body)
 
 
-def check(request, speaks=True, max_s=5.0):
-    return check_speech_request(
-        request, speaks=speaks, voices=VOICES, max_input_audio_s=max_s, pipeline="qwen3_omni"
-    )
+def check(request, speaks=True):
+    return check_speech_request(request, speaks=speaks, voices=VOICES, pipeline="qwen3_omni")
 
 
 def sine(seconds: float, rate: int = RATE) -> np.ndarray:
@@ -71,13 +69,6 @@ def test_valid_request_resolves_the_checkpoint_spelling_of_the_voice():
         ({"modalities": ["text", "audio"]}, "audio", "missing"),
         ({"audio": {"voice": "ethan", "format": "wav"}}, "modalities", None),
         ({**SPEECH, "modalities": ["text", "image"]}, "modalities", None),
-        ({**SPEECH, "messages": audio_message("not base64!")}, "messages", "invalid_audio"),
-        (
-            {**SPEECH, "messages": audio_message(base64.b64encode(b"RIFF junk" * 50).decode())},
-            "messages",
-            "invalid_audio",
-        ),
-        ({**SPEECH, "messages": audio_message(wav_b64(6.0))}, "messages", "audio_too_long"),
         # no assistant turn for the talker to speak
         ({**SPEECH, "add_generation_prompt": False}, "add_generation_prompt", None),
         (

@@ -263,7 +263,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ServingLimits", "request_timeout_s"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "max_queued_requests"): {"pipeline": Code("serving/app_state.py")},
     ("ServingLimits", "edit_url_hosts"): {"pipeline": Code("serving/app_state.py")},
-    ("ServingLimits", "max_input_audio_s"): {"pipeline": Code("serving/speech_request.py")},
+    ("ServingLimits", "max_input_audio_s"): {"pipeline": Code("serving/media_limits.py")},
     **{
         ("ServingLimits", f): {"pipeline": Code("serving/media_limits.py")}
         for f in (

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError, invalid
-from .speech_request import decoded_seconds
 
 # Content part type (or, in vLLM's shorthand without a type, its key) -> media kind.
 PART_KINDS = {
@@ -277,3 +276,21 @@ def container_frames(raw: bytes) -> int:
         if stream.frames:
             return int(stream.frames)
         return sum(1 for packet in container.demux(stream) if packet.size)
+
+
+def decoded_seconds(raw: bytes) -> float:
+    """Length of an encoded audio file, by decoding it (FFmpeg through PyAV)."""
+    import av
+
+    with av.open(io.BytesIO(raw)) as container:
+        if not container.streams.audio:
+            raise ValueError("no audio stream")
+        stream = container.streams.audio[0]
+        samples = 0
+        rate = None
+        for frame in container.decode(stream):
+            samples += frame.samples
+            rate = frame.sample_rate
+    if not samples or not rate:
+        raise ValueError("no audio samples")
+    return samples / rate

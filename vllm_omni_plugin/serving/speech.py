@@ -43,7 +43,6 @@ class SpeechService:
         text: Any,  # text_engine.TextEngine of the chat stage
         source: SpeechSource | None,  # None: the pipeline does not speak
         voices: dict[str, str],
-        max_input_audio_s: float,
         pipeline: str,
         healthy: Any,  # () -> bool
         max_prompt_ids: int | None = None,  # the speech stages' room for a prompt
@@ -51,7 +50,6 @@ class SpeechService:
         self.text = text
         self.source = source
         self.voices = voices
-        self.max_input_audio_s = max_input_audio_s
         self.pipeline = pipeline
         self.healthy = healthy
         self.max_prompt_ids = max_prompt_ids
@@ -63,7 +61,6 @@ class SpeechService:
             request,
             speaks=self.source is not None,
             voices=self.voices,
-            max_input_audio_s=self.max_input_audio_s,
             pipeline=self.pipeline,
         )
         if not self.healthy():

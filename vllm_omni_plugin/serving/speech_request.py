@@ -1,7 +1,8 @@
 """What a chat request that asks for speech must satisfy, checked before any stage is touched.
 
 OpenAI's shape: `modalities: ["text", "audio"]` and `audio: {"voice": NAME, "format": FMT}`.
-Each refusal is an APIError 400 (OpenAI's error object) naming the field:
+The media parts were held to the `serving:` bounds before (media_limits.py, for every chat
+request, off the event loop). Each refusal is an APIError 400 (OpenAI's error object) naming the field:
 
 - speech asked of a deployment whose pipeline does not speak;
 - `audio` without "audio" in `modalities`, or `modalities` with anything but "text"/"audio";
@@ -11,17 +12,12 @@ Each refusal is an APIError 400 (OpenAI's error object) naming the field:
 - `n` > 1 (one voice answers once);
 - `speech_sampling` (the talker's sampling for this request, beside the chat's own settings)
   with a key outside SPEECH_SAMPLING or a value out of its range;
-- an `input_audio` part whose data is not base64 of audio FFmpeg decodes, or longer than
-  `serving.max_input_audio_s`;
 - speech asked for a prompt with video (or embedding) parts (not supported yet: text,
   `input_audio` and `image_url` parts only).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +69,6 @@ def check_speech_request(
     *,
     speaks: bool,
     voices: dict[str, str],
-    max_input_audio_s: float,
     pipeline: str,
 ) -> SpeechRequest:
     """The request's SpeechRequest, or an APIError 400 (see the module docstring)."""
@@ -124,14 +119,6 @@ def check_speech_request(
         raise invalid("audio output needs add_generation_prompt: true", "add_generation_prompt")
     if getattr(request, "continue_final_message", False):
         raise invalid("audio output does not continue a final message", "continue_final_message")
-    for seconds in input_audio_durations(getattr(request, "messages", [])):
-        if seconds > max_input_audio_s:
-            raise invalid(
-                f"an input_audio lasts {seconds:.1f} s; this server takes at most "
-                f"{max_input_audio_s:g} s (serving.max_input_audio_s)",
-                "messages",
-                "audio_too_long",
-            )
     unspoken = [m for m in media_parts(getattr(request, "messages", [])) if m not in SPOKEN_MEDIA]
     if unspoken:
         # Video's 3-D talker positions follow its frame timing, which no test here can check
@@ -180,50 +167,3 @@ def media_parts(messages: Any) -> list[str]:
         for part in message["content"]
         if isinstance(part, dict) and part.get("type") not in ("text", None)
     ]
-
-
-def input_audio_durations(messages: Any) -> list[float]:
-    """Seconds of each `input_audio` part; APIError 400 for one that does not decode."""
-    out = []
-    for message in messages or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "input_audio":
-                out.append(_duration(part.get("input_audio") or {}))
-    return out
-
-
-def _duration(audio: dict[str, Any]) -> float:
-    data = audio.get("data")
-    try:
-        raw = base64.b64decode(data if isinstance(data, str) else "", validate=True)
-    except (binascii.Error, ValueError):
-        raw = b""
-    if not raw:
-        raise invalid("input_audio data is not base64", "messages", "invalid_audio")
-    try:
-        return decoded_seconds(raw)
-    except Exception:
-        raise invalid(
-            "input_audio data is not audio this server can decode", "messages", "invalid_audio"
-        ) from None
-
-
-def decoded_seconds(raw: bytes) -> float:
-    """Length of an encoded audio file, by decoding it (FFmpeg through PyAV)."""
-    import av
-
-    with av.open(io.BytesIO(raw)) as container:
-        if not container.streams.audio:
-            raise ValueError("no audio stream")
-        stream = container.streams.audio[0]
-        samples = 0
-        rate = None
-        for frame in container.decode(stream):
-            samples += frame.samples
-            rate = frame.sample_rate
-    if not samples or not rate:
-        raise ValueError("no audio samples")
-    return samples / rate

@@ -32,7 +32,6 @@ def init_speech_service(client: OmniEngineClient, state: Any, args: argparse.Nam
         text=client.text,
         source=speech_source(client),
         voices=checkpoint_voices(client.cfg.model),
-        max_input_audio_s=float(serving.max_input_audio_s),
         max_prompt_ids=prompt_limit(client.cfg.stages) if prompt_limit else None,
         pipeline=client.cfg.pipeline,
         healthy=client.orchestrator.healthy,
