@@ -348,7 +348,19 @@ def test_stages_and_metrics_name_each_stage_kind(omni_speech_server):
         assert f"omni_stage_up{{{labels}}} 1.0" in text, kind
 
 
+def _wait_idle(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = _live(server)
+        if not any(s["requests"] for s in live):
+            return
+        time.sleep(0.2)
+    assert not any(s["requests"] for s in live), live
+
+
 def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speech_server):
+    """A client that leaves, mid-stream or before a whole answer is done, frees every stage and
+    leaves no error in the server's log."""
     stream = chat(
         omni_speech_server,
         max_tokens=400,
@@ -359,13 +371,24 @@ def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speec
     )
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        live = _live(omni_speech_server)
-        if not any(s["requests"] for s in live):
-            break
-        time.sleep(0.2)
-    assert not any(s["requests"] for s in live), live
+    _wait_idle(omni_speech_server)
+    # A whole-answer (not streamed) request whose client leaves before the answer is done.
+    log_at = omni_speech_server.log.stat().st_size
+    with pytest.raises(openai.APITimeoutError):
+        chat(
+            omni_speech_server,
+            max_tokens=400,
+            extra_body={"ignore_eos": True},
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"},
+            timeout=0.5,  # the answer (400 thinker tokens, then their speech) takes seconds
+        )
+    _wait_idle(omni_speech_server)
+    with open(omni_speech_server.log, "rb") as f:
+        f.seek(log_at)
+        after = f.read().decode(errors="replace")
+    assert "cancelled: client disconnected" in after
+    assert "Traceback" not in after and "never retrieved" not in after, after[-3000:]
     _, samples = speak(omni_speech_server)  # every stage still answers
     assert len(samples) > 0
     text = httpx.get(f"{omni_speech_server.url}/metrics").text

@@ -121,6 +121,7 @@ class PipelineSpeechSource:
 
         stream = self.orchestrator.stream(request_id, params, on_progress=on_message)
         pending = asyncio.ensure_future(stream.__anext__())
+        waiter: asyncio.Future | None = None
         try:
             while True:
                 waiter = asyncio.ensure_future(changed.wait())
@@ -146,6 +147,13 @@ class PipelineSpeechSource:
                 yield TranscriptDelta("".join(piece for piece, _ in text))
             yield SpeechDone(finish[0], counts["prompt"], counts["completion"])
         finally:
+            if waiter is not None:
+                waiter.cancel()
             if not pending.done():
+                # The stream cannot be closed while its __anext__ still runs in `pending`: the
+                # cancelled step must end first.
                 pending.cancel()
+                await asyncio.wait({pending})
+            if not pending.cancelled():
+                pending.exception()  # already raised above, or moot once the caller left
             await stream.aclose()  # cancels the request in every stage if still running
