@@ -72,6 +72,23 @@ def test_text_prompt_in_chunks_equals_transformers(engine, omni_model, processor
     assert rel_err(layers[accept_layer], want[accept_layer - 1]) > 100 * REL_TOL
 
 
+def test_a_repeated_image_prompt_reads_no_prefix_cache(engine, omni_model, processor, accept_layer):
+    """The engine caches prefixes; the same image prompt extracted twice (its second prefill
+    would be served from the cache, running no forward for its cached blocks) gives every
+    prompt position's states both times, each equal to transformers'."""
+    image = random_image()
+    text = chat_prompt(processor, [{"type": "image"}, {"type": "text", "text": "And this?"}])
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+    want = None
+    for key in ("first", "again"):
+        ids, prompt_len, layers, _ = extract(engine, prompt, f"repeat-{key}")
+        assert ids[:prompt_len] == inputs["input_ids"][0].tolist()
+        if want is None:
+            want = transformers_states(omni_model, inputs, ids, (0, accept_layer))
+        check(layers, want, accept_layer, prompt_len, ids)
+
+
 def _tone():
     return (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
 

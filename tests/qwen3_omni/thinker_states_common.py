@@ -58,11 +58,12 @@ def start_engine(omni_dir, **overrides):
         max_model_len=2048,
         max_num_seqs=4,
         limit_mm_per_prompt={"video": 0},
+        # On, as vLLM's default: an extracted request skips reading it (ts.opt_in).
+        enable_prefix_caching=True,
         additional_config={ts.ADDITIONAL_CONFIG_KEY: states},
     )
     kwargs.update(overrides)
     store = ts.attach(kwargs)
-    assert kwargs["enable_prefix_caching"] is False
     loop = asyncio.new_event_loop()
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:

@@ -3,8 +3,10 @@
 `attach(kwargs)` reads the stage's opt-in from `additional_config[ADDITIONAL_CONFIG_KEY]`; when
 present it starts the receiving store and rewrites the engine arguments:
 - `worker_cls`: our worker (vLLM's own worker for the platform plus the extracting runner);
-- `enable_prefix_caching=False`: positions served from the prefix cache run no forward, so they
-  would have no states; every prompt position must be computed;
+- prefix caching stays as configured: positions served from the prefix cache run no forward,
+  so an opted-in request skips reading the cache (`opt_in`: vLLM's per-request
+  `skip_reading_prefix_cache`) and every one of its prompt positions is computed, while the
+  stage's other requests keep their cache hits;
 - `VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment (which vLLM's engine-core and worker
   processes inherit): the extraction subclasses the V1 runner, which every supported vLLM has;
 - `additional_config[...]` gains the layers and the store's endpoint, which the worker reads.
@@ -49,11 +51,6 @@ def attach(kwargs: dict[str, Any]) -> ThinkerStatesStore | None:
     layer = stage.accept_layer
     if layer is None:
         layer = accept_hidden_layer(kwargs["model"])
-    if kwargs.get("enable_prefix_caching"):
-        raise ValueError(
-            f"{ADDITIONAL_CONFIG_KEY}: prefix caching must be off (cached prompt positions run "
-            "no forward, so they have no hidden states)"
-        )
     if kwargs.get("worker_cls") not in (None, "auto", WORKER_CLS):
         raise ValueError(f"{ADDITIONAL_CONFIG_KEY}: the stage already sets worker_cls")
     if os.environ.get(V2_RUNNER_ENV, "0").strip().lower() in ("1", "true"):
@@ -66,12 +63,13 @@ def attach(kwargs: dict[str, Any]) -> ThinkerStatesStore | None:
         layers=(0, layer), endpoint=store.endpoint, capture=stage.capture
     ).to_dict()
     kwargs["additional_config"] = additional
-    kwargs["enable_prefix_caching"] = False
     kwargs["worker_cls"] = WORKER_CLS
     return store
 
 
 def opt_in(params, key: str):
-    """`params` (vLLM SamplingParams) marked so the worker extracts the request under `key`."""
+    """`params` (vLLM SamplingParams) marked so the worker extracts the request under `key`;
+    the request reads nothing from the prefix cache, so each prompt position runs a forward."""
     params.extra_args = {**(params.extra_args or {}), REQUEST_KEY: key}
+    params.skip_reading_prefix_cache = True
     return params

@@ -145,9 +145,6 @@ class _Extraction:
             raise ValueError("thinker hidden states: speculative decoding is not supported")
         if cfg.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("thinker hidden states: pipeline parallelism is not supported")
-        if cfg.cache_config.enable_prefix_caching:
-            # Positions served from the prefix cache run no forward: they would have no states.
-            raise ValueError("thinker hidden states need enable_prefix_caching=False")
 
     def _decoder(self, model):
         lm = model.get_language_model() if hasattr(model, "get_language_model") else model
