@@ -8,7 +8,9 @@
   (the dummy run and the step unpack `(hidden, aux)` when it is up);
 - `VLLM_USE_V2_MODEL_RUNNER` (the stage turns V2 off for that engine);
 - `SchedulerOutput`: the new and cached requests' `num_computed_tokens`, `num_scheduled_tokens`,
-  `finished_req_ids`, the new requests' `sampling_params` (`extra_args` marks a request);
+  `finished_req_ids`, the new requests' `sampling_params` (`extra_args` marks a request;
+  `skip_reading_prefix_cache`, read by the scheduler's KV cache manager, makes its every prompt
+  position run a forward while the engine caches prefixes);
 - the thinker's decoder: from 0.29 its `Qwen3MoeLLMModel` adds auxiliary hidden states
   (`_maybe_add_hidden_state`, `hidden_states + residual`, after the deepstack merge) and the
   thinker is `SupportsEagle3`; before, each decoder layer is called as
@@ -175,6 +177,16 @@ def _check_scheduler_output(r: Report) -> None:
     sp = _fn(r, "vllm.sampling_params", "SamplingParams", "thinker states")
     if isinstance(sp, ast.ClassDef):
         r.check("extra_args" in class_fields(sp), "thinker states: SamplingParams.extra_args")
+        r.check(
+            "skip_reading_prefix_cache" in class_fields(sp),
+            "thinker states: SamplingParams.skip_reading_prefix_cache",
+        )
+    manager = _fn(r, "vllm.v1.core.kv_cache_manager", "KVCacheManager", "thinker states")
+    if isinstance(manager, ast.ClassDef):
+        r.check(
+            "skip_reading_prefix_cache" in ast.unparse(manager),
+            "thinker states: the KV cache manager no longer reads skip_reading_prefix_cache",
+        )
     tp = resolve_def(r.src, "vllm.distributed", "get_tensor_model_parallel_rank")
     r.check(tp is not None, "thinker states: vllm.distributed.get_tensor_model_parallel_rank")
 
