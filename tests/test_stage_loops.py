@@ -3,6 +3,9 @@ kind, resolved by import; a loop outside the package by "module:Class"."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import pytest
 
 from vllm_omni_plugin.pipelines import available_pipelines, get_pipeline
@@ -11,11 +14,28 @@ from vllm_omni_plugin.stages.loop import StageLoop
 from vllm_omni_plugin.stages.loops import loop_class
 
 
+def package_pipelines() -> list[PipelineTopology]:
+    """Every topology the package's pipeline modules define (not those other tests register)."""
+    import vllm_omni_plugin.pipelines as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, PipelineTopology):
+                found[value.key] = value
+    return list(found.values())
+
+
 def test_every_stage_of_the_packages_pipelines_resolves_by_its_kind():
     """The package's own loops follow from the kind, never from a runner string (which the
     layering test could not follow)."""
-    for key in available_pipelines():
-        for spec in get_pipeline(key).stages:
+    pipelines = package_pipelines()
+    assert {p.key for p in pipelines} <= set(available_pipelines())
+    assert "qwen3_omni" in {p.key for p in pipelines}
+    for topology in pipelines:
+        key = topology.key
+        for spec in topology.stages:
             assert spec.runner is None, (key, spec.name, spec.runner)
             cls = loop_class(spec)
             assert issubclass(cls, StageLoop), (key, spec.name, cls)
