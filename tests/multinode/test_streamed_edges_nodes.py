@@ -10,9 +10,12 @@ link, their credits coming back the same ways.
 
 Checked: the relay listens on the node's veth address; the chunks arrive complete and in
 order (the relay's checksum, and every streamed value, equal those computed here) while the
-source still runs; credits hold both windows; a caller hanging up mid-stream frees both
-stages; a node killed mid-stream fails its request with 503 at once, the source drops it,
-and serving resumes when the node registers again.
+source still runs; credits hold both windows; chunks of at least the source's
+stream_nixl_min_bytes (64 KiB) cross through NIXL (UCX over TCP on the veth), bitwise equal,
+smaller ones inline (the edge's counters say which), and no more than the window is ever
+registered; a caller hanging up mid-stream frees both stages, NIXL registrations included; a
+node killed mid-stream fails its request with 503 at once, the source drops it and what it
+had registered, and serving resumes when the node registers again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ sys.path.insert(0, str(STREAMING))
 from stream_stages import chunk_tensor, expected_checksum  # noqa: E402
 
 WINDOW = 2  # stream_stages' topologies
+# float32 values per chunk: 256 KiB, above the default stream_nixl_min_bytes (64 KiB); the
+# tests' other chunks (4096 values, 16 KiB) stay below it.
+NIXL_VALUES = 1 << 16
 STALL_TIMEOUT_S = 3.0  # stream_test.yaml
 # A lost node: the link's EOF at once, plus slack for a loaded 2-core box.
 FAIL_WITHIN_S = 3.0
@@ -68,7 +74,7 @@ def node_host():
         sh("ip", "-n", ns, "addr", "add", f"{net}.2/24", "dev", dev_n)
         sh("ip", "-n", ns, "link", "set", dev_n, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield ns, f"{net}.1", f"{net}.2"
+        yield ns, f"{net}.1", f"{net}.2", dev_h, dev_n
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", dev_h], capture_output=True)
@@ -132,9 +138,13 @@ async def until(predicate, timeout: float, what: str) -> float:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(node_host, tmp_path_factory):
-    ns, head_ip, node_ip = node_host
+    ns, head_ip, node_ip, dev_h, dev_n = node_host
     logs = tmp_path_factory.mktemp("stream-nodes")
     env = {
+        # NIXL's UCX over TCP on each side's end of the veth, as between two hosts without
+        # RDMA (on one kernel UCX would otherwise find a same-host shortcut).
+        "UCX_TLS": "tcp",
+        "UCX_NET_DEVICES": dev_h,
         "OMNI_TEST_PIPELINE": "stream_test_chain",
         "OMNI_TEST_SHM_DIR": str(tmp_path_factory.mktemp("stream-shm")),
         "OMNI_TEST_STAGES_PATH": os.pathsep.join(
@@ -152,7 +162,8 @@ async def cluster(node_host, tmp_path_factory):
         orch = Orchestrator(cfg, startup_timeout_s=120, stage_factory=head.stage_factory(120))
         await head.start()
         await orch.start()
-        node = Node(ns, head_ip, head.port, {**os.environ}, logs / "node.log")
+        node_env = {**os.environ, "UCX_NET_DEVICES": dev_n}
+        node = Node(ns, head_ip, head.port, node_env, logs / "node.log")
         await until(lambda: orch.stages[1].ready, 120, "the node registers")
         await orch.generate("warm-up", params(1))  # loads /metrics' exporter (see streaming)
         yield orch, node, node_ip, logs
@@ -209,6 +220,48 @@ async def test_chunks_cross_to_the_node_in_order_and_stream_back(cluster):
     assert source["max_unacked"] <= WINDOW and relay["max_waiting"] <= WINDOW + 1
 
 
+def edge_counters() -> dict[str, tuple[int, int, int]]:
+    """The 0 -> 1 edge's counters as /metrics has them, per path: (chunks sent, their bytes,
+    NIXL READs done by the consumer)."""
+    from vllm_omni_plugin.connectors.stats import all_snapshots
+
+    snaps = {s["name"]: s for s in all_snapshots()}
+    out = {}
+    for path in ("nixl", "inline"):
+        snap = snaps.get(f"edge_0_1_{path}")
+        out[path] = (
+            (0, 0, 0)
+            if snap is None
+            else (snap["puts"], snap["put_bytes"], snap["roles"]["consumer"]["transfers"])
+        )
+    return out
+
+
+async def test_large_tensor_chunks_go_through_nixl_small_ones_inline(cluster):
+    orch, _, _, _ = cluster
+    seed, chunks = 21, 6
+    before = edge_counters()
+    *streamed, result = [e async for e in orch.stream("nixl", params(chunks, seed, NIXL_VALUES))]
+    # Bitwise: the relay's SHA-256 over the chunks' bytes, in order.
+    assert result.outputs[1] == [expected_checksum(seed, chunks, NIXL_VALUES).encode()]
+    assert [e.seq for e in streamed] == list(range(chunks))
+    source = result.metrics["stage_0"]
+    assert 1 <= source["max_nixl_held"] <= WINDOW
+    after = edge_counters()
+    nbytes = chunks * NIXL_VALUES * 4
+    assert after["nixl"] == tuple(
+        a + b for a, b in zip(before["nixl"], (chunks, nbytes, chunks), strict=True)
+    )
+    assert after["inline"] == before["inline"]
+
+    *_, small = [e async for e in orch.stream("inline", params(3, seed, 4096))]
+    assert small.outputs[1] == [expected_checksum(seed, 3, 4096).encode()]
+    assert small.metrics["stage_0"]["max_nixl_held"] == 0
+    final = edge_counters()
+    assert final["nixl"] == after["nixl"]
+    assert final["inline"][:2] == (after["inline"][0] + 3, after["inline"][1] + 3 * 4096 * 4)
+
+
 async def test_checksum_of_the_chunks_equals_the_source(cluster):
     orch, _, _, _ = cluster
     seed, chunks, values = 5, 9, 1000
@@ -235,16 +288,23 @@ async def test_a_caller_slower_than_the_watchdog_is_no_stall(cluster):
 
 
 async def test_a_caller_hanging_up_frees_both_stages(cluster):
+    """Its chunks go through NIXL: the source holds registrations when the caller leaves,
+    and none after."""
     orch, _, _, _ = cluster
-    stream = orch.stream("hang-up", params(40, delay_ms=50))
-    async for event in stream:
-        if isinstance(event, OutputChunk) and event.seq == 2:
-            break
-    await stream.aclose()
     source, relay = orch.stages[0], orch.stages[1]
 
     async def held() -> dict:
         return (await source.inspect())["requests"]
+
+    stream = orch.stream("hang-up", params(40, values=NIXL_VALUES, delay_ms=50))
+    async for event in stream:
+        if isinstance(event, OutputChunk) and event.seq == 2:
+            break
+    t0 = time.monotonic()  # the caller stopped: the relay's window, then the source's, fill
+    while (await held()).get("hang-up", {}).get("nixl_held", 0) < 1:
+        assert time.monotonic() - t0 < 5, await held()
+        await asyncio.sleep(0.05)
+    await stream.aclose()
 
     t0 = time.monotonic()
     while "hang-up" in (await held()) or relay.owns("hang-up"):
@@ -257,7 +317,7 @@ async def test_a_caller_hanging_up_frees_both_stages(cluster):
 async def test_a_node_killed_mid_stream_fails_with_503_and_serving_resumes(cluster):
     orch, node, _, _ = cluster
     source, relay = orch.stages[0], orch.stages[1]
-    stream = orch.stream("killed", params(200, delay_ms=50))
+    stream = orch.stream("killed", params(200, values=NIXL_VALUES, delay_ms=50))
     async for event in stream:
         if isinstance(event, OutputChunk) and event.seq == 2:
             break
@@ -267,7 +327,7 @@ async def test_a_node_killed_mid_stream_fails_with_503_and_serving_resumes(clust
         async for _ in stream:
             pass
     assert time.monotonic() - t0 < FAIL_WITHIN_S
-    # The source dropped the request and its channel.
+    # The source dropped the request, its channel and its NIXL registrations.
     t1 = time.monotonic()
     while "killed" in (await source.inspect())["requests"]:
         assert time.monotonic() - t1 < 5

@@ -9,8 +9,9 @@ OMNI_TEST_EMIT_DELAY_MS (or the request's `height`, in ms) between chunks, pulsi
 per chunk (a slow consumer), and returns the SHA-256 of the chunks' bytes in order. Both are
 small subclasses of stages.loop.AsyncStageLoop: the shape a new kind of stage takes. Each Result
 carries wall-clock timestamps (`first_chunk_at`, `last_chunk_at`), the most chunks the
-sink ever had waiting (`max_waiting`) and the most the source ever had out unacknowledged
-(`max_unacked`), so tests can check overlap and the bound.
+sink ever had waiting (`max_waiting`), the most the source ever had out unacknowledged
+(`max_unacked`) and registered with NIXL (`max_nixl_held`, an edge across nodes), so tests
+can check overlap and the bounds.
 
 Importing this module registers both topologies (their stages are "diffusion" to the config
 loader, which only sets their devices, env and watchdog: the deploy file stream_test.yaml).
@@ -69,10 +70,12 @@ class SourceStage(AsyncStageLoop):
         # `height`, when set: this request's delay in ms (a slow producer, still working).
         delay = p.height / 1000.0 if p.height else _delay(EMIT_DELAY_ENV)
         first = last = 0.0
-        most = 0
+        most = most_held = 0
         for i in range(chunks):
             await self.emit_chunk(msg, chunk_tensor(p.seed or 0, i, values))
-            most = max(most, len(self.streams.outputs[msg.request_id].unacked))
+            out = self.streams.outputs[msg.request_id]
+            most = max(most, len(out.unacked))
+            most_held = max(most_held, out.held() if hasattr(out, "held") else 0)
             last = time.time()
             first = first or last
             self.pulse()
@@ -85,6 +88,7 @@ class SourceStage(AsyncStageLoop):
                 "first_chunk_at": first,
                 "last_chunk_at": last,
                 "max_unacked": most,
+                "max_nixl_held": most_held,
             },
         )
 

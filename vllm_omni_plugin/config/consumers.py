@@ -105,6 +105,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
     ("ConnectorOwner", "output_connectors"): _every(Code(_EDGES)),
     ("ConnectorOwner", "omni_kv_config"): _every(Warned({"need_send_cache": True})),
     ("ConnectorOwner", "kv_transfer_config"): {"ar": EngineArg()},
+    ("ConnectorOwner", "stream_nixl_min_bytes"): _every(Code("stages/loop.py")),
     # RuntimeOwner
     ("RuntimeOwner", "devices"): _every(Code(_ENV)),
     ("RuntimeOwner", "num_replicas"): _every(

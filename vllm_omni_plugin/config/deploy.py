@@ -40,6 +40,7 @@ _NOT_ENGINE_ARGS = frozenset(
         "input_connectors",
         "output_connectors",
         "omni_kv_config",
+        "stream_nixl_min_bytes",
         "sequence_parallel_size",
         "ulysses_degree",
         "ring_degree",

@@ -104,6 +104,11 @@ class ConnectorOwner(Owner):
     through its connector; warned at load). An override replaces it whole."""
     kv_transfer_config: dict[str, Any] | None = None
     """vLLM KV-transfer config of an AR stage (e.g. our NIXL KV connector)."""
+    stream_nixl_min_bytes: int | None = Field(64 << 10, ge=1)
+    """A tensor chunk this stage streams to a stage on another node, of at least this many
+    bytes, goes through NIXL (the consumer READs it, GPU memory to GPU memory where both have
+    one); smaller chunks, other payloads and edges within a node stay inline in the edge's
+    frames. None: every chunk inline."""
 
 
 _DEVICES = re.compile(r"^\d+(,\d+)*$")

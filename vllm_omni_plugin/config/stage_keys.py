@@ -127,6 +127,7 @@ EVERY_STAGE_FIELDS = {
     "input_connectors": "connector",
     "output_connectors": "connector",
     "omni_kv_config": "connector",
+    "stream_nixl_min_bytes": "connector",
 }
 OWN_KIND_OWNERS: dict[str, dict[str, type[Owner]]] = {
     kind: {name: cls, "connector": ConnectorOwner, "runtime": RuntimeOwner}

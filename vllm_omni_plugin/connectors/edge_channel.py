@@ -46,8 +46,13 @@ may come after the connection); the first frame that does not verify closes the 
 peer without the token, or a frame altered, injected, replayed or reordered on the way, is
 never acted on. The token itself reaches a node's stage masked under the node link's key
 (orchestrator/edge_tokens.py): the link's messages are readable on the network, the token is
-not. Frames are authenticated, not encrypted, as on the node link. Chunks stay inline in their
-frames (tokens, codec frames: bytes to KiB).
+not. Frames are authenticated, not encrypted, as on the node link. Small chunks stay inline in
+their frames (tokens, codec frames: bytes to KiB); a tensor chunk of at least the producer's
+threshold (the thinker's hidden states for a prompt's media: megabytes) stays in the producer's
+memory, registered with its NIXL agent, and its frame carries an EdgeNixlTensor instead: the
+consumer READs the bytes into its own memory (GPU to GPU where both have one) and its credit
+for that chunk lets the producer deregister them (connectors/edge_nixl.py). The descriptor
+takes the chunk's place in the sequence and in the window like any chunk.
 
 A TCP close with unread data resets the connection, which may discard what the peer has not
 read yet: a TCP end that closes after its last message (the end marker, EdgeClose) shuts its
@@ -98,9 +103,26 @@ class EdgeHello(msgspec.Struct, tag=True):
     nonce: bytes = b""  # over TCP: the producer's half of the connection's key
 
 
+class EdgeNixlTensor(msgspec.Struct, frozen=True, tag=True):
+    """Over TCP, a tensor chunk the consumer READs from the producer's memory with NIXL: the
+    producer's agent (its metadata, and that of the region registered for this chunk) and
+    where the bytes lie there."""
+
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    nbytes: int
+    agent_name: str
+    incarnation: str
+    agent_md: bytes
+    region_md: bytes
+    addr: int
+    dev_id: int
+    mem_type: str  # DRAM | VRAM
+
+
 class EdgeChunk(msgspec.Struct, tag=True):
     seq: int
-    payload: InlineTensor | bytes | None = None
+    payload: InlineTensor | EdgeNixlTensor | bytes | None = None
     end: bool = False  # the end marker: seq is the number of chunks before it
 
 
@@ -191,6 +213,8 @@ class EdgeLink:
     `on_message(msg)` is called on the loop for each message, `on_lost(reason)` once when the
     peer closed the connection, died, or broke the protocol (never after our own `close`).
     Both may be replaced (the consumer's listener hands a link over after its EdgeHello).
+    `on_closed()`, when set, is called once when this end closes, whatever the reason (what
+    the peer may still read from us, e.g. NIXL registrations, is released there).
 
     Over TCP (`remote`) the frames after the handshake are sealed: a producer `await_seal`s
     after its EdgeHello (what it sends meanwhile waits, unencoded) and `set_seal`s on the
@@ -209,6 +233,7 @@ class EdgeLink:
         self.loop = loop
         self.on_message = on_message
         self.on_lost = on_lost
+        self.on_closed: Callable[[], None] | None = None
         self.remote = sock.family != socket.AF_UNIX
         self.closed = False
         self.bytes_sent = 0
@@ -321,6 +346,12 @@ class EdgeLink:
         self._buf.clear()
         self._waiting_seal = None
         self.sock.close()
+        on_closed, self.on_closed = self.on_closed, None
+        if on_closed is not None:
+            try:
+                on_closed()
+            except Exception:  # a handler's bug must not leave the close half done
+                logger.exception("edge channel: on_closed failed")
 
     def _drain(self) -> None:
         """TCP: end our side, read (and drop) until the peer's close, then close."""

@@ -28,6 +28,15 @@ consumed is progress) and StreamWait reports.
   EDGE_TCP_HOST_ENV), and the head hands a producer elsewhere that address. The same messages
   and rules hold; the frames are sealed under a key from the request's token, which the
   consumer learns from its Submit (a connection that came first is held unread until then).
+  A tensor chunk of at least the producer's `stream_nixl_min_bytes` stays in its memory,
+  registered with its NIXL agent (connectors/edge_nixl.py), and only its descriptor goes in
+  the frame; the consumer READs it as it arrives, into memory on its own device, and the
+  chunk then counts as arrived. The producer holds the registration until the chunk's credit,
+  or until the channel closes (end, EdgeClose, abort, its peer's death) or the stage stops:
+  at most the window's chunks per request. A READ that fails (or outlasts its deadline)
+  fails the request; the wait for it is a wait on the peer, as the watchdog sees it. Local
+  edges keep every chunk inline: on one host a READ of process memory is a copy, as the
+  socket's is.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..common.messages import PULSE_INTERVAL_S, StreamWait, Submit
+from ..common.payload import InlineTensor
+from ..connectors.base import ConnectorError
 from ..connectors.edge_channel import (
     EDGE_TCP_HOST_ENV,
     EdgeChannelError,
@@ -53,12 +64,14 @@ from ..connectors.edge_channel import (
     EdgeLink,
     EdgeListener,
     EdgeMessage,
+    EdgeNixlTensor,
     EdgeNonce,
     FrameSeal,
     connect,
     is_tcp,
     new_nonce,
 )
+from ..connectors.edge_nixl import EdgeNixl, edge_stats
 from .payloads import from_inline, inline
 
 logger = logging.getLogger("vllm_omni_plugin.stages.streams")
@@ -141,8 +154,10 @@ class DirectOutput:
     def __init__(self, hub: EdgeHub, msg: Submit, from_stage: int, window: int):
         self.hub = hub
         self.request_id = msg.request_id
+        self.from_stage = from_stage
         self.to_stage = msg.to_stage
         self.window = window
+        self.channel = hub.new_channel(msg.request_id)  # files its chunks' NIXL registrations
         self.next_seq = 0
         self.unacked: set[int] = set()
         self.first_at: float | None = None
@@ -158,6 +173,8 @@ class DirectOutput:
             self.lost = f"stage {msg.to_stage} is unreachable ({exc})"
             return
         self.link = EdgeLink(sock, hub.loop, self._on_message, self._on_lost)
+        # Whatever closes the channel, nobody READs its chunks any more.
+        self.link.on_closed = self._release_all
         if is_tcp(msg.stream_to):  # the token is the key: it never goes on the wire
             self.hello = EdgeHello(
                 self.request_id, from_stage, msg.to_stage, "", window, new_nonce()
@@ -182,6 +199,8 @@ class DirectOutput:
             return
         if isinstance(msg, EdgeCredit) and msg.seq in self.unacked:
             self.unacked.discard(msg.seq)
+            if self.hub.nixl is not None:
+                self.hub.nixl.release(self.channel, msg.seq)  # the consumer READ it
             self.hub.pulse()
         elif isinstance(msg, EdgeClose):
             self.discard = True
@@ -217,13 +236,47 @@ class DirectOutput:
             return seq
         assert self.link is not None
         try:
-            self.link.send(EdgeChunk(seq, inline(payload)))
-        except EdgeChannelError as exc:
+            self.link.send(EdgeChunk(seq, self._wire_payload(seq, payload)))
+        except (EdgeChannelError, ConnectorError) as exc:
             self._on_lost(str(exc))
             raise StreamError(f"request {self.request_id}: {self.lost}") from None
         self.unacked.add(seq)
         self.hub.pulse()
         return seq
+
+    def _wire_payload(self, seq: int, payload: Any) -> Any:
+        """What chunk `seq` carries: over TCP, a tensor of at least the threshold as a NIXL
+        descriptor (its registration held until its credit), else the payload inline."""
+        link = self.link
+        assert link is not None
+        if not link.remote:
+            return inline(payload)
+        import torch
+
+        threshold = self.hub.nixl_min_bytes
+        if (
+            threshold is not None
+            and isinstance(payload, torch.Tensor)
+            and payload.numel() * payload.element_size() >= threshold
+        ):
+            ref = self.hub.tensors().offer(self.channel, seq, payload)
+            if ref is not None:
+                # Registered chunks are unacknowledged ones: the window bounds them.
+                assert self.hub.tensors().held_by(self.channel) <= self.window
+                edge_stats(self.from_stage, self.to_stage, "nixl").record_put(ref.nbytes)
+                return ref
+        value = inline(payload)
+        size = len(value.data) if isinstance(value, InlineTensor) else len(value or b"")
+        edge_stats(self.from_stage, self.to_stage, "inline").record_put(size)
+        return value
+
+    def _release_all(self) -> None:
+        if self.hub.nixl is not None:
+            self.hub.nixl.release_channel(self.channel)
+
+    def held(self) -> int:
+        """Chunks registered with NIXL for this channel now."""
+        return 0 if self.hub.nixl is None else self.hub.nixl.held_by(self.channel)
 
     def finish(self) -> None:
         """The run returned: the end marker, then close once it left."""
@@ -262,6 +315,8 @@ class DirectInput:
         self.arrived = asyncio.Event()
         self.link: EdgeLink | None = None
         self.since = time.monotonic()
+        # Chunks that came as NIXL descriptors: their READs, started as they arrive.
+        self.fetches: dict[int, asyncio.Task] = {}
         # Over TCP: the connection's EdgeHello and our nonce, until the token seals it.
         self.hello: EdgeHello | None = None
         self.nonce = b""
@@ -300,10 +355,34 @@ class DirectInput:
             if msg.end:
                 self.ended = True
                 assert self.link is not None
-                self.link.close()  # nothing more comes; credits no longer matter
+                if self.fetches:
+                    # The producer holds what is still being READ until our end closes:
+                    # read nothing more (not even its close), close once the READs ended.
+                    self.link.hold()
+                    self.hub.loop.create_task(self._close_after_fetches())
+                else:
+                    self.link.close()  # nothing more comes; credits no longer matter
             else:
+                if isinstance(msg.payload, EdgeNixlTensor):
+                    self.fetches[msg.seq] = self.hub.loop.create_task(self._fetch(msg.payload))
                 self.next_arrival += 1
         self.arrived.set()
+
+    async def _fetch(self, ref: EdgeNixlTensor) -> Any:
+        stats = edge_stats(self.from_stage, self.hub.stage.stage_id, "nixl")
+        return await asyncio.to_thread(self.hub.tensors().read, ref, stats)
+
+    async def _close_after_fetches(self) -> None:
+        await asyncio.wait(list(self.fetches.values()))
+        if self.link is not None:
+            self.link.close()
+
+    def _drop_fetches(self) -> None:
+        for task in self.fetches.values():
+            if task.done() and not task.cancelled():
+                task.exception()  # a failed READ nobody reads any more: no warning for it
+            task.cancel()  # a READ under way ends by itself; its buffer is dropped
+        self.fetches.clear()
 
     def _fail(self, why: str) -> None:
         self.error = f"request {self.request_id}: {why}"
@@ -313,6 +392,7 @@ class DirectInput:
         if not self.ended:
             self.lost = f"stage {self.from_stage}: {reason}"
             self.queue.clear()  # its producer is gone: the request cannot finish
+            self._drop_fetches()
         if not self.claimed:
             self.hub.forget_unclaimed(self)
         self.arrived.set()
@@ -332,7 +412,12 @@ class DirectInput:
             if chunk.end:
                 return
             payload = chunk.payload
-            value = from_inline(payload) if not isinstance(payload, bytes | None) else payload
+            if isinstance(payload, EdgeNixlTensor):
+                value = await self._fetched(chunk.seq)
+            elif isinstance(payload, InlineTensor):
+                value = from_inline(payload)
+            else:
+                value = payload
             chunk.payload = None  # the consumer holds the only reference from here
             del payload
             self.read_count += 1
@@ -342,6 +427,23 @@ class DirectInput:
             if link is not None and not link.closed:
                 link.send(EdgeCredit(chunk.seq))  # it asked for the next one: done with this
             self.hub.pulse()
+
+    async def _fetched(self, seq: int) -> Any:
+        """Chunk `seq`'s tensor once its READ ended (a wait on the peer's memory)."""
+        task = self.fetches[seq]
+        if not task.done():
+            async with _Waiting(self.hub.waits, self.request_id):
+                await asyncio.wait([task])  # our cancellation leaves the READ alone
+        del self.fetches[seq]
+        exc = task.exception()
+        if exc is not None:
+            self.error = (
+                f"request {self.request_id}: the NIXL read of chunk {seq} from stage "
+                f"{self.from_stage} failed: {exc}"
+            )
+            self.close()
+            raise StreamError(self.error)
+        return task.result()
 
     def waiting(self) -> int:
         return len(self.queue)
@@ -356,11 +458,13 @@ class DirectInput:
                 pass
             link.close(flush=True)
         self.queue.clear()
+        self._drop_fetches()
 
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
         self.queue.clear()
+        self._drop_fetches()
         self.arrived.set()
 
 
@@ -368,8 +472,13 @@ class EdgeHub:
     """A stage process's streamed edges to and from other stages: its listeners (local, and
     TCP on a headless node), and the connections that arrived before their request's Submit."""
 
-    def __init__(self, stage: Any, name_hint: str):
+    def __init__(self, stage: Any, name_hint: str, nixl_min_bytes: int | None = None):
         self.stage = stage
+        self.name_hint = name_hint
+        # Over TCP, tensor chunks of at least this many bytes go through NIXL (None: never).
+        self.nixl_min_bytes = nixl_min_bytes
+        self.nixl: EdgeNixl | None = None  # created with the first chunk that uses it
+        self._channels = 0
         self.listener = EdgeListener(name_hint)
         tcp_host = os.environ.get(EDGE_TCP_HOST_ENV)
         self.tcp_listener = EdgeListener(name_hint, tcp_host=tcp_host) if tcp_host else None
@@ -395,6 +504,23 @@ class EdgeHub:
 
     def pulse(self) -> None:
         self.stage.pulse()
+
+    def tensors(self) -> EdgeNixl:
+        if self.nixl is None:
+            self.nixl = EdgeNixl(self.name_hint)
+        return self.nixl
+
+    def new_channel(self, request_id: str) -> tuple[str, int]:
+        self._channels += 1
+        return (request_id, self._channels)
+
+    def nixl_held(self) -> dict[str, int]:
+        """Request id -> its output chunks registered with NIXL now (also of a request whose
+        run ended and whose channel still drains)."""
+        counts: dict[str, int] = {}
+        for (rid, _), _seq in self.nixl.held if self.nixl is not None else ():
+            counts[rid] = counts.get(rid, 0) + 1
+        return counts
 
     def _report_wait(self, rid: str, waiting: bool) -> None:
         self.stage.reply(StreamWait(rid, self.stage.stage_id, waiting))
@@ -494,3 +620,5 @@ class EdgeHub:
         self.listener.close()
         if self.tcp_listener is not None:
             self.tcp_listener.close()
+        if self.nixl is not None:
+            self.nixl.close()

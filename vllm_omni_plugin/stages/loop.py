@@ -306,7 +306,11 @@ class AsyncStageLoop(StageLoop):
         # Listening from the Ready on (its address goes out in it), once the engine is built:
         # an engine process forked earlier does not inherit the listening socket.
         if self.streams.hub is None:
-            self.streams.hub = EdgeHub(self, f"stage{self.stage_id}")
+            self.streams.hub = EdgeHub(
+                self,
+                f"stage{self.stage_id}",
+                nixl_min_bytes=self.init.stage.connector.stream_nixl_min_bytes,
+            )
         return self.streams.hub.address
 
     def held(self) -> dict[str, dict[str, int]]:

@@ -160,10 +160,12 @@ class StageStreams:
         rids = {*self.outputs, *(k[0] for k in self.inputs)}
         if self.hub is not None:
             rids.update(k[0] for k in self.hub.unclaimed)
+            rids.update(self.hub.nixl_held())
         return rids
 
     def facts(self, request_id: str) -> dict[str, int]:
-        """For Inspection: chunks emitted, and read per input (`in_<stage>`)."""
+        """For Inspection: chunks emitted, read per input (`in_<stage>`), and output chunks
+        registered with NIXL (`nixl_held`)."""
         out = self.outputs.get(request_id)
         facts = {} if out is None else {"out": out.next_seq}
         for (rid, src), inp in self.inputs.items():
@@ -173,6 +175,9 @@ class StageStreams:
             for rid, src in self.hub.unclaimed:
                 if rid == request_id:
                     facts[f"unclaimed_{src}"] = 1
+            held = self.hub.nixl_held().get(request_id)
+            if held:
+                facts["nixl_held"] = held  # output chunks registered with NIXL
         return facts
 
     # ---- producer ------------------------------------------------------------------------
