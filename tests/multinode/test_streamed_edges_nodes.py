@@ -340,3 +340,27 @@ async def test_a_node_killed_mid_stream_fails_with_503_and_serving_resumes(clust
     result = await orch.generate("resumed", params(4, seed=9, values=256))
     expected = [chunk_sum(9, i, 256) for i in range(4)]
     assert [streamed_value(p) for p in result.outputs[1]] == pytest.approx(expected, abs=1e-9)
+
+
+async def test_a_chunk_the_node_cannot_read_fails_its_request_with_503(cluster):
+    """The node's NIXL reaches no network the head's agent is on (UCX on its loopback only):
+    the relay's READ of a large chunk fails, and the request fails as unavailable (503) at
+    once, with nothing left registered at the source; inline chunks still flow."""
+    orch, node, _, _ = cluster
+    source, relay = orch.stages[0], orch.stages[1]
+    node.kill()
+    await until(lambda: not relay.ready, 10, "the head sees the node gone")
+    node.env = {**node.env, "UCX_NET_DEVICES": "lo"}
+    node.start()
+    await until(lambda: relay.ready, 120, "the node registers again")
+    t0 = time.monotonic()
+    with pytest.raises(StageUnavailableError, match="NIXL read of chunk 0"):
+        await orch.generate("unreadable", params(4, values=NIXL_VALUES))
+    assert time.monotonic() - t0 < FAIL_WITHIN_S
+    t1 = time.monotonic()
+    while "unreadable" in (await source.inspect())["requests"]:
+        assert time.monotonic() - t1 < 5
+        await asyncio.sleep(0.05)
+    result = await orch.generate("inline-still", params(3, seed=4, values=256))
+    expected = [chunk_sum(4, i, 256) for i in range(3)]
+    assert [streamed_value(p) for p in result.outputs[1]] == pytest.approx(expected, abs=1e-9)

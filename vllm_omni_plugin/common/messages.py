@@ -364,6 +364,9 @@ class Result(msgspec.Struct, tag=True):
     output: StageOutput = None
     error: str | None = None
     error_field: str | None = None  # set for request validation errors (-> HTTP 400)
+    # The request failed for want of another stage's data, not by its own fault (a chunk its
+    # producer could not hand over): HTTP 503, as when a stage is down.
+    unavailable: bool = False
     stage_s: float = 0.0  # time the stage spent on this request, from receipt to reply
     first_output_s: float | None = None  # a streamed output: from receipt to its first chunk
     metrics: StageMetrics = {}

@@ -40,7 +40,7 @@ logger = logging.getLogger("vllm_omni_plugin.connectors.edge_nixl")
 MAX_CHUNK_BYTES = 1 << 30
 # Registered bytes one stage process holds for its streamed outputs in all (every request's
 # window): beyond this a chunk waits in no queue, it goes inline (or fails if it cannot).
-DEFAULT_MAX_HELD_BYTES = 8 << 30
+DEFAULT_MAX_HELD_BYTES = 2 << 30
 # How long a consumer's READ may take before its request fails (a hung or vanished producer).
 READ_TIMEOUT_S = 30.0
 
@@ -70,6 +70,7 @@ class EdgeNixl:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        self.device_reads = True  # READs land in device memory (False: NIXL refused it here)
         self._agent: Any = None
         self._agent_md = b""
         self.incarnation = secrets.token_hex(8)
@@ -95,15 +96,17 @@ class EdgeNixl:
     # ---- the producer's side -------------------------------------------------------------
     def offer(self, channel: Hashable, seq: int, tensor: torch.Tensor) -> EdgeNixlTensor | None:
         """Register a copy of `tensor` as chunk `seq` of `channel` and describe it; None when
-        the process already holds `max_held_bytes` (the chunk then goes inline).
-        ConnectorError when NIXL is unusable here."""
+        it is above MAX_CHUNK_BYTES or the process already holds `max_held_bytes` (the chunk
+        then goes inline). ConnectorError when NIXL is unusable here."""
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > MAX_CHUNK_BYTES:
-            raise ConnectorError(f"a {nbytes}-byte chunk (at most {MAX_CHUNK_BYTES})")
-        if self.held_bytes + nbytes > self.max_held_bytes:
+        if nbytes > MAX_CHUNK_BYTES or self.held_bytes + nbytes > self.max_held_bytes:
             return None
         agent = self.agent
         data = tensor.detach().clone(memory_format=torch.contiguous_format)
+        if data.is_cuda:
+            # The copy (and what computed the tensor) runs on the GPU's stream: a READ the
+            # consumer starts once the descriptor is out must find it done.
+            torch.cuda.current_stream(data.device).synchronize()
         flat = data.reshape(-1).view(torch.uint8)
         reg = agent.register(flat)
         try:
@@ -176,11 +179,10 @@ class EdgeNixl:
             raise ConnectorError(f"a NIXL chunk in {ref.mem_type!r} memory")
         deadline = Deadline(timeout)
         agent = self.agent
-        buf = torch.empty(ref.nbytes, dtype=torch.uint8, device=self.device)
         with self._peers_lock:
             agent.ensure_peer(ref.agent_name, ref.incarnation, ref.agent_md)
             agent.load_partial(ref.agent_name, ref.incarnation, ref.agent_md, ref.region_md)
-            reg = agent.register(buf)
+            buf, reg = self._registered_buffer(agent, ref.nbytes)
         in_use = False
         try:
             agent.read(
@@ -199,7 +201,25 @@ class EdgeNixl:
         finally:
             if not in_use:
                 agent.deregister(reg)
-        return buf.view(dtype).reshape(ref.shape)
+        return buf.view(dtype).reshape(ref.shape).to(self.device)
+
+    def _registered_buffer(self, agent: Any, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """Fresh memory for a READ on this process's device, registered; host memory where
+        NIXL cannot register the device's (a UCX built without its GPU transport)."""
+        if self.device.type != "cpu" and self.device_reads:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            try:
+                return buf, agent.register(buf)
+            except ConnectorError as exc:
+                self.device_reads = False
+                logger.warning(
+                    "NIXL cannot register %s memory (%s): streamed chunks are read into host "
+                    "memory, then copied there",
+                    self.device,
+                    exc,
+                )
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf, agent.register(buf)
 
     # ---- the stage's end -----------------------------------------------------------------
     def close(self) -> None:

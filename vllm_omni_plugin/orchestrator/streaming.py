@@ -200,6 +200,8 @@ class StreamedRun:
         )
         if result.error is not None:
             absorb_connector_stats(result)
+            if result.unavailable:
+                raise StageUnavailableError(f"stage {sid}: {result.error}")
             raise StageRequestError(sid, result.error, result.error_field)
         absorb_connector_stats(result)
         self.stage_s += result.stage_s

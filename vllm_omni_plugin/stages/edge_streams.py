@@ -91,6 +91,11 @@ class StreamError(RuntimeError):
     """A streamed edge broke its contract (a gap in the sequence, no such stream, a lost peer)."""
 
 
+class StreamUnavailable(StreamError):
+    """A chunk its producer could not hand over (a NIXL READ that failed or outlasted its
+    deadline): the request fails as when a stage is down (503), not as its own fault."""
+
+
 class Waits:
     """Per request: how many of its tasks wait on a peer now; a StreamWait goes out once a
     wait lasted WAIT_REPORT_S, and its end goes out when the last wait ends."""
@@ -259,7 +264,11 @@ class DirectOutput:
             and isinstance(payload, torch.Tensor)
             and payload.numel() * payload.element_size() >= threshold
         ):
-            ref = self.hub.tensors().offer(self.channel, seq, payload)
+            try:
+                ref = self.hub.tensors().offer(self.channel, seq, payload)
+            except ConnectorError as exc:
+                ref = None
+                self.hub.nixl_unusable(exc)
             if ref is not None:
                 # Registered chunks are unacknowledged ones: the window bounds them.
                 assert self.hub.tensors().held_by(self.channel) <= self.window
@@ -373,7 +382,9 @@ class DirectInput:
         return await asyncio.to_thread(self.hub.tensors().read, ref, stats)
 
     async def _close_after_fetches(self) -> None:
-        await asyncio.wait(list(self.fetches.values()))
+        tasks = list(self.fetches.values())
+        if tasks:
+            await asyncio.wait(tasks)
         if self.link is not None:
             self.link.close()
 
@@ -442,7 +453,7 @@ class DirectInput:
                 f"{self.from_stage} failed: {exc}"
             )
             self.close()
-            raise StreamError(self.error)
+            raise StreamUnavailable(self.error)
         return task.result()
 
     def waiting(self) -> int:
@@ -509,6 +520,16 @@ class EdgeHub:
         if self.nixl is None:
             self.nixl = EdgeNixl(self.name_hint)
         return self.nixl
+
+    def nixl_unusable(self, exc: ConnectorError) -> None:
+        """NIXL refused a chunk (not installed, no backend, memory it cannot register): this
+        stage's chunks go inline from now on, as a frame holds them."""
+        logger.warning(
+            "stage %s: streamed chunks across nodes go inline: NIXL is unusable here (%s)",
+            self.stage.stage_id,
+            exc,
+        )
+        self.nixl_min_bytes = None
 
     def new_channel(self, request_id: str) -> tuple[str, int]:
         self._channels += 1

@@ -47,7 +47,7 @@ from ..common.messages import (
 from ..config.stage_init import StageInit
 from .edge_streams import EdgeHub
 from .payloads import StagePayloads
-from .streams import StageStreams, StreamError
+from .streams import StageStreams, StreamError, StreamUnavailable
 
 logger = logging.getLogger("vllm_omni_plugin.stages")
 
@@ -334,7 +334,11 @@ class AsyncStageLoop(StageLoop):
                 result = Result(rid, error=refused[0], error_field=refused[1])
             else:
                 logger.exception("request %s failed", rid)
-                result = Result(rid, error=f"{type(exc).__name__}: {exc}")
+                result = Result(
+                    rid,
+                    error=f"{type(exc).__name__}: {exc}",
+                    unavailable=isinstance(exc, StreamUnavailable),
+                )
                 if self.on_request_error(msg, exc):
                     return
         finally:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..common.messages import Chunk, Credit, Submit
-from .edge_streams import DirectInput, DirectOutput, EdgeHub, StreamError
+from .edge_streams import DirectInput, DirectOutput, EdgeHub, StreamError, StreamUnavailable
 from .payloads import inline
 
 logger = logging.getLogger("vllm_omni_plugin.stages.streams")
@@ -57,7 +57,7 @@ class StreamingStage(Protocol):
 # Chunks of one request a producer may have out, unconsumed, when the topology does not say.
 DEFAULT_STREAM_WINDOW = 4
 
-__all__ = ["DEFAULT_STREAM_WINDOW", "StageStreams", "StreamError"]
+__all__ = ["DEFAULT_STREAM_WINDOW", "StageStreams", "StreamError", "StreamUnavailable"]
 
 
 @dataclass
