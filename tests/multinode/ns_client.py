@@ -8,6 +8,8 @@
            Qwen3-Omni answer (pcm16, greedy; "pcm" in base64) through the openai client; with
            MARK, the file is created at the first audio delta and the rest is read slowly (a
            client the stream waits for)
+    ns_client.py speech-image BASE_URL MODEL MAX_TOKENS
+        -> the same, for a question about a small seeded RGB image (a PNG data URL part)
     ns_client.py chat BASE_URL MODEL MAX_TOKENS   -> {"text", "error"}: a text-only answer
            (greedy, not streamed) through the openai client
 Prints one JSON line.
@@ -56,12 +58,30 @@ def main(argv: list[str]) -> dict:
         }
     if cmd == "speech":
         return speech(argv[1], argv[2], int(argv[3]), argv[4] if len(argv) > 4 else None)
+    if cmd == "speech-image":
+        return speech(argv[1], argv[2], int(argv[3]), None, content=image_question())
     if cmd == "chat":
         return chat(argv[1], argv[2], int(argv[3]))
     raise SystemExit(f"unknown command {cmd!r}")
 
 
-def speech(url: str, model: str, max_tokens: int, mark: str | None) -> dict:
+def image_question() -> list[dict]:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    return [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+
+
+def speech(
+    url: str, model: str, max_tokens: int, mark: str | None, content: str | list = "Say hi"
+) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
@@ -69,7 +89,7 @@ def speech(url: str, model: str, max_tokens: int, mark: str | None) -> dict:
     try:
         stream = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "Say hi"}],
+            messages=[{"role": "user", "content": content}],
             temperature=0,
             max_tokens=max_tokens,
             stream=True,

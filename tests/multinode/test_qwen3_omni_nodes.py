@@ -7,7 +7,10 @@ node, the audio chunks come back over the node link. The client runs in the head
 namespace (ns_client.py).
 
 Checked: the streamed pcm16 answer (greedy) equals, byte for byte, the local pipeline's
-(qwen3_omni_tiny.yaml, every stage on one host); a node killed mid-stream fails its request
+(qwen3_omni_tiny.yaml, every stage on one host), for a text prompt and for one with an image,
+whose media states (the thinker's first chunk to the talker) cross through NIXL (UCX over
+TCP on the veth; the thinker's stream_nixl_min_bytes lowered to fit the tiny model's states)
+while its token ids go inline, as the head's /metrics counts; a node killed mid-stream fails its request
 with 503 (an error event of type service_unavailable_error, counted as 503 in /metrics) within
 the heartbeat bound, and speech works again once the node is back.
 
@@ -38,13 +41,16 @@ OVERRIDES = [
     "--stage-overrides",
     json.dumps(
         {
+            # The tiny thinker's states at a 64x64 image's positions are a few hundred bytes
+            # (its token id chunks, tens): between them, as megabytes and bytes are in full size.
+            "0": {"stream_nixl_min_bytes": 256},
             "1": {
                 "default_sampling_params": {
                     "max_tokens": 192,
                     "min_tokens": 192,
                     "temperature": 0,
                 }
-            }
+            },
         }
     ),
 ]
@@ -66,10 +72,20 @@ def speech_503s(ns: str, url: str) -> float:
     return 0.0
 
 
+def edge_counter(ns: str, url: str, family: str, path: str, labels: str = "") -> float:
+    """A counter of the thinker -> talker edge's chunks that took `path` on the head's
+    /metrics (0 when it has none yet)."""
+    text = ns_call(ns, "metrics", url)["text"]
+    for line in text.splitlines():
+        if line.startswith(f'{family}{{connector="edge_0_1_{path}"{labels}}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
     hosts, tiny_models, tmp_path
 ):
-    (ns_h, _, addr_h), (ns_n, _, _) = hosts["head"], hosts["node"]
+    (ns_h, dev_h, addr_h), (ns_n, dev_n, _) = hosts["head"], hosts["node"]
     model = str(tiny_models("qwen3-omni"))
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -87,22 +103,40 @@ def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
     try:
         ns_wait_healthy(ns_h, url, [local], timeout=600)
         reference = ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS))
+        image_reference = ns_call(ns_h, "speech-image", url, model, str(THINKER_TOKENS))
     finally:
         local.stop()
     assert reference["error"] is None, reference
     assert reference["audio_deltas"] >= 2 and reference["samples"] > 0
+    assert image_reference["error"] is None and image_reference["samples"] > 0, image_reference
 
     master = free_port()
     head_args = [model, "--stage-config", NODES, "--stage-ids", "0", *serve]
     head_args += ["--omni-master-address", "0.0.0.0", "--omni-master-port", str(master)]
     node_args = [model, "--stage-config", NODES, "--headless", "--stage-ids", "1,2", *OVERRIDES]
     node_args += ["--omni-master-address", addr_h, "--omni-master-port", str(master)]
-    head = Proc(head_args, tmp_path / "head.log", env, ns_h)
-    node = Proc(node_args, tmp_path / "node.log", env, ns_n)
+    # NIXL's UCX over TCP on each side's end of the veth, as between hosts without RDMA.
+    head_env = {**env, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_h}
+    node_env = {**env, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_n}
+    head = Proc(head_args, tmp_path / "head.log", head_env, ns_h)
+    node = Proc(node_args, tmp_path / "node.log", node_env, ns_n)
     try:
         ns_wait_healthy(ns_h, url, [head, node], timeout=600)
         split = ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS))
         assert split == reference
+        assert edge_counter(ns_h, url, "omni_connector_puts_total", "nixl") == 0
+        inline_before = edge_counter(ns_h, url, "omni_connector_puts_total", "inline")
+        assert inline_before >= 1  # the text prompt's token ids
+
+        assert ns_call(ns_h, "speech-image", url, model, str(THINKER_TOKENS)) == image_reference
+        t0 = time.monotonic()  # the talker's counters come with its Result, over the link
+        reads = ("omni_connector_transfers_total", "nixl", ',role="consumer"')
+        while edge_counter(ns_h, url, *reads) < 1:
+            assert time.monotonic() - t0 < 10, head.log_tail()
+            time.sleep(0.2)
+        assert edge_counter(ns_h, url, *reads) == 1  # the media states, READ once
+        assert edge_counter(ns_h, url, "omni_connector_puts_total", "nixl") == 1
+        assert edge_counter(ns_h, url, "omni_connector_puts_total", "inline") > inline_before
 
         # A node killed while a (slowly read) answer streams.
         mark = tmp_path / "first-audio"
@@ -131,7 +165,7 @@ def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
         assert answer["error"]["body"]["type"] == "service_unavailable_error", answer
         assert ns_call(ns_h, "status", f"{url}/health")["status"] == 503
 
-        node = Proc(node_args, tmp_path / "node-2.log", env, ns_n)
+        node = Proc(node_args, tmp_path / "node-2.log", node_env, ns_n)
         ns_wait_healthy(ns_h, url, [head, node], timeout=600)
         assert ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS)) == reference
     finally:

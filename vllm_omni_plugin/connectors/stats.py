@@ -6,6 +6,7 @@ feeds them to `set_remote_snapshot`; `register_prometheus()` then exports local 
 
 Exported metrics (role is "producer" for the side that put, "consumer" for the side that got):
   omni_connector_puts_total{connector}
+  omni_connector_put_bytes_total{connector}         bytes of those payloads
   omni_connector_transfers_total{connector,role}     completed handoffs seen by that side
   omni_connector_bytes_total{connector,role}
   omni_connector_failures_total{connector,role}      includes timeouts
@@ -178,6 +179,9 @@ class _Collector:
 
         snaps = all_snapshots()
         puts = CounterMetricFamily("omni_connector_puts", "Payloads put", labels=["connector"])
+        put_bytes = CounterMetricFamily(
+            "omni_connector_put_bytes", "Bytes of the payloads put", labels=["connector"]
+        )
         timeouts = CounterMetricFamily(
             "omni_connector_timeouts", "Gets past their deadline", labels=["connector"]
         )
@@ -201,6 +205,7 @@ class _Collector:
         for s in snaps:
             name = s["name"]
             puts.add_metric([name], s["puts"])
+            put_bytes.add_metric([name], s["put_bytes"])
             timeouts.add_metric([name], s["timeouts"])
             expired.add_metric([name], s["expired"])
             for role in ROLES:
@@ -215,7 +220,7 @@ class _Collector:
                     cumulative += count
                     buckets.append((le, cumulative))
                 latency.add_metric([name, role], buckets, r["latency_sum"])
-        yield from (puts, transfers, nbytes, failures, timeouts, expired, latency)
+        yield from (puts, put_bytes, transfers, nbytes, failures, timeouts, expired, latency)
 
 
 def register_prometheus(registry: Any = None) -> None:
