@@ -17,12 +17,14 @@ the channel asserts; what the process holds registered in all is at most `max_he
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +93,9 @@ class EdgeNixl:
                 name = f"omni-edge-{self.name_hint}-{socket.gethostname()}-{os.getpid()}"
                 self._agent = NixlAgent(f"{name}-{self.incarnation[:6]}")
                 self._agent_md = self._agent.metadata()
+                # Stop NIXL's threads while the interpreter still runs: an agent destroyed
+                # during its teardown aborts the process.
+                atexit.register(_close_at_exit, weakref.ref(self))
             return self._agent
 
     # ---- the producer's side -------------------------------------------------------------
@@ -231,3 +236,9 @@ class EdgeNixl:
             agent, self._agent = self._agent, None
         if agent is not None:
             agent.shutdown()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    edges = ref()
+    if edges is not None:
+        edges.close()
