@@ -202,6 +202,22 @@ async def test_consumer_overlaps_producer_chunks_in_order_and_bounded(sink_pipel
     assert shm_files(shm) == []
 
 
+async def test_a_local_edge_keeps_large_tensor_chunks_inline(sink_pipeline):
+    """Chunks of 256 KiB, above stream_nixl_min_bytes: on one host they stay in the channel's
+    frames (NIXL is for edges across nodes); nothing is registered or counted as NIXL."""
+    from vllm_omni_plugin.connectors.stats import all_snapshots
+
+    def nixl_puts() -> int:
+        return sum(s["puts"] for s in all_snapshots() if s["name"] == "edge_0_1_nixl")
+
+    orch, _ = sink_pipeline
+    before = nixl_puts()
+    result = await orch.generate("r-large", params(3, values=1 << 16))
+    assert result.outputs[1] == [expected_checksum(3, 3, 1 << 16).encode()]
+    assert result.metrics["stage_0"]["max_nixl_held"] == 0
+    assert nixl_puts() == before
+
+
 async def test_final_stage_chunks_stream_to_the_caller_in_order(chain_pipeline):
     orch, shm = chain_pipeline
     got: list[tuple[int, float]] = []
