@@ -140,7 +140,8 @@ def time_sequence(ops: list[Op], device: torch.device, iters: int) -> dict:
             step()
         graph.replay()
         samples = [_events_ms(graph.replay, 1) for _ in range(iters)]
-    del graph, calls
+    del graph
+    calls.clear()  # free the tensors before the next family
     torch.cuda.empty_cache()
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "iters": iters}
 
