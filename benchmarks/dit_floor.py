@@ -95,7 +95,14 @@ def _op_tensors(op: Op, device: torch.device, dtype: torch.dtype):
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _events_ms(fn, reps: int) -> float:
+def _call_ms(fn, reps: int, device: torch.device) -> float:
+    """ms per call over `reps` back-to-back calls: CUDA events on the GPU, wall clock on the
+    CPU (where the tests check this code on small ops)."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - t) / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
@@ -111,11 +118,12 @@ def time_op(op: Op, device: torch.device, warmup: int, iters: int) -> dict:
     with torch.inference_mode():
         for _ in range(warmup):
             fn()
-        one = _events_ms(fn, 1)
+        one = _call_ms(fn, 1, device)
         reps = max(1, min(200, int(WINDOW_MS / max(one, 1e-3))))
-        samples = [_events_ms(fn, reps) for _ in range(iters)]
+        samples = [_call_ms(fn, reps, device) for _ in range(iters)]
     del fn
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "reps": reps}
 
 
@@ -130,20 +138,25 @@ def time_sequence(ops: list[Op], device: torch.device, iters: int) -> dict:
             calls[op]()
 
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # cuBLAS handles and workspaces before capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        samples = [_events_ms(graph.replay, 1) for _ in range(iters)]
-    del graph
+        replay = step if device.type != "cuda" else _graphed(step)
+        replay()
+        samples = [_call_ms(replay, 1, device) for _ in range(iters)]
     calls.clear()  # free the tensors before the next family
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "iters": iters}
+
+
+def _graphed(step):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # cuBLAS handles and workspaces before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def op_row(op: Op, count: int, peak) -> dict:
