@@ -278,7 +278,7 @@ FAMILIES: dict[str, Family] = {
             _wan_inputs(16, 4, per_token_timesteps=True),
             _cfg_if_guided,  # cond and uncond rows in one forward
             frames=121,
-            frames_why="the model card's (the deploy file sets no num_frames)",
+            frames_why="the model card's (the deploy file sets none)",
         ),
         Family(
             "wan2.2-t2v-a14b",
@@ -288,7 +288,7 @@ FAMILIES: dict[str, Family] = {
             _wan_inputs(8, 4, per_token_timesteps=False),
             _cfg_if_guided,
             frames=81,
-            frames_why="the model card's and WanPipeline's default",
+            frames_why="the model card's and WanPipeline's default (the deploy file sets none)",
         ),
     )
 }

@@ -163,3 +163,54 @@ def test_coverage_names_a_linear_the_step_never_calls():
     assert cov["weight_elements_used"] == 16 and cov["linear_weight_elements"] == 48
     with pytest.raises(SystemExit, match="skipped"):
         dit_floor.check_coverage({"family": FAMILIES["flux"], "coverage": cov})
+
+
+# ---- the report ------------------------------------------------------------------------------
+def test_benchmarks_md_floor_block_is_the_report_of_the_results_files():
+    """BENCHMARKS.md's dit-floor block is what dit_floor_report.py makes of benchmarks/results
+    (regenerated and compared as text): no hand-edited figure, and a family without a timed
+    floor file says "not measured"."""
+    import dit_floor_report
+
+    doc = (REPO / "BENCHMARKS.md").read_text()
+    block = doc.split(dit_floor_report.BEGIN, 1)[1].split(dit_floor_report.END, 1)[0]
+    text = dit_floor_report.report(*dit_floor_report.load(dit_floor_report.sources()))
+    assert block.strip() == text.strip()
+    floors, _ = dit_floor_report.load(dit_floor_report.sources())
+    if not any(run["timed"] for run in floors):
+        assert text.count(dit_floor_report.NOT_MEASURED) >= len(FAMILIES)
+
+
+def test_a_timed_floor_sits_beside_the_served_figures(found, tmp_path):
+    """A timed floor file puts its floor in the family's rows: served ms per step over the
+    floor, the step goal within the floor or not, the device named when the two differ; the
+    families it lacks stay "not measured"."""
+    import dit_floor_report
+
+    f = _found(found, "flux")
+    timings = {op: {"median_ms": 0.25, "min_ms": 0.2, "reps": 4} for op, _ in grouped(f["ops"])}
+    rec = dit_floor.family_record(f, ("H100", (989.4e12, 3.35e12)), timings, None)
+    rec["clock"] = {"sm_clock_mhz": 1755.0, "power_w": 690.0, "temp_c": 60.0, "samples": 9}
+    run = {"bench": "dit_floor", "machine": "NVIDIA H100 80GB HBM3", "timed": True,
+           "date": "2026-12-06 10:00 UTC", "peak": {"device": "H100"}, "families": [rec]}  # fmt: skip
+    floor_file = tmp_path / "dit_floor_h100_2026-12-06.json"
+    floor_file.write_text(json.dumps(run))
+    served = REPO / "benchmarks" / "results" / "step_cache_flux_h200_2026-12-03.jsonl"
+    text = dit_floor_report.report(*dit_floor_report.load([floor_file, served]))
+    floor_ms = 0.25 * len(f["ops"])
+    flux_floor = next(ln for ln in text.splitlines() if ln.startswith("| FLUX.1-dev | 1024x1024"))
+    assert f"**{floor_ms:.1f}** (NVIDIA H100 80GB HBM3)" in flux_floor
+    assert "| 1755 / 690 | <= 120 ms | no |" in flux_floor  # 140.2 ms > 120
+    engine = next(ln for ln in text.splitlines() if "| FLUX.1-dev | step-cache" in ln)
+    uncached = next(
+        json.loads(ln)
+        for ln in served.read_text().splitlines()
+        if '"policy": "none"' in ln and '"alone_s"' in ln
+    )
+    per_step = 1e3 * uncached["alone_s"]["median"] / uncached["steps"]
+    assert (
+        f"| {per_step:.1f} | {floor_ms:.1f} | {per_step / floor_ms:.2f}x (floor on NVIDIA H100"
+        in (engine)
+    )
+    glm = next(ln for ln in text.splitlines() if ln.startswith("| GLM-Image DiT | 1024x1024"))
+    assert "| not measured |" in glm
