@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     machine = torch.cuda.get_device_name() if timed else "cpu (dry run)"
     peak = (args.peak, PEAKS[args.peak]) if args.peak else peak_for(machine)
     notes: list[str] = []
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)  # nvidia-smi's samples go there as it runs
     if peak is None:
         notes.append(f"no datasheet peak for {machine!r}: analytic floor left out (--peak)")
     result = {
@@ -359,7 +361,6 @@ def main(argv: list[str] | None = None) -> dict:
     md = markdown(result)
     print(md)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "dit_floor.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / "dit_floor.md").write_text(md)
     return result
