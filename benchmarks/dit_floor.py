@@ -216,10 +216,14 @@ def family_record(found: dict, peak, timings: dict | None, sequence: dict | None
     }
 
 
+class MissedLayers(ValueError):
+    """The recorded step leaves out Linear layers of the transformer."""
+
+
 def check_coverage(found: dict) -> None:
     cov = found["coverage"]
     if cov["uncalled"] or cov["weight_elements_used"] != cov["linear_weight_elements"]:
-        raise SystemExit(
+        raise MissedLayers(
             f"{found['family'].name}: the recorded step misses Linear layers {cov['uncalled']}: "
             "its floor would leave them out"
         )
@@ -285,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sequence-iters", type=int, default=5,
                     help="timed replays of the whole op list in one graph (0: skip)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=540.0,
-                    help="skip a family's graph sequence once this many seconds have passed")  # fmt: skip
+                    help="seconds for the whole run: a family's graph sequence is skipped when its "
+                         "replays would not fit in what is left")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="folder for dit_floor.json / .md")
     args = ap.parse_args(argv)
     names = [n for n in args.families.split(",") if n]
@@ -328,28 +333,14 @@ def main(argv: list[str] | None = None) -> dict:
         "notes": notes,
     }
     for name in names:
-        found = enumerate_family(FAMILIES[name])
-        check_coverage(found)
-        timings = sequence = clock = None
-        if timed:
-            from bench_dit_ab import ClockSampler, window_means
-
-            sampler = ClockSampler(args.out / f"nvidia_smi_{name}.csv" if args.out else None)
-            start = dt.datetime.now()
-            timings = {
-                op: time_op(op, device, args.warmup, args.iters) for op, _ in grouped(found["ops"])
-            }
-            est_s = sum(timings[op]["median_ms"] for op in found["ops"]) / 1e3
-            if (
-                args.sequence_iters
-                and time.perf_counter() - t0 + est_s * (args.sequence_iters + 3) < args.budget_s
-            ):
-                sequence = time_sequence(found["ops"], device, args.sequence_iters)
-            elif args.sequence_iters:
-                notes.append(f"{name}: graph sequence skipped (~{est_s:.1f} s a replay, budget)")
-            clock = window_means(sampler.stop(), [(start, dt.datetime.now())])
-        rec = family_record(found, peak, timings, sequence)
-        rec["clock"] = clock
+        try:
+            rec = measure_family(FAMILIES[name], args, device, peak, t0, notes)
+        except Exception as exc:  # one family's failure must not cost the others' floors
+            if not timed:
+                raise
+            notes.append(f"{name} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            print(f"{name} FAILED: {exc!r}", flush=True)
+            continue
         result["families"].append(rec)
         s = rec["sums"]
         print(
@@ -358,12 +349,46 @@ def main(argv: list[str] | None = None) -> dict:
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    md = markdown(result)
-    print(md)
-    if args.out:
-        (args.out / "dit_floor.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "dit_floor.md").write_text(md)
+        save(result, args.out)  # after each family: a run cut short keeps what it measured
+    save(result, args.out)
+    print(markdown(result))
     return result
+
+
+def measure_family(family: Family, args, device, peak, t0: float, notes: list[str]) -> dict:
+    """The family's record: its ops, and on the GPU their times alone and in one graph."""
+    found = enumerate_family(family)
+    check_coverage(found)
+    timings = sequence = clock = None
+    if device.type == "cuda":
+        from bench_dit_ab import ClockSampler, window_means
+
+        sampler = ClockSampler(args.out / f"nvidia_smi_{family.name}.csv" if args.out else None)
+        start = dt.datetime.now()
+        try:
+            timings = {
+                op: time_op(op, device, args.warmup, args.iters) for op, _ in grouped(found["ops"])
+            }
+            est_s = sum(timings[op]["median_ms"] for op in found["ops"]) / 1e3
+            left_s = args.budget_s - (time.perf_counter() - t0)
+            if args.sequence_iters and est_s * (args.sequence_iters + 3) < left_s:
+                sequence = time_sequence(found["ops"], device, args.sequence_iters)
+            elif args.sequence_iters:
+                notes.append(
+                    f"{family.name}: graph sequence skipped (~{est_s:.1f} s a replay, "
+                    f"{left_s:.0f} s of the budget left)"
+                )
+        finally:
+            clock = window_means(sampler.stop(), [(start, dt.datetime.now())])
+    rec = family_record(found, peak, timings, sequence)
+    rec["clock"] = clock
+    return rec
+
+
+def save(result: dict, out: Path | None) -> None:
+    if out:
+        (out / "dit_floor.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "dit_floor.md").write_text(markdown(result))
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def test_coverage_names_a_linear_the_step_never_calls():
     cov = linear_coverage(model, rec)
     assert cov["uncalled"] == ["skipped"]
     assert cov["weight_elements_used"] == 16 and cov["linear_weight_elements"] == 48
-    with pytest.raises(SystemExit, match="skipped"):
+    with pytest.raises(dit_floor.MissedLayers, match="skipped"):
         dit_floor.check_coverage({"family": FAMILIES["flux"], "coverage": cov})
 
 
