@@ -10,17 +10,20 @@ Per family (dit_floor_families.py: FLUX.1-dev, Qwen-Image, GLM-Image's DiT, Wan2
 and T2V-A14B), the transformer at its published size runs one forward at the shape its deploy
 file serves, under FakeTensorMode, and every `F.linear` and attention call it makes is recorded
 (dit_floor_ops.py); both CFG rows where the served config guides (one forward at batch 2, as the
-engine runs them). The op list must use every Linear of the transformer, or the run stops.
+engine runs them).
 
 On the GPU each distinct op is timed alone in bf16 on random tensors: CUDA events around a few
 back-to-back calls (enough for ~1 ms, so a tiny GEMM's launch does not dominate), after warm-up,
-median of `--iters` samples. The floor is the sum over the step's ops of count x median: what
-the step would cost if every norm, RoPE, GELU, modulation and residual were free and each
-matmul ran as fast as cuBLAS / torch's SDPA run it alone. For reference, beside it: the whole op
-list in call order captured in one CUDA graph (the method of the FLUX floor in BENCHMARKS.md's
-seventh run; weights shared by op shape), and the analytic floor (each op's FLOPs at the
-datasheet's bf16 dense peak or its bytes at HBM bandwidth, whichever is slower). nvidia-smi
-samples the SM clock and board power while a family is timed.
+median of `--iters` samples; back to back, a small op's weight stays in L2 cache, as it would
+not in a step, which the one-graph figure below checks. The floor is the sum over the step's
+ops of count x median: what the step would cost if every norm, RoPE, GELU, modulation and
+residual were free and each matmul ran as fast as cuBLAS / torch's SDPA run it alone. Beside
+it: the whole op list in call order captured in one CUDA graph (the method of the FLUX floor in
+BENCHMARKS.md's seventh run; weights shared by op shape), and the analytic floor (each op's
+FLOPs at the datasheet's bf16 dense peak or its bytes at HBM bandwidth, whichever is slower).
+nvidia-smi samples the SM clock and board power while a family is timed. The op list must use
+every Linear of the transformer, or the family is not timed; a family that fails is a note in
+the results, the others still run.
 
 Writes DIR/dit_floor.json (machine, versions, command, per family: shape, per-op table, sums)
 and DIR/dit_floor.md; dit_floor_report.py puts the floors beside the served figures.

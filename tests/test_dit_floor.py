@@ -200,7 +200,7 @@ def test_a_timed_floor_sits_beside_the_served_figures(found, tmp_path):
     floor_ms = 0.25 * len(f["ops"])
     flux_floor = next(ln for ln in text.splitlines() if ln.startswith("| FLUX.1-dev | 1024x1024"))
     assert f"**{floor_ms:.1f}** (NVIDIA H100 80GB HBM3)" in flux_floor
-    assert "| 1755 / 690 | <= 120 ms | no |" in flux_floor  # 140.2 ms > 120
+    assert "| 1755 / 690 | <= 120 ms | no (analytic: yes) |" in flux_floor  # 140.2 ms > 120
     engine = next(ln for ln in text.splitlines() if "| FLUX.1-dev | step-cache" in ln)
     uncached = next(
         json.loads(ln)
@@ -213,4 +213,4 @@ def test_a_timed_floor_sits_beside_the_served_figures(found, tmp_path):
         in (engine)
     )
     glm = next(ln for ln in text.splitlines() if ln.startswith("| GLM-Image DiT | 1024x1024"))
-    assert "| not measured |" in glm
+    assert "| not measured |" in glm and "| <= 110 ms | - |" in glm
