@@ -42,6 +42,10 @@
 #                                           <= 4 min with the ~8 GB build in /dev/shm)
 #   scripts/gpu_check.sh code2wav           Code2Wav's batched decode: CUDA graphs vs eager, time per chunk
 #   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
+#   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
+#                                           timed alone at the served shape) for FLUX.1-dev, Qwen-Image, GLM-Image's
+#                                           DiT, Wan2.2 TI2V-5B and T2V-A14B in one call: ~3 min, no weights, no vLLM;
+#                                           FLOOR_FAMILIES (comma-separated) picks some; $OUT/dit_floor/dit_floor.json
 # Several commands may follow one another: `scripts/gpu_check.sh install smoke build-full`.
 # Results go to $OUT (default /tmp/gpu-check).
 set -euo pipefail
@@ -296,6 +300,14 @@ while [ $# -gt 0 ]; do
       timeout 120 python3 benchmarks/bench_attention_gpu.py --out "$OUT/dit" || true
       python3 benchmarks/bench_dit_gpu.py --budget-s "${DIT_BUDGET_S:-460}" --out "$OUT/dit" \
         2>&1 | tee "$OUT/dit.log"
+      ;;
+    dit-floor)
+      # Ops recorded on fake full-size transformers (seconds, CPU), then each distinct op timed
+      # alone and the whole step's op list replayed in one CUDA graph: ~3 min for all five
+      # (Wan2.2 T2V-A14B's 3.4 PFLOP CFG step is most of it). Stops itself at --budget-s.
+      timeout 590 python3 benchmarks/dit_floor.py --out "$OUT/dit_floor" --budget-s 540 \
+        ${FLOOR_FAMILIES:+--families "$FLOOR_FAMILIES"} 2>&1 | tee "$OUT/dit_floor.log" \
+        | grep -v '^| ' || true
       ;;
     *)
       echo "unknown step: $step" >&2

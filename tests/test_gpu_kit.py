@@ -60,3 +60,35 @@ def test_a_dependency_that_cannot_be_fetched_fails_the_kit_naming_it(tmp_path):
     run = resolve(index, cache, "kitparent==1.0")
     assert run.returncode == 1
     assert "kitabsent==3.0" in run.stderr.splitlines()[-1]
+
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+
+
+def test_every_gpu_check_mode_is_documented_in_its_header():
+    import re
+
+    text = GPU_CHECK.read_text()
+    modes = re.findall(r"^    ([a-z0-9-]+)\)$", text, re.M)
+    documented = re.findall(r"^#   scripts/gpu_check.sh ([a-z0-9-]+)", text, re.M)
+    assert "dit-floor" in modes
+    assert sorted(modes) == sorted(documented)
+
+
+def test_dit_floor_mode_reaches_the_benchmark_with_flags_it_accepts(tmp_path):
+    """`gpu_check.sh dit-floor` runs dit_floor.py with arguments its parser takes: here, with no
+    GPU, the benchmark itself refuses to time (a flag it did not know would fail first)."""
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        FLOOR_FAMILIES="flux,wan2.2-t2v-a14b",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    run = subprocess.run(
+        ["bash", str(GPU_CHECK), "dit-floor"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    log = (out / "dit_floor.log").read_text()
+    assert "timing needs a CUDA device" in log, log
+    assert "unrecognized arguments" not in log and "unknown families" not in log
