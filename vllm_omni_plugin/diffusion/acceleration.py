@@ -34,6 +34,9 @@ Each option keeps the model's function: no caching across steps, no lower precis
     copies (qwen_image_sync_free.py): the text length of padded text batches (batch > 1,
     prompts of different lengths) and Qwen-Image-Edit-2511's `modulate_index` (`zero_cond_t`).
     The same math, and what lets those shapes be captured in a CUDA graph.
+  * The Qwen-Image family's joint attention runs per row, unmasked, when a batch's prompts
+    differ in length (qwen_image_rows.py): each prompt's own attention, as alone, instead of a
+    masked kernel over the padded batch.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8 as fp8_gemm
-from . import gelu_epilogue, glm_image_sync_free, qwen_image_sync_free
+from . import gelu_epilogue, glm_image_sync_free, qwen_image_rows, qwen_image_sync_free
 from .compile_cache import use_compile_cache
 from .cuda_graphs import StepGraphs
 
@@ -110,13 +113,16 @@ def accelerate_transformer(
     fuse_gelu: bool = False,
     reversible: bool = True,
     compile_cache_dir: str | None = None,
+    per_row_attention: bool = True,
 ) -> Callable[..., Any]:
     """Apply the options to `transformer` (fusion, fp8, GLM's sync-free modules and regional
     compile are in place; `reset_transformer` undoes them) and return what the denoising loop
     should call. `dynamic=None`: dynamic for VARIABLE_TEXT_MODELS, else torch's default.
     `cuda_graphs=None`: on for CUDA devices. `reversible=False` (serving) frees what only
     `reset_transformer` would need (fp8: the model-dtype weights of the swapped linears).
-    `compile_cache_dir`: inductor's on-disk cache (compile_cache.py; None: its default)."""
+    `compile_cache_dir`: inductor's on-disk cache (compile_cache.py; None: its default).
+    `per_row_attention`: the Qwen-Image family's per-row joint attention (qwen_image_rows.py);
+    off only to time diffusers' masked attention against it."""
     cuda = device.type == "cuda"
     name = type(transformer).__name__
     undo: list[Callable[[], None]] = transformer.__dict__.setdefault("_omni_undo", [])
@@ -149,6 +155,10 @@ def accelerate_transformer(
     qwen_undo = qwen_image_sync_free.install(transformer)
     if qwen_undo is not None:
         undo.append(qwen_undo)
+    if per_row_attention:
+        rows_undo = qwen_image_rows.install(transformer)
+        if rows_undo is not None:
+            undo.append(rows_undo)
     fn: Callable[..., Any] = transformer
     if compile:
         logger.info("torch.compile cache: %s", use_compile_cache(compile_cache_dir))
