@@ -167,7 +167,9 @@ def joint_attention(
     processor.per_row_calls += 1
     txt_parts, img_parts = [], []
     for lo, hi, n in runs(text_lengths):
-        q, k, v = (torch.cat([t[lo:hi, :n], i[lo:hi]], dim=1) for t, i in zip(txt, img))
+        q, k, v = (
+            torch.cat([t[lo:hi, :n], i[lo:hi]], dim=1) for t, i in zip(txt, img, strict=True)
+        )
         out = dispatch_attention_fn(
             q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
             backend=backend, parallel_config=parallel,
@@ -190,7 +192,7 @@ def masked_attention(
     if text_mask is not None:
         image_mask = torch.ones(img[0].shape[:2], dtype=torch.bool, device=img[0].device)
         mask = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
-    q, k, v = (torch.cat([t, i], dim=1) for t, i in zip(txt, img))
+    q, k, v = (torch.cat([t, i], dim=1) for t, i in zip(txt, img, strict=True))
     out = dispatch_attention_fn(
         q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
         backend=backend, parallel_config=parallel,
