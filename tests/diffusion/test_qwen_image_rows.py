@@ -213,8 +213,7 @@ def test_install_is_undone_and_can_be_left_off(tiny):
     reset_transformer(tr)
     assert not qwen_image_rows.installed(tr)
     assert all(
-        type(p).__name__ == "QwenDoubleStreamAttnProcessor2_0"
-        for p in tr.attn_processors.values()
+        type(p).__name__ == "QwenDoubleStreamAttnProcessor2_0" for p in tr.attn_processors.values()
     )
 
 
