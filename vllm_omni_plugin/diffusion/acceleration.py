@@ -113,16 +113,13 @@ def accelerate_transformer(
     fuse_gelu: bool = False,
     reversible: bool = True,
     compile_cache_dir: str | None = None,
-    per_row_attention: bool = True,
 ) -> Callable[..., Any]:
     """Apply the options to `transformer` (fusion, fp8, GLM's sync-free modules and regional
     compile are in place; `reset_transformer` undoes them) and return what the denoising loop
     should call. `dynamic=None`: dynamic for VARIABLE_TEXT_MODELS, else torch's default.
     `cuda_graphs=None`: on for CUDA devices. `reversible=False` (serving) frees what only
     `reset_transformer` would need (fp8: the model-dtype weights of the swapped linears).
-    `compile_cache_dir`: inductor's on-disk cache (compile_cache.py; None: its default).
-    `per_row_attention`: the Qwen-Image family's per-row joint attention (qwen_image_rows.py);
-    off only to time diffusers' masked attention against it."""
+    `compile_cache_dir`: inductor's on-disk cache (compile_cache.py; None: its default)."""
     cuda = device.type == "cuda"
     name = type(transformer).__name__
     undo: list[Callable[[], None]] = transformer.__dict__.setdefault("_omni_undo", [])
@@ -155,10 +152,9 @@ def accelerate_transformer(
     qwen_undo = qwen_image_sync_free.install(transformer)
     if qwen_undo is not None:
         undo.append(qwen_undo)
-    if per_row_attention:
-        rows_undo = qwen_image_rows.install(transformer)
-        if rows_undo is not None:
-            undo.append(rows_undo)
+    rows_undo = qwen_image_rows.install(transformer)
+    if rows_undo is not None:
+        undo.append(rows_undo)
     fn: Callable[..., Any] = transformer
     if compile:
         logger.info("torch.compile cache: %s", use_compile_cache(compile_cache_dir))
