@@ -3,6 +3,9 @@ the GPU's clock in the picture, and how far the step is from its own GEMMs + att
 
     python benchmarks/bench_dit_ab.py --out DIR      # H200: full size, ~4 minutes
     python benchmarks/bench_dit_ab.py --tiny         # CPU: tiny sizes, checks the code
+    python benchmarks/bench_dit_ab.py --qwen-rows --out DIR  # Qwen-Image: batch 8 of mixed
+        # prompt lengths, masked vs per-row attention, against each prompt alone (dit_qwen_rows.py;
+        # H200/H100: ~5 minutes; add --cfg for true CFG rows, --tiny for the CPU check)
 
 One run of bench_dit_gpu.py times its variants one after the other, so a variant that runs
 while the GPU's sustained clock has dropped looks slower (the same cuBLAS kernel differed by 8 %
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dit_qwen_rows  # noqa: E402
 from diffusion_models import call_times_ms, flux_pipe, rel_err, sync  # noqa: E402
 from dit_sections import flux_inputs, tiny_flux_transformer  # noqa: E402
 from dit_timing import dit_flops  # noqa: E402
@@ -158,7 +162,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (8; tiny 2)")
     ap.add_argument("--calls", type=int, default=5, help="timed calls per variant and round")
     ap.add_argument("--out", default=None, help="folder for dit_ab.json and dit_ab.md")
+    ap.add_argument(
+        "--qwen-rows",
+        action="store_true",
+        help="Qwen-Image mixed prompt lengths instead (qwen_rows.json and qwen_rows.md)",
+    )
+    ap.add_argument("--cfg", action="store_true", help="--qwen-rows: with true CFG rows")
     args = ap.parse_args()
+    if args.qwen_rows:
+        return qwen_rows_main(args)
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     cuda = device.type == "cuda"
@@ -262,6 +274,39 @@ def main() -> None:
     if out_dir:
         (out_dir / "dit_ab.json").write_text(json.dumps(result, indent=1, default=str))
         (out_dir / "dit_ab.md").write_text(md)
+
+
+def software(device: torch.device) -> str:
+    import diffusers
+
+    text = f"torch {torch.__version__}, diffusers {diffusers.__version__}"
+    if device.type == "cuda":
+        text += f", CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+    return text
+
+
+def qwen_rows_main(args) -> None:
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    cuda = device.type == "cuda"
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    sampler = ClockSampler(out_dir / "nvidia_smi_qwen_rows.csv" if cuda and out_dir else None)
+    result = {
+        "machine": torch.cuda.get_device_name() if cuda else "cpu",
+        "software": software(device),
+        "command": " ".join(sys.argv),
+        **dit_qwen_rows.qwen_rows(args, device, dtype, sampler, window_means),
+    }
+    result["total_s"] = time.perf_counter() - t0
+    md = dit_qwen_rows.markdown(result)
+    print(md)
+    print(json.dumps(result, default=str))
+    if out_dir:
+        (out_dir / "qwen_rows.json").write_text(json.dumps(result, indent=1, default=str))
+        (out_dir / "qwen_rows.md").write_text(md)
 
 
 def markdown(result: dict) -> str:

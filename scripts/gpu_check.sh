@@ -22,6 +22,11 @@
 #                                           $OUT (few files: easier to copy off an offline machine)
 #   scripts/gpu_check.sh dit                DiT speed: bench_attention_gpu.py + bench_dit_gpu.py,
 #                                           ~8.5 min, no vLLM
+#   scripts/gpu_check.sh dit-qwen-rows      Qwen-Image DiT at full size (random weights built on the GPU, no
+#                                           checkpoint, no vLLM): one 1024x1024 denoising step for 8 prompts of
+#                                           mixed text lengths, each alone vs batched with masked attention vs
+#                                           batched per row (bench_dit_ab.py --qwen-rows), ~5 min; QWEN_ROWS_CFG=1
+#                                           adds true CFG rows. Decides qwen_image.yaml's max_batch_size
 #   scripts/gpu_check.sh nixl-vram          NIXL handoffs in GPU memory vs a d2d copy; when
 #                                           they work, a later `smoke` serves through glm_image_1gpu_nixl
 #   scripts/gpu_check.sh smoke-nixl         tiny GLM-Image served through glm_image_1gpu_nixl, both stages
@@ -308,6 +313,15 @@ while [ $# -gt 0 ]; do
       timeout 590 python3 benchmarks/dit_floor.py --out "$OUT/dit_floor" --budget-s 540 \
         ${FLOOR_FAMILIES:+--families "$FLOOR_FAMILIES"} 2>&1 | tee "$OUT/dit_floor.log" \
         | grep -v '^| ' || true
+      ;;
+    dit-qwen-rows)
+      if [ "${QWEN_ROWS_CFG:-0}" = 1 ]; then
+        python3 benchmarks/bench_dit_ab.py --qwen-rows --cfg --out "$OUT/qwen_rows_cfg" \
+          2>&1 | tee "$OUT/qwen_rows_cfg.log"
+      else
+        python3 benchmarks/bench_dit_ab.py --qwen-rows --out "$OUT/qwen_rows" \
+          2>&1 | tee "$OUT/qwen_rows.log"
+      fi
       ;;
     *)
       echo "unknown step: $step" >&2

@@ -30,7 +30,7 @@ from family_helpers import (
 )
 from PIL import Image
 
-from vllm_omni_plugin.diffusion import GenerationRequest
+from vllm_omni_plugin.diffusion import GenerationRequest, qwen_image_rows
 from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import load_processor
 from vllm_omni_plugin.diffusion.adapters.qwen_image_edit_plus import QwenImageEditPlusAdapter
 from vllm_omni_plugin.diffusion.errors import RequestValidationError
@@ -124,6 +124,14 @@ def test_two_images_alone_match_diffusers(engine, pipe, pixel_diff):
         assert moved > 10 * LATENT_TOLERANCE, rid
 
 
+def ran_per_row(engine, before: dict) -> None:
+    """The batch's prompts of different lengths took the per-row attention
+    (qwen_image_rows.py), never its masked fallback."""
+    after = qwen_image_rows.counts(engine.adapter.pipe.transformer)
+    assert after["per_row"] > before["per_row"]
+    assert after["masked"] == before["masked"]
+
+
 def test_batched_with_joins_matches_diffusers(engine, pipe, staggered):
     two = [noise_image(2), noise_image(3)]
     first = [
@@ -131,7 +139,9 @@ def test_batched_with_joins_matches_diffusers(engine, pipe, staggered):
         req("b1", "sky", [noise_image(4, (64, 32))], seed=2, negative="blurry"),  # CFG, one image
     ]
     later = [req("b2", "turn the cube into a cat", two, seed=3, n=2)]  # joins b0's batch
+    before = qwen_image_rows.counts(engine.adapter.pipe.transformer)
     results = staggered(engine, first, later, join_after_steps=1)
+    ran_per_row(engine, before)
     assert max(results[r.request_id].metrics["max_batch"] for r in first + later) >= 3
     check_final_latents(
         engine, results, first + later, lambda r: reference(pipe, r)[0], LATENT_TOLERANCE, SIZE
@@ -148,7 +158,9 @@ def test_2511_zero_cond_t_batched_matches_diffusers(tmp_path, staggered):
     two = [noise_image(5), noise_image(6, (48, 64))]
     first = [req("z0", "make it blue", two, seed=1, steps=3, negative="blurry")]
     later = [req("z1", "a red cube", two, seed=2, negative="dark")]
+    before = qwen_image_rows.counts(engine.adapter.pipe.transformer)
     results = staggered(engine, first, later, join_after_steps=1)
+    ran_per_row(engine, before)
     assert max(o.metrics["max_batch"] for o in results.values()) >= 2
     with pytest.MonkeyPatch.context() as mp:
         pipe = make_pipe(model_dir, mp)

@@ -41,6 +41,10 @@ def record_step(engine, requests) -> dict:
     kwargs = seen[0][1]
     assert kwargs["hidden_states"].shape[0] >= 2
     assert kwargs["encoder_hidden_states_mask"] is not None  # padded: the mask path
+    # The engine also passes the rows' text lengths (per-row attention, qwen_image_rows.py,
+    # tested in test_qwen_image_rows.py); without them the forward takes diffusers' masked
+    # attention, whose host copies these tests are about.
+    assert kwargs["attention_kwargs"].pop("text_lengths") is not None
     return kwargs
 
 

@@ -34,6 +34,9 @@ Each option keeps the model's function: no caching across steps, no lower precis
     copies (qwen_image_sync_free.py): the text length of padded text batches (batch > 1,
     prompts of different lengths) and Qwen-Image-Edit-2511's `modulate_index` (`zero_cond_t`).
     The same math, and what lets those shapes be captured in a CUDA graph.
+  * The Qwen-Image family's joint attention runs per row, unmasked, when a batch's prompts
+    differ in length (qwen_image_rows.py): each prompt's own attention, as alone, instead of a
+    masked kernel over the padded batch.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8 as fp8_gemm
-from . import gelu_epilogue, glm_image_sync_free, qwen_image_sync_free
+from . import gelu_epilogue, glm_image_sync_free, qwen_image_rows, qwen_image_sync_free
 from .compile_cache import use_compile_cache
 from .cuda_graphs import StepGraphs
 
@@ -149,6 +152,9 @@ def accelerate_transformer(
     qwen_undo = qwen_image_sync_free.install(transformer)
     if qwen_undo is not None:
         undo.append(qwen_undo)
+    rows_undo = qwen_image_rows.install(transformer)
+    if rows_undo is not None:
+        undo.append(rows_undo)
     fn: Callable[..., Any] = transformer
     if compile:
         logger.info("torch.compile cache: %s", use_compile_cache(compile_cache_dir))

@@ -9,7 +9,9 @@ latents_mean/std un-normalisation before the (video-shaped) VAE decode.
 
 Prompts of different lengths share a forward: rows are right-padded and the transformer gets an
 `encoder_hidden_states_mask`, so padding is never attended to and each token keeps its RoPE
-position (text positions do not depend on the padded length).
+position (text positions do not depend on the padded length). With the rows' text lengths in
+`attention_kwargs`, the attention runs per row over each prompt's unpadded tokens instead of
+masked over the padded batch (qwen_image_rows.py; the projections stay batched).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from ...common.knobs import FAMILY_KNOBS, CfgFacts, ignored_guidance_default
+from .. import qwen_image_rows
 from ..errors import DiffusionEngineError
 from ..request import GenerationRequest, RequestState
 from .base import DiffusionAdapter, FamilySpec, check_flow_match_scheduler, split_images
@@ -141,8 +144,9 @@ class QwenImageAdapter(DiffusionAdapter):
         rows = states + cfg_states  # cond rows, then uncond rows of the CFG requests
         texts = [s.cond["embeds"] for s in states] + [s.cond["neg"] for s in cfg_states]
         longest = max(t.shape[1] for t in texts)
-        embeds, masks = [], []
+        embeds, masks, lengths = [], [], []
         for s, t in zip(rows, texts, strict=True):
+            lengths += [t.shape[1]] * s.n
             pad = longest - t.shape[1]
             padded = torch.cat([t, t.new_zeros(1, pad, t.shape[2])], dim=1) if pad else t
             embeds.append(padded.expand(s.n, -1, -1))
@@ -171,7 +175,7 @@ class QwenImageAdapter(DiffusionAdapter):
             encoder_hidden_states_mask=mask_t,
             encoder_hidden_states=torch.cat(embeds),
             img_shapes=img_shapes,
-            attention_kwargs={},
+            attention_kwargs=qwen_image_rows.attention_kwargs(self.pipe.transformer, lengths),
             return_dict=False,
         )
         # keep_tokens: the noisy latents' part only (the edit families append source images')

@@ -11,8 +11,9 @@ step and the decode are Qwen-Image's (the parent adapter).
 
 Step batching: requests share a forward when they have the same output size, condition size
 and CFG use (`batch_key`); prompts of different lengths (the vision tokens count too) are
-right-padded with an `encoder_hidden_states_mask`, as in the Qwen-Image adapter. Text encoding
-runs once for all newly admitted requests; the VAE encodes each request's image on its own.
+right-padded with an `encoder_hidden_states_mask` and attend per row, as in the Qwen-Image
+adapter. Text encoding runs once for all newly admitted requests; the VAE encodes each
+request's image on its own.
 """
 
 from __future__ import annotations
