@@ -16,6 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# One OpenMP thread per process, unbound. Tiny models are per-op overhead, and a stage's
+# OpenMP threads meet at a barrier after every op: on 2 cores shared by several stage processes
+# (or two test workers) a thread descheduled by another process stalls the rest. Measured: two
+# served modules side by side took 146 s with vLLM's default binding, 112 s with one thread each.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# A stage's vLLM worker in its engine-core process (vLLM's "uni" executor, what one GPU runs)
+# rather than a process of its own: one interpreter, torch and vLLM import fewer per engine.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Secrets the project keeps per user and host (the node link's key, a local Ray cluster's token:
 # orchestrator/private_files.py) go to a runtime folder of this test session, never the user's.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
@@ -75,30 +84,9 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return ENGINE_SCOPE if is_engine_module(module) else module
+            return module
 
     return EngineWorkerScheduling(config, log)
-
-
-@pytest.fixture(autouse=True)
-def engine_free_beside_the_engines(request):
-    """Beside the engine worker, an engine-free test runs at nice 19 (its subprocesses too) and
-    its torch on one thread, so that the engine tests' processes get the CPU first. Measured on 2
-    cores, served tests still took about twice as long while engine-free tests ran beside them
-    (a stage's OpenMP threads meet at a barrier after every small op; SCHED_IDLE did no better),
-    and the engine-free tests about 1.3 times as long: the whole still ends sooner than one
-    after the other (TEST_WORKERS=0 in the Makefile runs them so)."""
-    module = request.node.nodeid.split("::", 1)[0]
-    if "PYTEST_XDIST_WORKER" not in os.environ or is_engine_module(module):
-        yield
-        return
-    os.nice(LOWEST_PRIORITY - os.nice(0))  # the first call sets it, later ones add 0
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
