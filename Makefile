@@ -18,11 +18,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# One process by default. TEST_WORKERS=2: one worker runs the engine tests in order, the other
-# the engine-free tests beside it (tests/conftest.py, pytest_xdist_make_scheduler); on a 2-core
-# machine that saves about 2 of ~29 minutes, as the served tests slow down beside other work.
-# The 15 slowest phases close the report.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, a test module at a time each, the longest modules first
+# (tests/conftest.py); every process of the suite on one OpenMP thread. TEST_WORKERS=0 runs
+# the suite in this process, one test after another. The 15 slowest phases close the report.
+TEST_WORKERS ?= 2
 
 test: setup lint
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(PYTEST_ARGS)

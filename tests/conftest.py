@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 from pathlib import Path
@@ -29,64 +28,42 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # orchestrator/private_files.py) go to a runtime folder of this test session, never the user's.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 
-# Under pytest-xdist (`make test`: -n 2), tests that start vLLM engines, served pipelines, stage
-# processes, Ray or node clusters run one after another in one worker: two such start-ups at once
-# would double the memory and make each other's timing bounds meaningless on a 2-core machine.
-# Engine-free tests run beside them in the other worker, a module at a time so that its
-# module-scoped fixtures are built once. A module runs in the engine worker when any of its tests
-# is marked `slow`, when it is listed here (a test whose checks bound wall-clock time belongs
-# here too), or when it lies in a folder whose tests start engines (new ones keep arriving
-# there). Decided from the module's path and source: the xdist controller schedules by test id,
-# without collecting.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-ENGINE_DIRS = ("tests/multinode/", "tests/ray/", "tests/streaming/")
-ENGINE_MODULES = {
-    # Engines or servers without a `slow` mark.
-    "tests/connectors/test_netns.py",
-    "tests/qwen3_omni/test_talker_vllm.py",
-    "tests/qwen3_omni/test_thinker_states.py",
-    "tests/qwen3_omni/test_thinker_states_preemption.py",
-    "tests/serving/test_bench_fair_tiny.py",
-    "tests/serving/test_payload_kinds.py",
-    "tests/serving/test_step_cache_serve.py",
-    "tests/vllm_window/test_serve_modes.py",
-    # Engine-free, but their checks bound wall-clock time (a deadline, a wake-up, a lease, a
-    # wait), or compare nice values: niced beside the engines, they could be starved of CPU.
-    "tests/ar/test_ar_worker_priority.py",
-    "tests/connectors/test_nixl.py",
-    "tests/connectors/test_shm_inproc.py",
-    "tests/qwen3_omni/test_thinker_states_store.py",
-    "tests/serving/test_frames.py",
-    "tests/test_fair_harness.py",
-    "tests/test_parent_watch.py",
+# Under pytest-xdist (`make test`: -n 2) each module is a unit of work (its module-scoped
+# servers start once) and the modules longest to run are handed out first, so that no long
+# module starts last beside an idle worker. Seconds measured on the 2-core machine; only their
+# order matters, and a module not listed runs after these, in file order.
+LONGEST_MODULES = {
+    "tests/ray/test_ray_speech.py": 420,
+    "tests/serving/test_shutdown_serve.py": 285,
+    "tests/multinode/test_qwen3_omni_nodes.py": 215,
+    "tests/serving/test_request_fields_serve.py": 165,
+    "tests/multinode/test_headless_loopback.py": 150,
+    "tests/serving/test_glm_serve.py": 140,
+    "tests/vllm_window/test_seams.py": 90,
+    "tests/serving/test_chat_stage_serve.py": 80,
+    "tests/test_full_qwen_flux.py": 75,
+    "tests/serving/test_lora_serve.py": 70,
+    "tests/multinode/test_headless_netns.py": 67,
+    "tests/diffusion/test_parallel_serve.py": 65,
+    "tests/serving/test_qwen3_omni_serve.py": 64,
+    "tests/serving/test_watchdog.py": 60,
+    "tests/test_full_glm_image.py": 56,
+    "tests/serving/test_videos_i2v.py": 51,
+    "tests/ray/test_ray_replicas.py": 50,
 }
-ENGINE_SCOPE = "engines"
-LOWEST_PRIORITY = 19
 
 
-@functools.cache
-def is_engine_module(module: str) -> bool:
-    """`module`: a test file's path from the repository root, as in test ids."""
-    if module in ENGINE_MODULES or module.startswith(ENGINE_DIRS):
-        return True
-    path = REPO_ROOT / module
-    return path.is_file() and "mark.slow" in path.read_text()
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: -LONGEST_MODULES.get(item.nodeid.split("::", 1)[0], 0))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadFileScheduling
 
-    class EngineWorkerScheduling(LoadScopeScheduling):
-        """xdist's scope scheduling with every engine module in one scope (one worker, file
-        order) and each other module its own scope. The largest scope is handed out first, so
-        the engine worker starts at once."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return module
-
-    return EngineWorkerScheduling(config, log)
+    config.option.loadscopereorder = False  # the collection's order (above), not test counts
+    return LoadFileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,21 @@ class Proc:
         self.tree.extend(p for p in found if p not in self.tree)
         return found
 
+    def pause_all(self) -> None:
+        """SIGSTOP the process and everything it started (kill_all resumes them to kill)."""
+        for p in [psutil.Process(self.proc.pid), *self.descendants()]:
+            try:
+                p.send_signal(signal.SIGSTOP)
+            except psutil.NoSuchProcess:
+                pass
+
+    def resume_all(self) -> None:
+        for p in [psutil.Process(self.proc.pid), *self.descendants()]:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+
     def kill_all(self) -> None:
         """SIGKILL the process and everything it started at once (a machine dying)."""
         procs = [psutil.Process(self.proc.pid), *self.descendants()]

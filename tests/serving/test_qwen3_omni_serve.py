@@ -23,6 +23,8 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import os
+import signal
 import time
 import wave
 
@@ -348,6 +350,11 @@ def test_stages_and_metrics_name_each_stage_kind(omni_speech_server):
         assert f"omni_stage_up{{{labels}}} 1.0" in text, kind
 
 
+def _stage_pid(server, stage_id: int) -> int:
+    r = httpx.get(f"{server.url}/v1/omni/stages", headers={"Authorization": f"Bearer {API_KEY}"})
+    return next(s["pid"] for s in r.json()["stages"] if s["stage_id"] == stage_id)
+
+
 def _wait_idle(server, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -372,17 +379,24 @@ def test_hang_up_mid_stream_frees_every_stage_and_metrics_show_speech(omni_speec
     next(iter(stream))
     stream.close()
     _wait_idle(omni_speech_server)
-    # A whole-answer (not streamed) request whose client leaves before the answer is done.
+    # A whole-answer (not streamed) request whose client leaves before the answer is done:
+    # Code2Wav's stage process is paused meanwhile, so the answer cannot be done first however
+    # fast the machine (a tiny answer takes well under a second).
     log_at = omni_speech_server.log.stat().st_size
-    with pytest.raises(openai.APITimeoutError):
-        chat(
-            omni_speech_server,
-            max_tokens=400,
-            extra_body={"ignore_eos": True},
-            modalities=["text", "audio"],
-            audio={"voice": "ethan", "format": "wav"},
-            timeout=0.5,  # the answer (400 thinker tokens, then their speech) takes seconds
-        )
+    code2wav = _stage_pid(omni_speech_server, 2)
+    os.kill(code2wav, signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            chat(
+                omni_speech_server,
+                max_tokens=400,
+                extra_body={"ignore_eos": True},
+                modalities=["text", "audio"],
+                audio={"voice": "ethan", "format": "wav"},
+                timeout=0.5,
+            )
+    finally:
+        os.kill(code2wav, signal.SIGCONT)
     _wait_idle(omni_speech_server)
     with open(omni_speech_server.log, "rb") as f:
         f.seek(log_at)

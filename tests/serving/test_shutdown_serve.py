@@ -154,6 +154,9 @@ def test_sigterm_ends_an_open_speech_stream_and_every_process(tiny_models, tmp_p
         tmp_path,
         "--stage-overrides",
         SPEECH_OVERRIDES,
+        # vLLM's worker in a process of its own (its CPU build's default; the suite runs it in
+        # the engine core), so the signal must end that process too.
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
     )
     tree = ProcessTree(server.proc.pid)
     outcome: dict = {"audio": 0}
