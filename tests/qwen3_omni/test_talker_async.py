@@ -1,11 +1,13 @@
 """The talker engine under vLLM's async scheduling (models/qwen3_omni/talker_runner.py): vLLM
 schedules step N + 1 before step N's output reaches the host, so the runner must take nothing
 from the host that step N writes. Its frames equal the synchronous engine's, exactly, on the tiny
-checkpoint: a batch with chunked prefills, an image prompt (3-D positions), an abort mid-way,
-and seeded sampling. The module starts two engines, one after the other (about 50 s on two
-cores), and its tests compare what both wrote."""
+checkpoint: a batch with chunked prefills, an image prompt (3-D positions), a text streamed
+through the text feed, an abort mid-way, and seeded sampling. The module starts two engines, one
+after the other (about 50 s on two cores), and its tests compare what both wrote."""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 import torch
@@ -23,6 +25,9 @@ GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0}
 MAX_FRAMES = 12
 ABORTED = "aborted"
 ABORT_AFTER = 3  # frames the aborted request has written when the test aborts it
+# Text ids sent to a streamed request each time the test reads the engine's outputs: the engine
+# runs on in its own process, so its steps also wait on the feed for ids not sent yet.
+STREAM_CHUNK = 3
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +95,16 @@ def async_on_cpu():
         yield
 
 
-def _engine(omni_dir, async_scheduling: bool):
+def _engine(omni_dir, async_scheduling: bool, text_endpoint: str):
     from vllm import LLM
 
     from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_engine_args
+    from vllm_omni_plugin.models.qwen3_omni.text_feed import ADDITIONAL_CONFIG_KEY
 
     return LLM(
         model=str(omni_dir),
         **{**talker_engine_args(), "async_scheduling": async_scheduling},
+        additional_config={ADDITIONAL_CONFIG_KEY: {"endpoint": text_endpoint}},
         enforce_eager=True,
         dtype="float32",
         max_model_len=512,
@@ -110,25 +117,37 @@ def _engine(omni_dir, async_scheduling: bool):
     )
 
 
-def _run(llm, talker_config, requests, abort: str | None = None, **sampling):
+def _run(llm, talker_config, requests, abort=None, streamed=(), sender=None, **sampling):
     """Runs `requests` (name -> request) in one batch through the engine, step by step,
-    aborting request `abort` once it has written ABORT_AFTER frames -> name -> frames `[G, n]`."""
+    aborting request `abort` once it has written ABORT_AFTER frames; the text of the
+    `streamed` ones goes through the engine's text feed (`sender`), STREAM_CHUNK ids before
+    each step -> name -> frames `[G, n]`."""
     from vllm_omni_plugin.models.qwen3_omni.talker_runner import (
         frame_sampling_params,
         frames_from_logprobs,
     )
 
     engine = llm.llm_engine
+    streams = {}
     for name, (prefill, text, positions) in requests.items():
+        if name in streamed:
+            key = f"{name}-{uuid.uuid4().hex[:8]}"  # the feed remembers closed keys
+            streams[key], text = list(text), key
         params = frame_sampling_params(talker_config, text, MAX_FRAMES, positions, **sampling)
         engine.add_request(name, {"prompt_embeds": prefill}, params)
     last = {}
     while engine.has_unfinished_requests():
+        for key, ids in streams.items():
+            if ids:
+                sender.send(key, ids[:STREAM_CHUNK], final=len(ids) <= STREAM_CHUNK)
+                del ids[:STREAM_CHUNK]
         for out in engine.step():
             last[out.request_id] = out.outputs[0]
             done = len(out.outputs[0].token_ids)
             if out.request_id == abort and done >= ABORT_AFTER and not out.finished:
                 engine.abort_request([abort])
+    for key in streams:
+        sender.close_request(key)
     frames = {}
     for name, out in last.items():
         f = frames_from_logprobs(
@@ -142,12 +161,13 @@ def _run(llm, talker_config, requests, abort: str | None = None, **sampling):
     return frames
 
 
-def _scenarios(llm, talker_config, requests) -> dict[str, dict[str, torch.Tensor]]:
+def _scenarios(llm, talker_config, requests, sender) -> dict[str, dict[str, torch.Tensor]]:
     batch = {name: requests[name] for name in ("text0", "text1", "image")}
     aborting = {**batch, ABORTED: requests["text1"]}
     seeded = {"text2": requests["text2"]}
     return {
         "greedy": _run(llm, talker_config, batch, **GREEDY),
+        "streamed": _run(llm, talker_config, batch, streamed={"text0"}, sender=sender, **GREEDY),
         "abort": _run(llm, talker_config, aborting, abort=ABORTED, **GREEDY),
         # The checkpoint's sampling (temperature, top-k, top-p, repetition penalty). Only the
         # prompt that prefills in one step: vLLM's CPU runner cannot rewind a seeded CPU
@@ -159,28 +179,38 @@ def _scenarios(llm, talker_config, requests) -> dict[str, dict[str, torch.Tensor
 
 
 @pytest.fixture(scope="module")
-def sync_frames(omni_dir, talker_config, requests):
-    llm = _engine(omni_dir, async_scheduling=False)
+def sender():
+    """The stage's end of the talker's text feed (text_feed.py)."""
+    from vllm_omni_plugin.models.qwen3_omni.text_feed import TextSender
+
+    sender = TextSender()
+    yield sender
+    sender.close()
+
+
+@pytest.fixture(scope="module")
+def sync_frames(omni_dir, talker_config, requests, sender):
+    llm = _engine(omni_dir, async_scheduling=False, text_endpoint=sender.endpoint)
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is False
-        yield _scenarios(llm, talker_config, requests)
+        yield _scenarios(llm, talker_config, requests, sender)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")
-def async_frames(omni_dir, talker_config, requests, sync_frames, async_on_cpu):
+def async_frames(omni_dir, talker_config, requests, sender, sync_frames, async_on_cpu):
     # After the synchronous engine's run: one engine at a time on the machine.
     with pytest.MonkeyPatch.context() as mp:
         # The check below sends a function to the worker process.
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        llm = _engine(omni_dir, async_scheduling=True)
+        llm = _engine(omni_dir, async_scheduling=True, text_endpoint=sender.endpoint)
         try:
             assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
             # What the worker's talker runner itself runs: vLLM's async paths.
             (runner,) = llm.collective_rpc(_runner_mode)
             assert runner == ("TalkerCPUModelRunner", True)
-            yield _scenarios(llm, talker_config, requests)
+            yield _scenarios(llm, talker_config, requests, sender)
         finally:
             llm.llm_engine.engine_core.shutdown()
 
@@ -198,6 +228,17 @@ def test_async_greedy_batch_equals_sync(sync_frames, async_frames):
     for name, frames in want.items():
         assert frames.shape[1] > 2, name
         assert torch.equal(got[name], frames), name
+
+
+def test_async_streamed_text_equals_sync(sync_frames, async_frames):
+    """The first request's text streamed through the engine's text feed, a few ids before each
+    step and complete partway (its frames then read tts_eos, then tts_pad): the same frames as
+    with the whole text up front, in both modes."""
+    want = sync_frames["greedy"]
+    for frames in (sync_frames["streamed"], async_frames["streamed"]):
+        assert frames.keys() == want.keys()
+        for name, f in frames.items():
+            assert torch.equal(f, want[name]), name
 
 
 def test_async_abort_leaves_the_batch_as_sync(sync_frames, async_frames):
