@@ -193,14 +193,14 @@ def sync_frames(omni_dir, talker_config, requests, sender):
     llm = _engine(omni_dir, async_scheduling=False, text_endpoint=sender.endpoint)
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is False
-        yield _scenarios(llm, talker_config, requests, sender)
+        return _scenarios(llm, talker_config, requests, sender)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown()  # before the async engine starts
 
 
 @pytest.fixture(scope="module")
 def async_frames(omni_dir, talker_config, requests, sender, sync_frames, async_on_cpu):
-    # After the synchronous engine's run: one engine at a time on the machine.
+    # After the synchronous engine's run (`sync_frames`): one engine at a time on the machine.
     with pytest.MonkeyPatch.context() as mp:
         # The check below sends a function to the worker process.
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -209,8 +209,8 @@ def async_frames(omni_dir, talker_config, requests, sender, sync_frames, async_o
             assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
             # What the worker's talker runner itself runs: vLLM's async paths.
             (runner,) = llm.collective_rpc(_runner_mode)
-            assert runner == ("TalkerCPUModelRunner", True)
-            yield _scenarios(llm, talker_config, requests, sender)
+            assert runner[0].startswith("Talker") and runner[1] is True, runner
+            return _scenarios(llm, talker_config, requests, sender)
         finally:
             llm.llm_engine.engine_core.shutdown()
 
