@@ -35,7 +35,8 @@ the source declares (its dist-info or vllm/_version.py):
 * the talker's V1 model-runner seams (`check_talker_runner`): the worker builds its runner in
   `init_device`; `_preprocess` / `_sample` / `execute_model` / `get_model` /
   `_init_mrope_positions` / `capture_model` (called after the KV cache, unless enforce_eager),
-  the request state fields, `LogprobsTensors` / `SamplerOutput`, per-request logprobs slicing;
+  the request state fields, `LogprobsTensors` / `SamplerOutput`, per-request logprobs slicing,
+  the async output carrying `_sample`'s logprobs tensors;
 * `engine_fields(minor)` equals the wheel's EngineArgs/AsyncEngineArgs fields, both ways, with
   matching coarse types where the annotation is a plain type.
 

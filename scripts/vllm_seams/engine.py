@@ -166,7 +166,8 @@ def check_talker_runner(r: Report) -> None:
     `num_computed_tokens`, `num_prompt_tokens`, `sampling_params`), `get_model()`, `device`,
     `scheduler_config`, `compilation_config` and `parallel_config`, and hands the frames out
     as the step's `LogprobsTensors`, which the scheduler slices per request (`slice_request`)
-    for requests that asked for logprobs."""
+    for requests that asked for logprobs; under async scheduling `sample_tokens` hands those
+    tensors to `AsyncGPUModelRunnerOutput`, whose `get_output` returns them."""
     src = r.src
     for module, name in (
         ("vllm.v1.worker.gpu_worker", "Worker"),
@@ -233,6 +234,25 @@ def check_talker_runner(r: Report) -> None:
         r.check(
             capture is not None and "CUDAGraphMode.NONE" in ast.unparse(capture),
             "talker: GPUModelRunner.capture_model no longer skips cudagraph_mode NONE",
+        )
+        # Under async scheduling the frames leave in the async output, which copies the
+        # sampler output's logprobs tensors (the ones `_sample` returns) to the host.
+        sample = class_method(runner, "sample_tokens")
+        text = ast.unparse(sample) if sample is not None else ""
+        r.check(
+            "self._sample(" in text
+            and "AsyncGPUModelRunnerOutput(" in text
+            and "logprobs_tensors=sampler_output.logprobs_tensors" in text,
+            "talker: GPUModelRunner.sample_tokens no longer hands _sample's logprobs tensors "
+            "to its async output",
+        )
+    async_out = _fn(r, "vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput", "talker")
+    if isinstance(async_out, ast.ClassDef):
+        get = class_method(async_out, "get_output")
+        text = ast.unparse(get) if get is not None else ""
+        r.check(
+            "self._logprobs_tensors_cpu" in text and "output.logprobs = logprobs_lists" in text,
+            "talker: AsyncGPUModelRunnerOutput.get_output no longer returns the logprobs",
         )
     state = _fn(r, "vllm.v1.worker.gpu_input_batch", "CachedRequestState", "talker")
     if isinstance(state, ast.ClassDef):

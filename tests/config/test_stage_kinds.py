@@ -72,6 +72,7 @@ def test_the_talker_engine_takes_every_talker_setting():
         "max_model_len": 512,
         "max_num_batched_tokens": 256,
         "enable_chunked_prefill": False,
+        "async_scheduling": True,
         "gpu_memory_utilization": 0.4,
         "kv_cache_memory_bytes": 1 << 20,
         "block_size": 32,
@@ -85,6 +86,19 @@ def test_the_talker_engine_takes_every_talker_setting():
     kwargs = cfg.stage(1).engine_kwargs()
     assert kwargs == {**values, "model": None}
     assert cfg.stage(1).gpu_share == 0.4 and not cfg.stage(1).profiles_gpu_at_start
+
+
+@pytest.mark.parametrize("value", [True, False, None])
+def test_the_talker_engine_schedules_as_the_deploy_says(monkeypatch, value):
+    """The talker's `async_scheduling` reaches its engine as set; unset, vLLM chooses (async
+    where the platform supports it): the talker's own engine arguments do not override it."""
+    from vllm_omni_plugin.stages.qwen3_omni import _V2_RUNNER_ENV, talker_engine_kwargs
+
+    monkeypatch.setenv(_V2_RUNNER_ENV, "0")  # restored after: talker_engine_kwargs sets it
+    overrides = {} if value is None else {"1": {"async_scheduling": value}}
+    cfg = load_deploy_config(TINY, stage_overrides=json.dumps(overrides))
+    kwargs = talker_engine_kwargs(cfg.stage(1), "ipc:///nowhere")
+    assert kwargs.get("async_scheduling", "unset") == ("unset" if value is None else value)
 
 
 def test_code2wav_takes_vllm_omnis_max_num_seqs_as_its_batch_size(tmp_path):

@@ -304,3 +304,18 @@ def test_thinker_states_seams_moved_fail(files):
     cpu = "vllm/v1/worker/cpu_worker.py"
     problems = _moved(files, cpu, "self.model_runner", "self.runner", count=2)
     assert any("CPUWorker.init_device no longer builds" in p for p in problems), problems
+
+
+def test_talker_async_output_seams_moved_fail(files):
+    """Under async scheduling the talker's frames leave in vLLM's async output: the logprobs
+    tensors `_sample` returns, copied to the host and returned by `get_output`."""
+    runner = "vllm/v1/worker/gpu_model_runner.py"
+    problems = _moved(
+        files,
+        runner,
+        "logprobs_tensors=sampler_output.logprobs_tensors,",
+        "logprobs_tensors=None,",
+    )
+    assert any("no longer hands _sample's logprobs" in p for p in problems), problems
+    problems = _moved(files, runner, "output.logprobs = logprobs_lists", "output.logprobs = None")
+    assert any("get_output no longer returns the logprobs" in p for p in problems), problems

@@ -169,6 +169,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "max_model_len",
             "max_num_batched_tokens",
             "enable_chunked_prefill",
+            "async_scheduling",
             "gpu_memory_utilization",
             "kv_cache_memory_bytes",
             "block_size",

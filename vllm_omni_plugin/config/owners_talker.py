@@ -1,6 +1,6 @@
 """The settings a talker stage reads: vLLM's engine running the talker model, and its frame
 sampling defaults. Nothing else of vLLM's engine applies to it (its prompt is embeddings, its
-scheduler is vLLM's own and synchronous, it runs on one device)."""
+scheduler is vLLM's own, synchronous or async, it runs on one device)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class TalkerSettings(Owner):
     """Most positions in one engine step (prefills and frames)."""
     enable_chunked_prefill: bool | None = None
     """Split long prefills across steps."""
+    async_scheduling: bool | None = None
+    """Schedule each step while the previous one runs (unset: vLLM's choice for the platform)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """Fraction of the device's memory the engine may use (weights, KV cache, CUDA graphs)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)

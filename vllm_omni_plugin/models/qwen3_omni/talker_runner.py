@@ -36,7 +36,15 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   prompts) or runs 1-D ones (all three components equal: plain rope, as text and audio run).
 
 Per-request frame state lives in the runner, keyed by request id, and ends with the request.
-Synchronous scheduling only: the step reads the previous step's codes on the host.
+
+Async scheduling (vLLM schedules step N + 1 before step N's output reaches the host, and takes
+its input codes from step N's sampled ids on the device): nothing of a step waits on the
+device. The frame's other codes stay on the device (`residual_embed`), the host counts that
+the runner reads (frames written, chunked prefills: the scheduled and computed token counts
+vLLM sends with the step) are known before the step runs, and the frame leaves in the sample
+logprobs, which vLLM's async output copies to the host with the sampled ids. A request that
+ends with step N's codec EOS still runs step N + 1, whose output vLLM drops; for a streamed text
+that step may wait for the thinker's next id (or its end), as the next frame would.
 """
 
 from __future__ import annotations
@@ -114,8 +122,8 @@ class TalkerRunnerMixin:
             feed.wait_for(streamed)
         text = [_text_entry(model.tts_ids, state, i, feed) for state, i in steps]
         device = inputs_embeds.device
-        index = torch.tensor(rows, device=device)
-        entries = model.project_text(torch.tensor(text, device=device))
+        index = _to_device(rows, device)
+        entries = model.project_text(_to_device(text, device))
         extra = torch.stack(embeds) + entries
         inputs_embeds[index] += extra.to(inputs_embeds.dtype)
 
@@ -210,6 +218,15 @@ class TalkerRunnerMixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._talker_scheduled = scheduler_output.num_scheduled_tokens
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, copied without waiting for the device: a
+    blocking copy would wait for the previous step, which async scheduling overlaps with this
+    one's preparation."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
 
 
 def _text_entry(tts_ids, state: _FrameState, index: int, feed: TextFeed | None) -> int:
@@ -336,9 +353,9 @@ def talker_engine_args() -> dict:
     """The vLLM engine arguments every talker engine has, whatever its deploy settings: the
     talker built from the whole checkpoint's `talker_config` (hf_overrides), frames out through
     the talker worker's runner, prompts given as embeddings (so nothing to share between
-    prefixes), synchronous scheduling (the runner reads each step's codes on the host before
-    the next), and vLLM's sampling defaults (the checkpoint's generation config is the
-    thinker's)."""
+    prefixes), and vLLM's sampling defaults (the checkpoint's generation config is the
+    thinker's). Scheduling is vLLM's choice or the deploy's (`async_scheduling`): the runner
+    is correct under both."""
     from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
 
     return {
@@ -347,7 +364,6 @@ def talker_engine_args() -> dict:
         "skip_tokenizer_init": True,
         "enable_prompt_embeds": True,
         "enable_prefix_caching": False,
-        "async_scheduling": False,
         "generation_config": "vllm",
     }
 
