@@ -29,41 +29,52 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 
 # Under pytest-xdist (`make test`: -n 2) each module is a unit of work (its module-scoped
-# servers start once) and the modules longest to run are handed out first, so that no long
-# module starts last beside an idle worker. Seconds measured on the 2-core machine; only their
-# order matters, and a module not listed runs after these, in file order.
-LONGEST_MODULES = {
-    "tests/ray/test_ray_speech.py": 420,
+# servers start once), except that the Ray modules are one unit: one Ray cluster at a time.
+# The units longest to run are handed out first, so that none starts last beside an idle
+# worker. Seconds measured on the 2-core machine; only their order matters, and a unit not
+# listed runs after these, in file order.
+RAY_UNIT = "tests/ray/"
+LONGEST_UNITS = {
+    RAY_UNIT: 600,
     "tests/serving/test_shutdown_serve.py": 285,
-    "tests/multinode/test_qwen3_omni_nodes.py": 215,
+    "tests/multinode/test_qwen3_omni_nodes.py": 230,
     "tests/serving/test_request_fields_serve.py": 165,
     "tests/multinode/test_headless_loopback.py": 150,
     "tests/serving/test_glm_serve.py": 140,
-    "tests/vllm_window/test_seams.py": 90,
+    "tests/vllm_window/test_seams.py": 100,
     "tests/serving/test_chat_stage_serve.py": 80,
     "tests/test_full_qwen_flux.py": 75,
     "tests/serving/test_lora_serve.py": 70,
     "tests/multinode/test_headless_netns.py": 67,
     "tests/diffusion/test_parallel_serve.py": 65,
     "tests/serving/test_qwen3_omni_serve.py": 64,
+    "tests/qwen3_omni/test_talker_async.py": 60,
     "tests/serving/test_watchdog.py": 60,
     "tests/test_full_glm_image.py": 56,
     "tests/serving/test_videos_i2v.py": 51,
-    "tests/ray/test_ray_replicas.py": 50,
 }
+
+
+def work_unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return RAY_UNIT if module.startswith(RAY_UNIT) else module
 
 
 def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: -LONGEST_MODULES.get(item.nodeid.split("::", 1)[0], 0))
+        items.sort(key=lambda item: -LONGEST_UNITS.get(work_unit(item.nodeid), 0))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadFileScheduling
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
 
     config.option.loadscopereorder = False  # the collection's order (above), not test counts
-    return LoadFileScheduling(config, log)
+    return UnitScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,7 @@ def async_on_cpu():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the multiprocess executor (above)
         yield
 
 
