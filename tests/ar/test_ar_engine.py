@@ -70,23 +70,6 @@ def slot():
     s.close()
 
 
-@pytest.fixture(scope="module")
-def async_on_cpu():
-    """Keep async_scheduling as requested: vLLM's CPU platform silently turns it off."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    original = CpuPlatform.check_and_update_config.__func__
-
-    def keep_async(cls, vllm_config):
-        wanted = vllm_config.scheduler_config.async_scheduling
-        original(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = wanted
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
-        yield
-
-
 @pytest.fixture
 def sync_llm(slot, glm_tiny):
     from vllm import LLM

@@ -74,28 +74,6 @@ def requests(omni_dir, talker_config):
     return out
 
 
-@pytest.fixture(scope="module")
-def async_on_cpu():
-    """Keeps `async_scheduling` as the engine arguments ask: vLLM's CPU platform turns it off
-    in `check_and_update_config`. The engine's config is final where `LLM` builds it, in this
-    process; its engine core and worker processes (the CPU platform always runs the
-    multiprocess executor with multiprocessing on, the only executor here that supports async
-    scheduling) receive it as built, so patching this process is enough."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    original = CpuPlatform.check_and_update_config.__func__
-
-    def keep_async(cls, vllm_config):
-        wanted = vllm_config.scheduler_config.async_scheduling
-        original(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = wanted
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the multiprocess executor (above)
-        yield
-
-
 def _engine(omni_dir, async_scheduling: bool, text_endpoint: str):
     from vllm import LLM
 
