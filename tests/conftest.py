@@ -126,3 +126,21 @@ def async_on_cpu():
         mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         yield
+
+
+@pytest.fixture
+def ram_dir(tmp_path):
+    """A temporary folder in memory (/dev/shm where it exists, else `tmp_path`), for tests that
+    write gigabytes and read them back once: on disk they wait on writeback whenever other tests
+    fill the page cache (a full-width build: 40 s alone, 912 s beside a served module)."""
+    import shutil
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        yield tmp_path
+        return
+    folder = Path(tempfile.mkdtemp(prefix="omni-test-", dir=shm))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -170,7 +170,7 @@ def test_cli_rejects_full_for_other_kinds(tmp_path):
     assert "--size full only" in done.stderr
 
 
-def test_reduced_depth_full_build_runs_in_diffusers(tmp_path):
+def test_reduced_depth_full_build_runs_in_diffusers(ram_dir):
     """One layer per stack at full width, built by the CLI: every weight the libraries expect is
     in the files (no missing or unexpected keys), and GlmImagePipeline generates an image.
 
@@ -179,7 +179,7 @@ def test_reduced_depth_full_build_runs_in_diffusers(tmp_path):
     from diffusers import GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import GlmImageForConditionalGeneration
 
-    out = tmp_path / "glm-full-1"
+    out = ram_dir / "glm-full-1"
     done = _cli("glm-image", str(out), "--size", "full", "--num-layers", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "vision_language_encoder: 1.0" in done.stdout  # params reported per component

@@ -93,13 +93,13 @@ def _no_missing_keys(cls, path, **kw):
     return model
 
 
-def test_reduced_depth_qwen_image_full_build_runs_in_diffusers(tmp_path):
+def test_reduced_depth_qwen_image_full_build_runs_in_diffusers(ram_dir):
     """Near 30 s on an idle 2-core machine, over 60 s beside the engine tests: one layer per
     stack at the published full width, written by the CLI and run by diffusers."""
     from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    out = tmp_path / "qwen-full-1"
+    out = ram_dir / "qwen-full-1"
     done = _cli("qwen-image", str(out), "--size", "full", "--num-layers", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Qwen-Image full size (1 layers per stack)" in done.stdout
@@ -114,11 +114,11 @@ def test_reduced_depth_qwen_image_full_build_runs_in_diffusers(tmp_path):
     assert pixels.shape == (64, 64, 3) and pixels.std() > 0
 
 
-def test_reduced_depth_flux_full_build_runs_in_diffusers(tmp_path):
+def test_reduced_depth_flux_full_build_runs_in_diffusers(ram_dir):
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from transformers import T5EncoderModel
 
-    out = tmp_path / "flux-full-1"
+    out = ram_dir / "flux-full-1"
     done = _cli("flux", str(out), "--size", "full", "--num-layers", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FLUX.1-dev full size (1 layers per stack)" in done.stdout

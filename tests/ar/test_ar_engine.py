@@ -63,6 +63,15 @@ class EngineSlot:
             gc.collect()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def engine_core_process():
+    """vLLM's engine core in a process of its own, as `LLM` runs it by default (the suite runs
+    it in-process): the tests read what it logs at start-up from the stderr it inherits."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def slot():
     s = EngineSlot()
