@@ -6,7 +6,7 @@ a data: URL in JSON, checked like the edits route's uploads before any job exist
 Frame tolerance against diffusers (WanImageToVideoPipeline on the same folder, weights, seed and
 source image; prompt embeddings from WanPipeline's encoder, see tests/diffusion/test_wan_i2v.py):
 the served MP4's frames equal diffusers' frames put through the same H.264 encoder within a mean
-of 1/255 (seen: 0).
+absolute difference of MAX_ROUNDTRIP_DIFF (below).
 """
 
 from __future__ import annotations
@@ -95,16 +95,20 @@ def reference(model, png: bytes, size: int, seed: int) -> np.ndarray:
     return np.stack([np.asarray(f, dtype=np.float64) for f in frames])
 
 
-def assert_equals_diffusers(served: np.ndarray, model, png: bytes, seed: int, fps: int) -> None:
-    """The served video is diffusers' video of the same request, up to the MP4 encoder."""
+def assert_equals_diffusers(
+    served: list[np.ndarray], model, png: bytes, seed: int, fps: int
+) -> None:
+    """Each served video is diffusers' video of the same request, up to the MP4 encoder."""
 
-    def roundtrip(seed: int) -> float:
-        ref = reference(model, png, served.shape[2], seed)
-        return np.abs(served - frames_of(encode_mp4(to_images(ref), fps))).mean()
+    def encoded_reference(seed: int) -> np.ndarray:
+        ref = reference(model, png, served[0].shape[2], seed)
+        return frames_of(encode_mp4(to_images(ref), fps))
 
-    same, other = roundtrip(seed), roundtrip(seed + 100)
-    assert same <= MAX_ROUNDTRIP_DIFF, (same, other)
-    assert same < 0.25 * other, (same, other)  # the bound tells this seed from another
+    same_ref, other_ref = encoded_reference(seed), encoded_reference(seed + 100)
+    for video in served:
+        same, other = np.abs(video - same_ref).mean(), np.abs(video - other_ref).mean()
+        assert same <= MAX_ROUNDTRIP_DIFF, (same, other)
+        assert same < 0.25 * other, (same, other)  # the bound tells this seed from another
 
 
 def to_images(frames: np.ndarray) -> list[Image.Image]:
@@ -151,8 +155,10 @@ def test_i2v_upload_and_data_url_jobs_equal_diffusers(shared_wan_i2v_server):
         assert done.status == "completed", done.error
         videos.append(frames_of(client(server).videos.download_content(video_id).read()))
     assert videos[0].shape == (FRAMES, 32, 32, 3)
-    assert np.array_equal(videos[0], videos[1])  # a file and a data: URL: the same request
-    assert_equals_diffusers(videos[0], server.model, png, 1, 16)
+    # A file and a data: URL make the same request. Whether the two share every denoising step
+    # depends on when each reaches the stage, so each is held to diffusers' bound, not to the
+    # other bit for bit.
+    assert_equals_diffusers(videos, server.model, png, 1, 16)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -203,7 +209,7 @@ def test_ti2v_image_to_video_equals_diffusers(shared_wan_ti2v_server):
     assert done.status == "completed", done.error
     got = frames_of(client(server).videos.download_content(v.id).read())
     assert got.shape == (FRAMES, 32, 32, 3)
-    assert_equals_diffusers(got, server.model, png, 3, done.fps)
+    assert_equals_diffusers([got], server.model, png, 3, done.fps)
 
 
 def test_a_video_that_cannot_fit_the_memory_budget_gets_a_400_naming_it(shared_wan_i2v_server):
