@@ -225,6 +225,9 @@ def build(out_dir: Path, seed: int, num_layers: int | None = None) -> Path:
     logger.info(
         "built %.1fB parameters on %s", sum(p.numel() for p in model.parameters()) / 1e9, device
     )
+    # Saving regroups the experts of each MoE layer into new tensors; on an 80 GB GPU already
+    # holding the ~66 GB model that copy does not fit, so the files are written from host memory.
+    model.to("cpu")
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
     write_processor_files(out_dir, tokenizer)
     return out_dir
