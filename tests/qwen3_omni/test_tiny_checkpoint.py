@@ -90,3 +90,39 @@ def test_full_size_config_has_the_published_sizes():
         model = Qwen3OmniMoeForConditionalGeneration(config)
     billions = sum(p.numel() for p in model.parameters()) / 1e9
     assert 33 < billions < 37, billions
+
+
+def test_layer_by_layer_writer_writes_what_save_pretrained_writes(tmp_path):
+    """The full build's writer (one converted layer in memory at a time) against transformers'
+    save_pretrained on the tiny model: the same config files, the same weight names (the hub's
+    per-expert layout) and bit-identical tensors, in several indexed shards."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from vllm_omni_plugin.testing import full_qwen3_omni as full
+
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny.build_config()).eval()
+    model.generation_config = tiny.generation_config(tiny.token_ids(tiny.build_tokenizer()))
+    shard_bytes = 200_000
+    model.save_pretrained(tmp_path / "ref", max_shard_size=shard_bytes)
+    full.save_layer_by_layer(model, tmp_path / "ours", max_shard_bytes=shard_bytes)
+
+    def files(folder):
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 1
+        tensors = {}
+        for name in shards:
+            tensors.update(load_file(folder / name))
+        assert set(index["weight_map"]) == set(tensors)
+        return tensors
+
+    ref, ours = files(tmp_path / "ref"), files(tmp_path / "ours")
+    assert ref.keys() == ours.keys()
+    assert any(".experts.0.gate_proj.weight" in k for k in ref)  # the hub's layout, per expert
+    assert all(torch.equal(ref[k], ours[k]) for k in ref)
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "ref" / name).read_text()) == json.loads(
+            (tmp_path / "ours" / name).read_text()
+        )

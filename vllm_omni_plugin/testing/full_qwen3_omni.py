@@ -16,13 +16,16 @@ codes; Code2Wav 8 layers, hidden 1024, decoder 1536. Special ids at the real one
 byte-level (the real merges are not available), the other ids hold unreachable placeholders.
 
 Weights are made where they will live: on the GPU when there is one (modules constructed
-under `torch.device("cuda")` in bf16), then written in 5 GB safetensors shards.
+under `torch.device("cuda")` in bf16), then written in 5 GB safetensors shards, a layer at a
+time (`save_layer_by_layer`), so an 80 GB GPU and a host of twice the files' size suffice.
 `num_layers` overrides the depth of every stack (widths unchanged) for CPU tests of this path.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -225,9 +228,65 @@ def build(out_dir: Path, seed: int, num_layers: int | None = None) -> Path:
     logger.info(
         "built %.1fB parameters on %s", sum(p.numel() for p in model.parameters()) / 1e9, device
     )
-    # Saving regroups the experts of each MoE layer into new tensors; on an 80 GB GPU already
-    # holding the ~66 GB model that copy does not fit, so the files are written from host memory.
-    model.to("cpu")
-    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
+    save_layer_by_layer(model, out_dir)
     write_processor_files(out_dir, tokenizer)
     return out_dir
+
+
+MAX_SHARD_BYTES = 5 * 10**9
+_LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+\.)")
+
+
+def save_layer_by_layer(model, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """The files `model.save_pretrained(out_dir, max_shard_size=...)` writes (config, generation
+    config, the hub's per-expert weight names in indexed safetensors shards), converted to the
+    hub's layout one decoder layer at a time.
+
+    save_pretrained converts the whole state dict before writing its first shard: a second copy
+    of every MoE layer's experts, which fits neither beside the ~66 GB model on an 80 GB GPU nor,
+    moved to the host, beside files written to a RAM disk. Here a converted layer goes to the host
+    and leaves it once its shard is written."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        prefix = _LAYER_PREFIX.match(name)
+        groups.setdefault(prefix.group(1) if prefix else "", []).append(name)
+
+    shard_files: list[tuple[str, list[str]]] = []  # (temporary name, tensor names)
+    pending: dict[str, torch.Tensor] = {}
+    total = 0
+
+    def flush() -> None:
+        temporary = f"shard-{len(shard_files)}.tmp"
+        save_file(pending, out_dir / temporary, metadata={"format": "pt"})
+        shard_files.append((temporary, list(pending)))
+        pending.clear()
+
+    for names in groups.values():
+        converted = revert_weight_conversion(model, {n: state[n] for n in names})
+        layer = {n: t.detach().to("cpu").contiguous() for n, t in converted.items()}
+        del converted
+        nbytes = sum(t.numel() * t.element_size() for t in layer.values())
+        pending_bytes = sum(t.numel() * t.element_size() for t in pending.values())
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+        pending.update(layer)
+        total += nbytes
+    if pending:
+        flush()
+
+    count = len(shard_files)
+    weight_map = {}
+    for i, (temporary, names) in enumerate(shard_files):
+        final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        (out_dir / temporary).rename(out_dir / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
