@@ -1,8 +1,10 @@
-"""The thinker's hidden states under preemption, captured by the forward pre-hooks (what vLLM
-0.26-0.28 runs, where the thinker has no auxiliary hidden-state outputs): a second engine with a
-KV cache of 256 tokens, which two requests of ~160 tokens each (~80 prompt, 80 generated) overflow, so vLLM preempts one
-and recomputes it from its first position. Each request's states still equal transformers', with
-every position sent once (the worker skips what it sent before the preemption).
+"""The thinker's hidden states under preemption, captured by the decoder layers' capture
+buffers (what vLLM 0.26-0.28 runs, where the thinker has no auxiliary hidden-state outputs), with
+the thinker compiled (torch.compile traces the buffers' custom op; CUDA graphs replay what it
+traced). A second engine with a KV cache of 256 tokens, which two requests of ~160 tokens each
+(~80 prompt, 80 generated) overflow, so vLLM preempts one and recomputes it from its first
+position. Each request's states still equal transformers', with every position sent once (the
+worker skips what it sent before the preemption).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from vllm.config import CompilationMode
 
 from vllm_omni_plugin.models.thinker_states.settings import ADDITIONAL_CONFIG_KEY
 
@@ -42,10 +45,12 @@ def engine(omni_dir, processor):
         max_model_len=BLOCK * BLOCKS,
         block_size=BLOCK,
         num_gpu_blocks_override=BLOCKS + 1,
-        thinker_states={"capture": "hooks"},
+        thinker_states={"capture": "buffer"},
+        enforce_eager=False,
     ) as started:
         _, llm, _ = started
-        assert llm.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["capture"] == "hooks"
+        assert llm.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["capture"] == "buffer"
+        assert llm.vllm_config.compilation_config.mode != CompilationMode.NONE
         yield started
     del started
     collect_engine()

@@ -35,8 +35,9 @@ class EngineSettings:
 
     layers: tuple[int, ...]
     endpoint: str
-    # "auto": the model's auxiliary hidden-state outputs where it has them, else forward
-    # pre-hooks; "hooks": the pre-hooks always (what vLLM < 0.29 runs; tests pick it to check it).
+    # "auto": the model's auxiliary hidden-state outputs where it has them, else capture buffers
+    # written by the decoder layers; "buffer": the buffers always (what vLLM < 0.29 runs; tests
+    # pick it to check it).
     capture: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,8 +73,8 @@ class StageSettings:
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{ADDITIONAL_CONFIG_KEY}: unknown keys {sorted(unknown)}")
-        if raw.get("capture", "auto") not in ("auto", "hooks"):
-            raise ValueError(f"{ADDITIONAL_CONFIG_KEY}.capture: 'auto' or 'hooks'")
+        if raw.get("capture", "auto") not in ("auto", "buffer"):
+            raise ValueError(f"{ADDITIONAL_CONFIG_KEY}.capture: 'auto' or 'buffer'")
         return cls(
             accept_layer=raw.get("accept_layer"),
             max_request_bytes=int(raw.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)),

@@ -12,8 +12,10 @@ Capture, per decoder-layer input index (see settings.EngineSettings):
   the forward (the decoder's fused norms may update that buffer in place).
 - k >= 1, vLLM >= 0.29: the model's own auxiliary hidden-state outputs (`EagleModelMixin`, the
   EAGLE-3 path), returned by the compiled model, so they survive torch.compile and CUDA graphs.
-- k >= 1, older vLLM (its Qwen3-Omni thinker has no auxiliary outputs): a forward pre-hook on
-  decoder layer k, which runs only eagerly: the stage must run with `enforce_eager`.
+- k >= 1, older vLLM (its Qwen3-Omni thinker has no auxiliary outputs): decoder layer k becomes
+  an instance of a subclass whose forward first copies its input into a static buffer of the
+  layer (`omni_thinker::capture_rows`, a custom op that declares the mutation), so torch.compile
+  keeps the copy and CUDA graphs replay it; the rows are read after the forward.
 
 Only opted-in requests (`SamplingParams.extra_args[REQUEST_KEY]`) are copied to the host, once per
 position: a request recomputed after preemption resends nothing it sent already (the high-water
@@ -47,6 +49,38 @@ def _platform_worker() -> type:
     from vllm.v1.worker.gpu_worker import Worker
 
     return Worker
+
+
+CAPTURE_BUFFER = "omni_thinker_capture"
+
+
+@torch.library.custom_op("omni_thinker::capture_rows", mutates_args=("out",))
+def capture_rows(out: torch.Tensor, value: torch.Tensor) -> None:
+    """out[:n] = value (n rows). An op of its own so that torch.compile keeps the write to the
+    layer's buffer and a CUDA graph replays it."""
+    out[: value.shape[0]].copy_(value)
+
+
+@capture_rows.register_fake
+def _(out: torch.Tensor, value: torch.Tensor) -> None:
+    return None
+
+
+_CAPTURING_CLASSES: dict[type, type] = {}
+
+
+def capturing_layer_class(base: type) -> type:
+    """`base` (a decoder layer class, forward(positions, hidden_states, residual)) whose forward
+    first writes its input, the residual stream (hidden + residual), to its capture buffer."""
+    if base not in _CAPTURING_CLASSES:
+
+        def forward(self, positions, hidden_states, residual, *args, **kwargs):
+            value = hidden_states if residual is None else hidden_states + residual
+            torch.ops.omni_thinker.capture_rows(getattr(self, CAPTURE_BUFFER), value)
+            return base.forward(self, positions, hidden_states, residual, *args, **kwargs)
+
+        _CAPTURING_CLASSES[base] = type(f"Capturing{base.__name__}", (base,), {"forward": forward})
+    return _CAPTURING_CLASSES[base]
 
 
 class ThinkerStatesRunnerMixin:
@@ -129,7 +163,7 @@ class _Extraction:
         self.pending: tuple[Any, dict[str, int]] | None = None  # (scheduler output, starts)
         self.sent_upto: dict[str, int] = {}  # request id -> first position not yet sent
         self.keys: dict[str, str] = {}  # request id -> the stage's key
-        self.hooks: list[Any] = []
+        self.buffers: dict[int, torch.Tensor] = {}  # layer -> its capture buffer (older vLLM)
         self.aux = False
         self.socket = None
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -170,28 +204,15 @@ class _Extraction:
             self.runner.use_aux_hidden_state_outputs = True
             self.aux = True
             return
-        if not self.runner.model_config.enforce_eager:
-            raise ValueError(
-                "thinker hidden states on this vLLM (its thinker has no auxiliary hidden-state "
-                "outputs) use forward hooks, which compiled graphs skip: set enforce_eager"
-            )
+        rows = self.runner.max_num_tokens  # the most a forward runs, CUDA graph padding included
         for k in deep:
-            self.hooks.append(
-                decoder.layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True)
-            )
-
-    def _hook(self, k: int):
-        def pre_hook(module, args, kwargs):
-            step = self.step
-            if step is None or not step.rows:
-                return None
-            hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
-            residual = args[2] if len(args) > 2 else kwargs.get("residual")
-            value = hidden + residual if residual is not None else hidden
-            step.captured[k] = self._select(value, step)
-            return None
-
-        return pre_hook
+            layer = decoder.layers[k]
+            width = layer.input_layernorm.weight.shape[0]
+            dtype = self.runner.model_config.dtype
+            buffer = torch.zeros(rows, width, dtype=dtype, device=self.runner.device)
+            layer.register_buffer(CAPTURE_BUFFER, buffer, persistent=False)
+            layer.__class__ = capturing_layer_class(type(layer))
+            self.buffers[k] = buffer
 
     # ---- per step --------------------------------------------------------------------------
     def begin_step(self, so) -> None:
@@ -258,6 +279,8 @@ class _Extraction:
             _, aux = out
             for k, t in zip([k for k in self.layers if k > 0], aux, strict=True):
                 step.captured[k] = self._select(t, step)
+        for k, buffer in self.buffers.items():
+            step.captured[k] = self._select(buffer, step)
         self._send(step)
 
     # ---- out of the process ------------------------------------------------------------------
