@@ -11,6 +11,7 @@ import gc
 import traceback
 
 import pytest
+from vllm_engines import shut_down
 
 from vllm_omni_plugin.families.glm_image.processing import (
     build_t2i_prompt,
@@ -58,7 +59,7 @@ class EngineSlot:
 
     def close(self):
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            shut_down(self.llm)
             self.llm, self.name = None, None
             gc.collect()
 

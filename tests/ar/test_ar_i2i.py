@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from vllm_engines import shut_down
 
 from vllm_omni_plugin.families.glm_image.processing import (
     build_i2i_prompt,
@@ -129,7 +130,7 @@ def llm(glm_tiny):
         max_num_seqs=8,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down(engine)
     del engine
     gc.collect()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_engines import shut_down
 
 from .test_talker_vllm import _generate, conditioner, talker_config  # noqa: F401
 
@@ -32,7 +33,7 @@ def graphed_llm(omni_dir):
         seed=0,
     )
     yield engine
-    del engine
+    shut_down(engine)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import torch
+from vllm_engines import shut_down
 
 from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
 from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids
@@ -174,7 +175,7 @@ def sync_frames(omni_dir, talker_config, requests, sender):
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is False
         return _scenarios(llm, talker_config, requests, sender)
     finally:
-        llm.llm_engine.engine_core.shutdown()  # before the async engine starts
+        shut_down(llm)  # before the async engine starts
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def async_frames(omni_dir, talker_config, requests, sender, sync_frames, async_o
             assert runner[0].startswith("Talker") and runner[1] is True, runner
             return _scenarios(llm, talker_config, requests, sender)
         finally:
-            llm.llm_engine.engine_core.shutdown()
+            shut_down(llm)
 
 
 def _runner_mode(worker) -> tuple[str, bool]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_engines import shut_down
 
 from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
 from vllm_omni_plugin.testing.qwen3_omni_reference import chat_input_ids, reference_generate
@@ -165,7 +166,7 @@ def llm(omni_dir):
         seed=0,
     )
     yield engine
-    del engine
+    shut_down(engine)
 
 
 def _generate(llm, conditioner, talker_config, requests, **sampling) -> list[torch.Tensor]:

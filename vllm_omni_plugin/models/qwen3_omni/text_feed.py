@@ -61,8 +61,7 @@ class TextSender:
         self._dir = tempfile.mkdtemp(prefix="omni-talker-text-")
         os.chmod(self._dir, 0o700)
         self.endpoint = f"ipc://{self._dir}/{uuid.uuid4().hex[:12]}.sock"
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)  # shared: see TextFeed
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, MAX_UNREAD_MESSAGES)
         self._sock.bind(self.endpoint)
@@ -85,7 +84,6 @@ class TextSender:
 
     def close(self) -> None:
         self._sock.close(0)
-        self._ctx.term()
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)
@@ -104,8 +102,11 @@ class TextFeed:
         import zmq
 
         self._zmq = zmq
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
+        # The process's shared context, which is never garbage: nothing closes a feed (it lives
+        # as long as its model), and a context of its own, collected in the same cycle as its
+        # socket, would block the collection in pyzmq's finalizer (the context's termination
+        # waits for a socket that only a later finalizer closes).
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
         self._texts: dict[str, _Text] = {}
@@ -173,4 +174,3 @@ class TextFeed:
 
     def close(self) -> None:
         self._sock.close(0)
-        self._ctx.term()

@@ -96,8 +96,9 @@ class ThinkerStatesStore:
         # Positions received again (a recompute the worker did not filter): kept once, counted.
         self.repeated_positions = 0
         self._cond = threading.Condition()
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
+        # The process's shared context, never garbage: a context of its own, collected in the
+        # same cycle as its socket, would block the collection in pyzmq's finalizer.
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
         self._closed = False
@@ -284,7 +285,6 @@ class ThinkerStatesStore:
             self._cond.notify_all()
         self._thread.join(timeout=2)
         self._sock.close(0)
-        self._ctx.term()
         if self._dir is not None:
             import shutil
 
