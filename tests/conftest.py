@@ -131,8 +131,8 @@ def async_on_cpu():
 @pytest.fixture
 def ram_dir(tmp_path):
     """A temporary folder in memory (/dev/shm where it exists, else `tmp_path`), for tests that
-    write gigabytes and read them back once: on disk they wait on writeback whenever other tests
-    fill the page cache (a full-width build: 40 s alone, 912 s beside a served module)."""
+    write gigabytes and read them back once: nothing of theirs waits on disk writeback behind
+    what the other worker's tests write."""
     import shutil
 
     shm = Path("/dev/shm")
