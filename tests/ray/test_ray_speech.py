@@ -8,8 +8,8 @@ client (tests/multinode/ns_client.py, run in the head's namespace).
   same number of samples and audio deltas, every sample within float rounding
   (PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly.
 * A client that hangs up mid-stream frees every replica of its chain.
-* A talker replica killed while concurrent streams run (its stage process paused first, so the
-  requests routed to it are surely in flight) fails exactly its own requests with 503; the
+* A talker replica killed while 16 concurrent streams run (its stage process paused first, so
+  the requests routed to it are surely in flight) fails exactly its own requests with 503; the
   others stream to the end with the expected audio. Ray restarts it on the same node and it
   serves again.
 
@@ -58,7 +58,7 @@ OVERRIDES = [
     ),
 ]
 TALKER = 1
-CONCURRENT = 4
+CONCURRENT = 16
 # A Ray actor's torch runs the threads its CPUs allow (1 here), the local stages as many as
 # the machine's: reductions add in another order, so Code2Wav's samples may differ in their
 # last bits (by 1 at most, seen here). Other codec frames (a greedy choice gone another
