@@ -49,7 +49,7 @@ that step may wait for the thinker's next id (or its end), as the next frame wou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,10 @@ class _FrameState:
     stream: str | None = None  # or the text feed's key for them
     frames: int = 0  # frames written so far
     residual_embed: torch.Tensor | None = None  # the last frame's groups 1.., embedded
+    # Every written frame's groups 1.. `[G - 1]` (rows of each step's small code tensor): a
+    # preempted request recomputes its KV from its prompt and its frames' first codes, and
+    # each of those positions' inputs needs its frame's other codes again.
+    residual_codes: list[torch.Tensor] = field(default_factory=list)
 
 
 class TalkerRunnerMixin:
@@ -101,19 +105,33 @@ class TalkerRunnerMixin:
 
     def _add_frame_inputs(self, scheduler_output, inputs_embeds: torch.Tensor) -> None:
         model, states = self.get_model(), self._frame_states()
-        rows, embeds, steps = [], [], []
+        rows, embeds, steps = [], [], []  # decode rows: the last frame's embedding is kept
+        recomputed = ([], [], [])  # rows of a recomputed prefill, with their frames' codes
         offset = 0
         for req_id in self.input_batch.req_ids:
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             state = states.get(req_id)
-            if state is not None and state.residual_embed is not None and n == 1:
-                rows.append(offset)
-                embeds.append(state.residual_embed)
-                # Frame step k (the frame its input code begins) reads generated id k + 1.
-                steps.append((state, state.frames))
+            if state is not None and state.frames:
+                req = self.requests[req_id]
+                start, prompt = req.num_computed_tokens, req.num_prompt_tokens
+                if n == 1 and start >= prompt + state.frames - 1:
+                    rows.append(offset)
+                    embeds.append(state.residual_embed)
+                    # Frame step k (the frame its input code begins) reads generated id k + 1.
+                    steps.append((state, state.frames))
+                else:
+                    # After a preemption vLLM recomputes the prompt and the frames' first
+                    # codes: position prompt + k holds frame k's first code.
+                    for k in range(
+                        max(start, prompt) - prompt, min(start + n - prompt, state.frames)
+                    ):
+                        recomputed[0].append(offset + prompt + k - start)
+                        recomputed[1].append(state.residual_codes[k])
+                        recomputed[2].append((state, k + 1))
             offset += n
-        if not rows:
+        if not rows and not recomputed[0]:
             return
+        steps += recomputed[2]
         feed = self._text_feed()
         streamed = {s.stream: i for s, i in steps if s.stream is not None}
         if streamed:
@@ -121,8 +139,10 @@ class TalkerRunnerMixin:
                 raise RuntimeError("a streamed-text talker request, but the engine has no feed")
             feed.wait_for(streamed)
         text = [_text_entry(model.tts_ids, state, i, feed) for state, i in steps]
+        if recomputed[0]:
+            embeds += list(model.residual_embedding(torch.stack(recomputed[1])))
         device = inputs_embeds.device
-        index = _to_device(rows, device)
+        index = _to_device(rows + recomputed[0], device)
         entries = model.project_text(_to_device(text, device))
         extra = torch.stack(embeds) + entries
         inputs_embeds[index] += extra.to(inputs_embeds.dtype)
@@ -139,8 +159,11 @@ class TalkerRunnerMixin:
         req_ids = self.input_batch.req_ids
         chunks = set()  # rows of a prefill chunk: vLLM discards their sample
         for i, req_id in enumerate(req_ids):
-            req = self.requests[req_id]
-            if req.num_computed_tokens + self._num_scheduled(req_id) < req.num_prompt_tokens:
+            req, state = self.requests[req_id], states.get(req_id)
+            # Positions it knows the inputs of: the prompt, and after a preemption, the
+            # first codes of the frames it had written.
+            known = req.num_prompt_tokens + (state.frames if state is not None else 0)
+            if req.num_computed_tokens + self._num_scheduled(req_id) < known:
                 chunks.add(i)
         code0 = out.sampled_token_ids[:, 0].to(torch.long)
         draws = _predictor_sampler(self.input_batch.sampling_metadata, chunks, len(req_ids))
@@ -157,6 +180,7 @@ class TalkerRunnerMixin:
                 states[req_id] = state
             state.frames += 1
             state.residual_embed = embeds[i]
+            state.residual_codes.append(residual[i])
         out.logprobs_tensors = _frame_logprobs(model, code0, residual)
         return out
 
