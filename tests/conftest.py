@@ -144,3 +144,17 @@ def ram_dir(tmp_path):
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_local_answers(tiny_models, tmp_path_factory):
+    """The local Qwen3-Omni pipeline's answers that the multi-host speech tests compare with
+    (tests/speech_reference.py): one server start per test run, since under xdist the workers'
+    temp folders share a parent, where the first worker to ask leaves them for the other."""
+    from speech_reference import local_answers
+
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    log = tmp_path_factory.mktemp("qwen3-omni-local") / "server.log"
+    return local_answers(tiny_models("qwen3-omni"), shared, log)

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import psutil
+from ns_http import NsHttp
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -226,11 +227,12 @@ def two_hosts(prefix: str, subnet: int) -> Iterator[dict[str, tuple[str, str, st
 def ns_wait_healthy(ns: str, url: str, procs: list[Proc], timeout: float) -> None:
     """Wait until `url`/health answers 200 inside `ns` (RuntimeError if a process exits)."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"{p.log.name} exited:\n{p.log_tail()}")
-        if ns_call(ns, "status", f"{url}/health")["status"] == 200:
-            return
-        time.sleep(1.0)
+    with NsHttp(ns) as web:
+        while time.monotonic() - t0 < timeout:
+            for p in procs:
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.log.name} exited:\n{p.log_tail()}")
+            if web.get(f"{url}/health")["status"] == 200:
+                return
+            time.sleep(0.5)
     raise TimeoutError("\n\n".join(p.log_tail() for p in procs))

@@ -3,6 +3,8 @@
     ns_client.py status URL                    -> {"status": 200}
     ns_client.py generate BASE_URL MODEL SEED  -> {"png": [w, h], "sha": ...}  (openai client)
     ns_client.py metrics BASE_URL              -> {"text": "..."}
+    ns_client.py serve                         GETs each URL read from stdin, one JSON line
+                                               {"status", "text"} each (tests/ns_http.py)
     ns_client.py speech BASE_URL MODEL MAX_TOKENS [MARK]
         -> {"pcm_sha", "pcm", "samples", "transcript", "audio_deltas", "error"}: a streamed
            Qwen3-Omni answer (pcm16, greedy; "pcm" in base64) through the openai client; with
@@ -12,7 +14,7 @@
         -> the same, for a question about a small seeded RGB image (a PNG data URL part)
     ns_client.py chat BASE_URL MODEL MAX_TOKENS   -> {"text", "error"}: a text-only answer
            (greedy, not streamed) through the openai client
-Prints one JSON line.
+Prints one JSON line (`serve`: one per URL, then a last one at EOF).
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ def main(argv: list[str]) -> dict:
             return {"status": None, "error": repr(exc)}
     if cmd == "metrics":
         return {"text": httpx.get(f"{argv[1]}/metrics", timeout=10).text}
+    if cmd == "serve":
+        for line in sys.stdin:
+            try:
+                r = httpx.get(line.strip(), timeout=10)
+                answer = {"status": r.status_code, "text": r.text}
+            except httpx.HTTPError as exc:
+                answer = {"status": None, "text": repr(exc)}
+            print(json.dumps(answer), flush=True)
+        return {"served": True}
     if cmd == "generate":
         from openai import OpenAI
         from PIL import Image

@@ -7,15 +7,17 @@ node, the audio chunks come back over the node link. The client runs in the head
 namespace (ns_client.py).
 
 Checked: the streamed pcm16 answer (greedy) equals, byte for byte, the local pipeline's
-(qwen3_omni_tiny.yaml, every stage on one host), for a text prompt and for one with an image,
-whose media states (the thinker's first chunk to the talker) cross through NIXL (UCX over
-TCP on the veth; the thinker's stream_nixl_min_bytes lowered to fit the tiny model's states)
-while its token ids go inline, as the head's /metrics counts; a node killed mid-stream fails its request
-with 503 (an error event of type service_unavailable_error, counted as 503 in /metrics) within
-the heartbeat bound, and speech works again once the node is back.
+(qwen3_omni_tiny.yaml, every stage on one host: tests/speech_reference.py), for a text prompt
+and for one with an image, whose media states (the thinker's first chunk to the talker) cross
+through NIXL (UCX over TCP on the veth; the thinker's stream_nixl_min_bytes lowered to fit the
+tiny model's states) while its token ids go inline, as the head's /metrics counts; a node
+killed mid-stream fails its request with 503 (an error event of type
+service_unavailable_error, counted as 503 in /metrics) within the heartbeat bound, and speech
+works again once the node is back.
 
-Over 60 s: three server start-ups of the tiny Qwen3-Omni on a 2-core CPU box (the local
-reference, then head and node, then the node again), each loading a vLLM engine or two.
+Over 60 s: two start-ups of head and node of the tiny Qwen3-Omni on a 2-core CPU box, then the
+node's again, each loading a vLLM engine or two (and the local reference's, unless
+tests/ray/test_ray_speech.py's run already served it).
 """
 
 from __future__ import annotations
@@ -29,28 +31,24 @@ import time
 import cluster
 import pytest
 from cluster import NS_CLIENT, REPO, Proc, free_port, ns_call, ns_wait_healthy
+from ns_http import NsHttp
+from speech_reference import TALKER, THINKER_TOKENS
 
 pytestmark = pytest.mark.slow
 
-LOCAL = "stage_configs/qwen3_omni_tiny.yaml"
 NODES = "stage_configs/qwen3_omni_nodes_tiny.yaml"
-THINKER_TOKENS = 8
-# The talker writes exactly this many codec frames, greedily (so that both layouts give the
-# same audio): enough that a slow client holds the stream open while the node is killed.
+# The talker as the local reference ran it (speech_reference.TALKER): exactly FRAMES codec
+# frames, greedily (so that both layouts give the same audio), enough that a slow client holds
+# the stream open while the node is killed.
 OVERRIDES = [
     "--stage-overrides",
     json.dumps(
         {
             # The tiny thinker's states at a 64x64 image's positions are a few hundred bytes
             # (its token id chunks, tens): between them, as megabytes and bytes are in full size.
+            # (Only edges between hosts use NIXL: the local reference's are inline.)
             "0": {"stream_nixl_min_bytes": 256},
-            "1": {
-                "default_sampling_params": {
-                    "max_tokens": 192,
-                    "min_tokens": 192,
-                    "temperature": 0,
-                }
-            },
+            "1": TALKER,
         }
     ),
 ]
@@ -64,35 +62,36 @@ def hosts():
         yield h
 
 
-def speech_503s(ns: str, url: str) -> float:
-    text = ns_call(ns, "metrics", url)["text"]
-    for line in text.splitlines():
+def metric_lines(web: NsHttp, url: str) -> list[str]:
+    return web.get(f"{url}/metrics")["text"].splitlines()
+
+
+def speech_503s(web: NsHttp, url: str) -> float:
+    for line in metric_lines(web, url):
         if line.startswith("omni_speech_requests_total{") and 'status="503"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
-def stage_in_flight(ns: str, url: str, stage_id: int) -> float:
+def stage_in_flight(web: NsHttp, url: str, stage_id: int) -> float:
     """Requests the head has submitted to a stage and not yet had its Result for."""
-    text = ns_call(ns, "metrics", url)["text"]
-    for line in text.splitlines():
+    for line in metric_lines(web, url):
         if line.startswith("omni_stage_requests_in_flight{") and f'stage_id="{stage_id}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
-def edge_counter(ns: str, url: str, family: str, path: str, labels: str = "") -> float:
+def edge_counter(web: NsHttp, url: str, family: str, path: str, labels: str = "") -> float:
     """A counter of the thinker -> talker edge's chunks that took `path` on the head's
     /metrics (0 when it has none yet)."""
-    text = ns_call(ns, "metrics", url)["text"]
-    for line in text.splitlines():
+    for line in metric_lines(web, url):
         if line.startswith(f'{family}{{connector="edge_0_1_{path}"{labels}}} '):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
 def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
-    hosts, tiny_models, tmp_path
+    qwen3_omni_local_answers, hosts, tiny_models, tmp_path
 ):
     (ns_h, dev_h, addr_h), (ns_n, dev_n, _) = hosts["head"], hosts["node"]
     model = str(tiny_models("qwen3-omni"))
@@ -107,14 +106,8 @@ def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
     url = f"http://127.0.0.1:{http}"  # the head's loopback, inside its namespace
     serve = ["--host", "127.0.0.1", "--port", str(http), *OVERRIDES]
 
-    # The local pipeline's answer: every stage in the head's namespace.
-    local = Proc([model, "--stage-config", LOCAL, *serve], tmp_path / "local.log", env, ns_h)
-    try:
-        ns_wait_healthy(ns_h, url, [local], timeout=600)
-        reference = ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS))
-        image_reference = ns_call(ns_h, "speech-image", url, model, str(THINKER_TOKENS))
-    finally:
-        local.stop()
+    reference = qwen3_omni_local_answers["speech"]
+    image_reference = qwen3_omni_local_answers["speech_image"]
     assert reference["error"] is None, reference
     assert reference["audio_deltas"] >= 2 and reference["samples"] > 0
     assert image_reference["error"] is None and image_reference["samples"] > 0, image_reference
@@ -129,23 +122,24 @@ def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
     node_env = {**env, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_n}
     head = Proc(head_args, tmp_path / "head.log", head_env, ns_h)
     node = Proc(node_args, tmp_path / "node.log", node_env, ns_n)
+    web = NsHttp(ns_h)  # the head's /metrics, polled below
     try:
         ns_wait_healthy(ns_h, url, [head, node], timeout=600)
-        split = ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS))
+        split = ns_call(ns_h, "speech", url, model, THINKER_TOKENS)
         assert split == reference
-        assert edge_counter(ns_h, url, "omni_connector_puts_total", "nixl") == 0
-        inline_before = edge_counter(ns_h, url, "omni_connector_puts_total", "inline")
+        assert edge_counter(web, url, "omni_connector_puts_total", "nixl") == 0
+        inline_before = edge_counter(web, url, "omni_connector_puts_total", "inline")
         assert inline_before >= 1  # the text prompt's token ids
 
-        assert ns_call(ns_h, "speech-image", url, model, str(THINKER_TOKENS)) == image_reference
+        assert ns_call(ns_h, "speech-image", url, model, THINKER_TOKENS) == image_reference
         t0 = time.monotonic()  # the talker's counters come with its Result, over the link
         reads = ("omni_connector_transfers_total", "nixl", ',role="consumer"')
-        while edge_counter(ns_h, url, *reads) < 1:
+        while edge_counter(web, url, *reads) < 1:
             assert time.monotonic() - t0 < 10, head.log_tail()
             time.sleep(0.2)
-        assert edge_counter(ns_h, url, *reads) == 1  # the media states, READ once
-        assert edge_counter(ns_h, url, "omni_connector_puts_total", "nixl") == 1
-        assert edge_counter(ns_h, url, "omni_connector_puts_total", "inline") > inline_before
+        assert edge_counter(web, url, *reads) == 1  # the media states, READ once
+        assert edge_counter(web, url, "omni_connector_puts_total", "nixl") == 1
+        assert edge_counter(web, url, "omni_connector_puts_total", "inline") > inline_before
 
         # A node killed while an answer streams: once the client has audio, the node is
         # frozen (SIGSTOP), and killed if the head still waits on it for the request. On a
@@ -156,7 +150,7 @@ def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
             mark = tmp_path / f"first-audio-{attempt}"
             client = subprocess.Popen(
                 ["ip", "netns", "exec", ns_h, sys.executable, str(NS_CLIENT), "speech", url]
-                + [model, str(THINKER_TOKENS), str(mark)],
+                + [model, THINKER_TOKENS, str(mark)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -168,28 +162,29 @@ def test_speech_across_two_hosts_equals_local_and_survives_a_node_death(
                 assert time.monotonic() - t0 < 300, "no audio"
                 time.sleep(0.05)
             node.pause_all()
-            if stage_in_flight(ns_h, url, 2) >= 1:
+            if stage_in_flight(web, url, 2) >= 1:
                 break
             node.resume_all()
             out, _ = client.communicate(timeout=300)
             assert json.loads(out.strip().splitlines()[-1])["error"] is None, out
         else:
             pytest.fail("the node finished every answer before its client read the first audio")
-        before = speech_503s(ns_h, url)
+        before = speech_503s(web, url)
         killed = time.monotonic()
         node.kill_all()
-        while speech_503s(ns_h, url) <= before:
+        while speech_503s(web, url) <= before:
             assert time.monotonic() - killed < FAIL_WITHIN_S, head.log_tail()
             time.sleep(0.2)
         out, err = client.communicate(timeout=300)
         answer = json.loads(out.strip().splitlines()[-1])
         assert answer["error"] is not None, answer
         assert answer["error"]["body"]["type"] == "service_unavailable_error", answer
-        assert ns_call(ns_h, "status", f"{url}/health")["status"] == 503
+        assert web.get(f"{url}/health")["status"] == 503
 
         node = Proc(node_args, tmp_path / "node-2.log", node_env, ns_n)
         ns_wait_healthy(ns_h, url, [head, node], timeout=600)
-        assert ns_call(ns_h, "speech", url, model, str(THINKER_TOKENS)) == reference
+        assert ns_call(ns_h, "speech", url, model, THINKER_TOKENS) == reference
     finally:
+        web.close()
         node.stop()
         head.stop()

@@ -6,15 +6,17 @@ client (tests/multinode/ns_client.py, run in the head's namespace).
   caller's Credits go back through Ray) equals the local pipeline's (qwen3_omni_tiny.yaml,
   every stage one process on one host) on either chain of replicas: the same transcript, the
   same number of samples and audio deltas, every sample within float rounding
-  (PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly.
+  (PCM_TOLERANCE); a text-only answer (the thinker's replicas alone) equals it exactly. The
+  local answers: tests/speech_reference.py.
 * A client that hangs up mid-stream frees every replica of its chain.
 * A talker replica killed while 16 concurrent streams run (its stage process paused first, so
   the requests routed to it are surely in flight) fails exactly its own requests with 503; the
   others stream to the end with the expected audio. Ray restarts it on the same node and it
   serves again.
 
-Over 60 s: two start-ups of the tiny Qwen3-Omni on a 2-core CPU box (the local reference, then
-six replicas on Ray, four of them loading a vLLM engine) and a replica's restart.
+Over 60 s: the tiny Qwen3-Omni started as six replicas on Ray on a 2-core CPU box (four of them
+loading a vLLM engine), a replica's restart, and the local reference's start-up unless
+tests/multinode/test_qwen3_omni_nodes.py's run already served it.
 """
 
 from __future__ import annotations
@@ -28,35 +30,19 @@ import time
 
 import psutil
 import pytest
-from ray_cluster import REPO, VLLM, TwoNodeRay, free_port, replica_actor_pid, replica_rows
+from ns_http import NsHttp
+from ray_cluster import REPO, TwoNodeRay, free_port, replica_actor_pid, replica_rows
+from speech_reference import CODE2WAV_WINDOW, THINKER_TOKENS
+from speech_reference import TALKER as TALKER_SETTINGS
 
 pytestmark = pytest.mark.slow
 
 NS_CLIENT = REPO / "tests" / "multinode" / "ns_client.py"
-LOCAL = "stage_configs/qwen3_omni_tiny.yaml"
 RAY_TINY = "qwen3_omni_ray_tiny"
-THINKER_TOKENS = "8"
-# Codec frames per answer, exactly: Code2Wav decodes 4, then 25 at a time, so 10 audio chunks,
-# more than its window (8): the Credits for the caller's chunks must come back through Ray.
-FRAMES = 4 + 9 * 25
-CODE2WAV_WINDOW = 8
-# The talker greedy, as the served speech tests run it (tests/serving/conftest.py's
-# OMNI_GREEDY_TALKER), writing exactly FRAMES frames: every layout gives the same audio.
-OVERRIDES = [
-    "--stage-overrides",
-    json.dumps(
-        {
-            "1": {
-                "default_sampling_params": {
-                    "temperature": 0,
-                    "repetition_penalty": 1.0,
-                    "max_tokens": FRAMES,
-                    "min_tokens": FRAMES,
-                }
-            }
-        }
-    ),
-]
+# The talker as the local reference ran it (speech_reference.TALKER: greedy, exactly FRAMES
+# codec frames, so more audio chunks than Code2Wav's window): every layout gives the same
+# audio, and the Credits for the caller's chunks must come back through Ray.
+OVERRIDES = ["--stage-overrides", json.dumps({"1": TALKER_SETTINGS})]
 TALKER = 1
 CONCURRENT = 16
 # A Ray actor's torch runs the threads its CPUs allow (1 here), the local stages as many as
@@ -115,63 +101,52 @@ def chat(cluster: TwoNodeRay, url: str, model: str) -> dict:
     return answer_of(proc)
 
 
-def metrics(cluster: TwoNodeRay, url: str) -> str:
-    return cluster.call("get", f"{url}/metrics")["text"]
+def metrics(web: NsHttp, url: str) -> str:
+    return web.get(f"{url}/metrics")["text"]
 
 
-def wait_healthy(cluster: TwoNodeRay, server: subprocess.Popen, url: str) -> None:
+def wait_healthy(cluster: TwoNodeRay, web: NsHttp, url: str) -> None:
     t0 = time.monotonic()
-    while cluster.call("get", f"{url}/health")["status"] != 200:
-        assert server.poll() is None, cluster.server_tail()
+    while web.get(f"{url}/health")["status"] != 200:
+        assert cluster.server.poll() is None, cluster.server_tail()
         assert time.monotonic() - t0 < 600, cluster.server_tail()
-        time.sleep(1.0)
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
-def omni(tiny_models, tmp_path_factory):
-    """The local pipeline's answers (speech, text), then the same checkpoint served on Ray:
-    (cluster, url, model, speech reference, text reference)."""
+def omni(tiny_models, tmp_path_factory, qwen3_omni_local_answers):
+    """The same checkpoint as the local pipeline's answers (speech, text) served on Ray:
+    (cluster, url, model, speech reference, text reference, GETs in the head's namespace)."""
+    reference = qwen3_omni_local_answers["speech"]
+    text_reference = qwen3_omni_local_answers["chat"]
+    assert reference["error"] is None, reference
+    assert reference["audio_deltas"] > CODE2WAV_WINDOW, reference["audio_deltas"]
+    assert text_reference["error"] is None and text_reference["text"], text_reference
     model = str(tiny_models("qwen3-omni"))
     cluster = TwoNodeRay(tmp_path_factory.mktemp("ray-omni"), cpus_per_node=3)
     url = f"http://127.0.0.1:{free_port()}"
     port = url.rsplit(":", 1)[1]
+    web = None
     try:
         cluster.start()
-        # The local reference first, in the head's namespace (the cluster only idles meanwhile).
-        local = subprocess.Popen(
-            ["ip", "netns", "exec", cluster.head_ns, VLLM, "serve", model, "--stage-config"]
-            + [LOCAL, "--host", "127.0.0.1", "--port", port, *OVERRIDES],
-            env=cluster.env,
-            stdout=open(cluster.server_log, "ab"),
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-        try:
-            wait_healthy(cluster, local, url)
-            reference = speech(cluster, url, model)
-            text_reference = chat(cluster, url, model)
-        finally:
-            local.send_signal(signal.SIGTERM)
-            local.wait(60)
-        assert reference["error"] is None, reference
-        assert reference["audio_deltas"] > CODE2WAV_WINDOW, reference["audio_deltas"]
-        assert text_reference["error"] is None and text_reference["text"], text_reference
-
+        web = NsHttp(cluster.head_ns)
         t0 = time.monotonic()
         cluster.serve(model, RAY_TINY, int(port), *OVERRIDES)
-        wait_healthy(cluster, cluster.server, url)
+        wait_healthy(cluster, web, url)
         print(f"six replicas on Ray healthy in {time.monotonic() - t0:.1f} s")
-        yield cluster, url, model, reference, text_reference
+        yield cluster, url, model, reference, text_reference, web
     finally:
+        if web is not None:
+            web.close()
         cluster.stop()
 
 
 def test_streamed_speech_on_either_chain_equals_the_local_pipeline(omni):
-    cluster, url, model, reference, text_reference = omni
+    cluster, url, model, reference, text_reference, web = omni
     # One request at a time: idle replicas take turns, so the two answers ran on both chains.
     for _ in range(2):
         assert_same_speech(speech(cluster, url, model), reference)
-    text = metrics(cluster, url)
+    text = metrics(web, url)
     for stage in (0, 1, 2):
         done = replica_rows(text, "omni_replica_requests_completed_total", stage)
         assert sorted(n for n, _ in done.values()) == sorted([cluster.head_ip, cluster.node_ip])
@@ -215,7 +190,7 @@ def test_a_client_gone_mid_stream_frees_every_replica(omni, tmp_path):
     replica of its chain, nothing stays in flight and it completes nowhere. Code2Wav's replicas
     are paused from the first chunk to the hang-up, so the answer cannot have finished by
     then, however fast the rest would come."""
-    cluster, url, model, *_ = omni
+    cluster, url, model, *_, web = omni
     mark = tmp_path / "first-audio"
     code2wav = stage_processes(cluster, 2)
     client = subprocess.Popen(
@@ -234,13 +209,13 @@ def test_a_client_gone_mid_stream_frees_every_replica(omni, tmp_path):
             time.sleep(0.05)
         for pid in code2wav:
             os.kill(pid, signal.SIGSTOP)
-        text = metrics(cluster, url)
+        text = metrics(web, url)
         done = replica_rows(text, "omni_replica_requests_completed_total", 2)
         assert sum(v for _, v in replica_rows(text, "omni_replica_requests_in_flight", 2).values())
         client.kill()  # `ip netns exec` ran python in its place: the client's socket closes
         client.communicate()
         t0 = time.monotonic()
-        while in_flight(text := metrics(cluster, url)) > 0:
+        while in_flight(text := metrics(web, url)) > 0:
             assert time.monotonic() - t0 < 30, cluster.server_tail()
             time.sleep(0.2)
     finally:
@@ -252,8 +227,8 @@ def test_a_client_gone_mid_stream_frees_every_replica(omni, tmp_path):
 
 
 def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
-    cluster, url, model, reference, _ = omni
-    before = metrics(cluster, url)
+    cluster, url, model, reference, _, web = omni
+    before = metrics(web, url)
     victim = next(
         i
         for i, (node, _) in replica_rows(before, "omni_replica_up", TALKER).items()
@@ -272,7 +247,7 @@ def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
         clients = [speech_async(cluster, url, model) for _ in range(CONCURRENT)]
         t0 = time.monotonic()
         while True:
-            text = metrics(cluster, url)
+            text = metrics(web, url)
             talkers = replica_rows(text, "omni_replica_requests_in_flight", TALKER)
             held = talkers[victim][1]
             # Every stream reached a talker replica (some may be done), the victim holds some.
@@ -303,7 +278,7 @@ def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
     # Ray restarts it on the same node; it serves again (idle replicas take turns).
     t0 = time.monotonic()
     while True:
-        text = metrics(cluster, url)
+        text = metrics(web, url)
         up = replica_rows(text, "omni_replica_up", TALKER)
         restarts = replica_rows(text, "omni_replica_restarts_total", TALKER)
         if up[victim][1] == 1.0 and restarts[victim][1] >= 1:
@@ -313,8 +288,8 @@ def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
     assert up[victim][0] == cluster.node_ip
     assert replica_actor_pid(cluster.node_ns, TALKER) != actor
     assert not _alive(stage_proc), "the dead replica's stage process outlived it"
-    mid = replica_rows(metrics(cluster, url), "omni_replica_requests_completed_total", TALKER)
+    mid = replica_rows(metrics(web, url), "omni_replica_requests_completed_total", TALKER)
     for _ in range(2):
         assert_same_speech(speech(cluster, url, model), reference)
-    after = replica_rows(metrics(cluster, url), "omni_replica_requests_completed_total", TALKER)
+    after = replica_rows(metrics(web, url), "omni_replica_requests_completed_total", TALKER)
     assert after[victim][1] == mid[victim][1] + 1, (mid, after)
