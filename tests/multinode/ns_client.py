@@ -1,6 +1,8 @@
 """HTTP client run inside a network namespace by the tests (`ip netns exec NS python ...`).
 
     ns_client.py status URL                    -> {"status": 200}
+    ns_client.py wait URL TIMEOUT              -> {"status": 200}: polls URL until it answers 200
+                                                  (or TIMEOUT s pass: the last status)
     ns_client.py generate BASE_URL MODEL SEED  -> {"png": [w, h], "sha": ...}  (openai client)
     ns_client.py metrics BASE_URL              -> {"text": "..."}
     ns_client.py speech BASE_URL MODEL MAX_TOKENS [MARK]
@@ -35,6 +37,8 @@ def main(argv: list[str]) -> dict:
             return {"status": httpx.get(argv[1], timeout=5).status_code}
         except httpx.HTTPError as exc:
             return {"status": None, "error": repr(exc)}
+    if cmd == "wait":
+        return wait_ok(argv[1], float(argv[2]))
     if cmd == "metrics":
         return {"text": httpx.get(f"{argv[1]}/metrics", timeout=10).text}
     if cmd == "generate":
@@ -63,6 +67,22 @@ def main(argv: list[str]) -> dict:
     if cmd == "chat":
         return chat(argv[1], argv[2], int(argv[3]))
     raise SystemExit(f"unknown command {cmd!r}")
+
+
+def wait_ok(url: str, timeout: float) -> dict:
+    """One process polls for the whole wait: no interpreter start per poll."""
+    deadline = time.monotonic() + timeout
+    last: dict = {"status": None}
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            try:
+                last = {"status": client.get(url).status_code}
+            except httpx.HTTPError as exc:
+                last = {"status": None, "error": repr(exc)}
+            if last["status"] == 200:
+                break
+            time.sleep(0.5)
+    return last
 
 
 def image_question() -> list[dict]:
