@@ -151,7 +151,7 @@ def _stop_and_check(server: Server, tree: ProcessTree, sig: int) -> float:
 
 
 def test_sigterm_ends_an_open_speech_stream_and_every_process(tiny_models, tmp_path):
-    """Close to 60 s on 2 cores: the signal ends the server, so the test starts its own
+    """Over 60 s: the signal ends the server, so the test starts its own
     Qwen3-Omni server (the thinker's vLLM engine, the talker, Code2Wav) and no other test can
     share it."""
     server = start_shared(
@@ -218,7 +218,7 @@ def test_sigterm_ends_an_open_speech_stream_and_every_process(tiny_models, tmp_p
 
 
 def test_sigint_answers_the_request_in_flight_503_and_ends_every_process(tiny_models, tmp_path):
-    """Close to 60 s on 2 cores: the signal ends the server, so the test starts its own
+    """Over 60 s: the signal ends the server, so the test starts its own
     GLM-Image server (the AR stage's vLLM engine, the DiT stage) and no other test can share
     it."""
     server = start_shared(
