@@ -34,17 +34,28 @@ os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 # worker. Seconds measured on the 2-core machine; only their order matters, and a unit not
 # listed runs after these, in file order.
 RAY_UNIT = "tests/ray/"
+# The modules that use the Qwen-Image-Edit and Wan session servers (tests/serving/conftest.py)
+# are one unit too: each worker starts its own copy of a session server when one of its modules
+# first asks for it, so on one worker these two start once.
+EDIT_WAN_UNIT = "tests/serving/ (Qwen-Image-Edit and Wan session servers)"
+UNIT_OF = {
+    module: EDIT_WAN_UNIT
+    for module in (
+        "tests/serving/test_request_fields_serve.py",
+        "tests/serving/test_lora_serve.py",
+        "tests/serving/test_edits_serve.py",
+    )
+}
 LONGEST_UNITS = {
     RAY_UNIT: 600,
     "tests/serving/test_shutdown_serve.py": 285,
     "tests/multinode/test_qwen3_omni_nodes.py": 230,
-    "tests/serving/test_request_fields_serve.py": 165,
+    EDIT_WAN_UNIT: 255,
     "tests/multinode/test_headless_loopback.py": 150,
     "tests/serving/test_glm_serve.py": 140,
     "tests/vllm_window/test_seams.py": 100,
     "tests/serving/test_chat_stage_serve.py": 80,
     "tests/test_full_qwen_flux.py": 75,
-    "tests/serving/test_lora_serve.py": 70,
     "tests/multinode/test_headless_netns.py": 67,
     "tests/diffusion/test_parallel_serve.py": 65,
     "tests/serving/test_qwen3_omni_serve.py": 64,
@@ -57,7 +68,7 @@ LONGEST_UNITS = {
 
 def work_unit(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    return RAY_UNIT if module.startswith(RAY_UNIT) else module
+    return RAY_UNIT if module.startswith(RAY_UNIT) else UNIT_OF.get(module, module)
 
 
 def pytest_collection_modifyitems(config, items):
