@@ -189,8 +189,9 @@ def test_reduced_depth_full_build_runs_in_diffusers(ram_dir, capsys):
     """One layer per stack at full width, built by the CLI: every weight the libraries expect is
     in the files (no missing or unexpected keys), and GlmImagePipeline generates an image.
 
-    35 s on an idle 2-core machine, over 60 s beside the engine tests: full width is the point
-    (the published layer shapes), so each stack's one layer is as large as the real model's."""
+    About 36 s alone on the 2-core machine (15 s of it the AR's ~260 decode steps, which read
+    the full-width layer and head each time): full width is the point (the published layer
+    shapes), so each stack's one layer is as large as the real model's."""
     from diffusers import GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import GlmImageForConditionalGeneration
 

@@ -99,8 +99,9 @@ def _no_missing_keys(cls, path, **kw):
 
 
 def test_reduced_depth_qwen_image_full_build_runs_in_diffusers(ram_dir, capsys):
-    """Near 30 s on an idle 2-core machine, over 60 s beside the engine tests: one layer per
-    stack at the published full width, written by the CLI and run by diffusers."""
+    """About 20 s alone on the 2-core machine, most of it the random init of the text
+    encoder's full-width embeddings: one layer per stack at the published full width, written by
+    the CLI and run by diffusers."""
     from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
