@@ -7,6 +7,7 @@ meta device) and the weights are built with one layer per stack at full width.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -161,6 +162,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _cli_here(capsys, *args: str) -> tuple[int, str, str]:
+    """`vllm-omni-plugin make-tiny-model ARGS` through the console script's `main`, in this
+    process: the test imports torch, diffusers and transformers anyway, and a fresh process
+    would import them again (~6 CPU-seconds). The installed script itself runs just above."""
+    from vllm_omni_plugin.cli import main
+
+    capsys.readouterr()
+    with torch.random.fork_rng():  # the builder seeds the global generator
+        code = main(["make-tiny-model", *args])
+    gc.collect()  # the build's modules, before the test loads the files back
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_cli_rejects_full_for_other_kinds(tmp_path):
     done = _cli("qwen-image-edit", str(tmp_path / "q"), "--size", "full")
     assert done.returncode == 2
@@ -170,20 +185,23 @@ def test_cli_rejects_full_for_other_kinds(tmp_path):
     assert "--size full only" in done.stderr
 
 
-def test_reduced_depth_full_build_runs_in_diffusers(ram_dir):
+def test_reduced_depth_full_build_runs_in_diffusers(ram_dir, capsys):
     """One layer per stack at full width, built by the CLI: every weight the libraries expect is
     in the files (no missing or unexpected keys), and GlmImagePipeline generates an image.
 
-    35 s on an idle 2-core machine, over 60 s beside the engine tests: full width is the point
-    (the published layer shapes), so each stack's one layer is as large as the real model's."""
+    About 36 s alone on the 2-core machine (15 s of it the AR's ~260 decode steps, which read
+    the full-width layer and head each time): full width is the point (the published layer
+    shapes), so each stack's one layer is as large as the real model's."""
     from diffusers import GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import GlmImageForConditionalGeneration
 
     out = ram_dir / "glm-full-1"
-    done = _cli("glm-image", str(out), "--size", "full", "--num-layers", "1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "vision_language_encoder: 1.0" in done.stdout  # params reported per component
-    assert "B params in bf16 written to" in done.stdout
+    code, stdout, stderr = _cli_here(
+        capsys, "glm-image", str(out), "--size", "full", "--num-layers", "1"
+    )
+    assert code == 0, stderr[-3000:]
+    assert "vision_language_encoder: 1.0" in stdout  # params reported per component
+    assert "B params in bf16 written to" in stdout
 
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == "GlmImagePipeline"

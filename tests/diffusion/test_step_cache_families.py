@@ -2,7 +2,12 @@
 image and edits, Wan2.2 with its two experts): off is bit-identical to an engine without a step
 cache; a mixed batch (first_block / teacache / taylorseer / none, different thresholds and step
 counts, CFG rows) gives each request what it gives alone (mean abs pixel difference <= 1.0 on the
-0-255 scale, the engine's batching tolerance) and really skips."""
+0-255 scale, the engine's batching tolerance) and really skips.
+
+For CPU time Qwen-Image-Edit conditions on a 64x64-pixel area (the adapter's `condition_pixels`,
+as in test_qwen_image_edit.py) instead of diffusers' 1 MP: the source image's tokens still join
+every row of the transformer and the text encoder; at 1 MP they were 4096 per row and the
+module took 44 s of its 50 alone."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import torch
 from PIL import Image
 
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+from vllm_omni_plugin.diffusion.adapters.loader import load_pipeline, torch_dtype
+from vllm_omni_plugin.diffusion.adapters.qwen_image_edit import QwenImageEditAdapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: per-op overhead
 
@@ -19,6 +26,10 @@ ALL = {"policies": ["first_block", "teacache", "taylorseer"]}
 FB = {"policy": "first_block", "threshold": 0.3}
 TEA = {"policy": "teacache", "threshold": 0.5}
 TAY = {"policy": "taylorseer", "interval": 2, "warmup": 1}
+
+
+class SmallConditionAdapter(QwenImageEditAdapter):
+    condition_pixels = 64 * 64
 
 
 def image(w: int, h: int, seed: int) -> Image.Image:
@@ -69,12 +80,21 @@ KINDS = {
 }
 
 
+def family_engine(kind: str, folder: str, **config) -> DiffusionEngine:
+    cfg = DiffusionEngineConfig(model=folder, max_batch_size=6, **config)
+    if kind != "qwen-image-edit":
+        return DiffusionEngine(cfg)
+    device, dtype = torch.device(cfg.device), torch_dtype(cfg.dtype)
+    pipe = load_pipeline(folder, dtype, device, skip=SmallConditionAdapter.skip_components)
+    return DiffusionEngine(cfg, SmallConditionAdapter(pipe, device, dtype, {}))
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
 def family(request, tiny_models):
     kind = request.param
     folder = str(tiny_models(KINDS[kind]))
-    plain = DiffusionEngine(DiffusionEngineConfig(model=folder, max_batch_size=6))
-    cached = DiffusionEngine(DiffusionEngineConfig(model=folder, max_batch_size=6, step_cache=ALL))
+    plain = family_engine(kind, folder)
+    cached = family_engine(kind, folder, step_cache=ALL)
     return kind, plain, cached
 
 

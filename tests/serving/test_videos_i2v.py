@@ -12,6 +12,7 @@ absolute difference of MAX_ROUNDTRIP_DIFF (below).
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import struct
 import time
@@ -68,12 +69,21 @@ def frames_of(mp4: bytes) -> np.ndarray:
         )
 
 
+@functools.cache
+def i2v_pipeline(model: str):
+    """Loaded once per checkpoint: each comparison runs it for two seeds."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipe = WanImageToVideoPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def reference(model, png: bytes, size: int, seed: int) -> np.ndarray:
     """diffusers' raw frames of the same request (uint8 RGB, before any encoding)."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from diffusers import WanPipeline
 
-    pipe = WanImageToVideoPipeline.from_pretrained(str(model))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = i2v_pipeline(str(model))
 
     def embeds(text):
         return WanPipeline._get_t5_prompt_embeds(
