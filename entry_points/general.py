@@ -2,7 +2,7 @@
 
 Keep it idempotent and cheap: it runs in every process vLLM starts, so register by dotted name
 only and import nothing heavy. Each step below is a small guarded function (model registry, CLI
-flags, the NIXL KV connector, stage-process patches), safe to run twice.
+flags, the AR scheduler pairing check, the NIXL KV connector, stage-process patches), safe to run twice.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ def register() -> None:
     _registered = True
     _register_models()
     _install_cli_flags()
+    _install_scheduler_check()
     _register_kv_connector()
     _install_pipeline_process_patches()
 
@@ -40,6 +41,14 @@ def _install_cli_flags() -> None:
     from vllm_omni_plugin.entry_points.patches import install_cli_flags
 
     install_cli_flags()
+
+
+def _install_scheduler_check() -> None:
+    # Refuses a synchronous AR scheduler under async scheduling once the engine's config is
+    # built, before any model loads (patch 8, entry_points/patches.py).
+    from vllm_omni_plugin.entry_points.patches import install_scheduler_check
+
+    install_scheduler_check()
 
 
 def _register_kv_connector() -> None:

@@ -2,9 +2,11 @@
 
 Every patch here says why it exists and which vLLM versions it was read against. Two tiers:
 
-* `install_cli_flags()` runs from the general plugin in every process. It only *adds* our CLI
-  flags (it wraps `EngineArgs.add_cli_args`), so a plain `vllm serve MODEL` parses and behaves
-  exactly as stock vLLM: our flags default to None and nothing reads them.
+* `install_cli_flags()` and `install_scheduler_check()` run from the general plugin in every
+  process. The first only *adds* our CLI flags (it wraps `EngineArgs.add_cli_args`), so a plain
+  `vllm serve MODEL` parses and behaves exactly as stock vLLM: our flags default to None and
+  nothing reads them. The second (it wraps `EngineArgs.create_engine_config`) looks only at
+  configs whose `scheduler_cls` is one of our AR schedulers.
 * `install_serve_patches()` runs only when argparse sees `--stage-config` (the flag's own
   action calls it). It swaps a few functions of vLLM's API server and `vllm serve` command,
   each of which delegates to the original unless the server runs a stage pipeline. Without
@@ -524,3 +526,44 @@ def _register_video_stand_in() -> None:
     _require(auto, "AutoVideoProcessor").register(_NoTorchvisionConfig, Qwen2VLVideoProcessor)
     holder = _require(processing, "transformers_module")
     holder.VideoProcessorMixin = _require(videos, "VideoProcessorMixin")
+
+
+# --------------------------------------------------------------------------------------------
+# Patch 8 (every process): our AR schedulers' sync/async pairing, checked on the finished config.
+# Why: a synchronous AR scheduler under async scheduling fails on the first request, and the
+# scheduler itself is built only after the engine core has loaded the model and profiled its
+# memory. `LLM`, `AsyncLLM.from_engine_args` and `vllm serve` all build the config with
+# `engine_args.create_engine_config(...)`, looked up on the class when called, after
+# `EngineArgs.__post_init__` has run `load_general_plugins()`; the wrap refuses the pairing there
+# (core/sched/mixin.py: check_scheduler_pairing), in the process that asked for the engine.
+# Configs naming no scheduler, or another one, pass through untouched.
+# Checked: vLLM 0.26.0 to 0.33.0 (engine/arg_utils.py: EngineArgs.create_engine_config(self,
+# usage_context, headless), not overridden by AsyncEngineArgs; EngineArgs.__post_init__ calls
+# load_general_plugins(); v1/engine/llm_engine.py and async_llm.py from_engine_args call it).
+# --------------------------------------------------------------------------------------------
+
+_scheduler_check_installed = False
+
+
+def install_scheduler_check() -> None:
+    """Wrap `EngineArgs.create_engine_config` with the AR scheduler pairing check. Idempotent."""
+    global _scheduler_check_installed
+    if _scheduler_check_installed:
+        return
+    import functools
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = _require(EngineArgs, "create_engine_config")
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        if vllm_config.scheduler_config.scheduler_cls is not None:
+            from vllm_omni_plugin.core.sched.mixin import check_scheduler_pairing
+
+            check_scheduler_pairing(vllm_config)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    _scheduler_check_installed = True

@@ -21,7 +21,8 @@ the source declares (its dist-info or vllm/_version.py):
   functions and their signatures, that their callers look the patched names up as module
   globals, the endpoint-plugin attach/state hooks and interface, `load_endpoint_plugins`;
 * the CLI seams: `AsyncEngineArgs.add_cli_args` -> `load_general_plugins()` and
-  `EngineArgs.add_cli_args`; `vllm serve`'s `cmd` -> `run_headless`, `validate` ->
+  `EngineArgs.add_cli_args`; `EngineArgs.create_engine_config` (after `__post_init__` ->
+  `load_general_plugins()`) as `LLMEngine` / `AsyncLLM.from_engine_args` call it; `vllm serve`'s `cmd` -> `run_headless`, `validate` ->
   `validate_parsed_serve_args`; the dests of the multi-API-server / data-parallel flags we refuse;
 * plugin groups, `ModelRegistry.register_model` / `get_supported_archs`,
   `KVConnectorFactory.register_connector` / `_registry`, `SchedulerConfig` fields;

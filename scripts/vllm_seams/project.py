@@ -24,6 +24,39 @@ class ProjectFile:
     dotted: str
     tree: ast.Module
     vllm_names: dict[str, tuple[str, str]] = field(default_factory=dict)  # local -> (mod, name)
+    _vllm_imports: list[ast.Import | ast.ImportFrom] | None = field(default=None, repr=False)
+    _calls: list[ast.Call] | None = field(default=None, repr=False)
+
+    # The file's vLLM imports (less the optional ones) and its calls of plain names, found once:
+    # a tree is walked for them on every `run`, and the tests run the checks many times.
+    def vllm_imports(self) -> list[ast.Import | ast.ImportFrom]:
+        if self._vllm_imports is None:
+            optional = _guarded_by_import_error(self.tree)
+            self._vllm_imports = [
+                node
+                for node in ast.walk(self.tree)
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and not node.level
+                    and node.module
+                    and (node.module == "vllm" or node.module.startswith("vllm."))
+                    and node.lineno not in optional
+                )
+                or (
+                    isinstance(node, ast.Import)
+                    and any(a.name == "vllm" or a.name.startswith("vllm.") for a in node.names)
+                )
+            ]
+        return self._vllm_imports
+
+    def name_calls(self) -> list[ast.Call]:
+        if self._calls is None:
+            self._calls = [
+                node
+                for node in ast.walk(self.tree)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            ]
+        return self._calls
 
 
 def project_files() -> list[ProjectFile]:
@@ -55,14 +88,9 @@ def _guarded_by_import_error(tree: ast.Module) -> set[int]:
 def check_project_imports(r: Report, files: list[ProjectFile]) -> None:
     src = r.src
     for pf in files:
-        optional = _guarded_by_import_error(pf.tree)
-        for node in ast.walk(pf.tree):
-            where = f"{pf.path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                if node.module != "vllm" and not node.module.startswith("vllm."):
-                    continue
-                if node.lineno in optional:
-                    continue
+        for node in pf.vllm_imports():
+            where = f"{pf.path.relative_to(ROOT)}:{node.lineno}"
+            if isinstance(node, ast.ImportFrom):
                 if not r.check(
                     src.module(node.module) is not None, f"{where}: no module {node.module}"
                 ):
@@ -71,7 +99,7 @@ def check_project_imports(r: Report, files: list[ProjectFile]) -> None:
                     found = resolve(src, node.module, alias.name)
                     if r.check(found is not None, f"{where}: {node.module} has no {alias.name}"):
                         pf.vllm_names[alias.asname or alias.name] = (node.module, alias.name)
-            elif isinstance(node, ast.Import):
+            else:
                 for alias in node.names:
                     if alias.name == "vllm" or alias.name.startswith("vllm."):
                         r.check(
@@ -94,9 +122,7 @@ def _callee_params(src: Source, module: str, name: str) -> tuple[str, Params] | 
 
 def check_project_calls(r: Report, files: list[ProjectFile]) -> None:
     for pf in files:
-        for node in ast.walk(pf.tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-                continue
+        for node in pf.name_calls():
             ref = pf.vllm_names.get(node.func.id)
             if ref is None:
                 continue

@@ -1,8 +1,8 @@
 """The seams `vllm serve` reaches us through: the API-server functions entry_points/patches.py
 patches for the minor's `SERVE_SEAMS` row (their signatures, and that their callers look them
 up as module globals), the endpoint-plugin hooks and interface, `vllm/envs.py`'s keys, and the
-CLI (`add_cli_args` -> `load_general_plugins()`, `run_headless`, `validate_parsed_serve_args`,
-the dests of the serve flags we refuse).
+CLI (`add_cli_args` -> `load_general_plugins()`, `create_engine_config`, `run_headless`,
+`validate_parsed_serve_args`, the dests of the serve flags we refuse).
 """
 
 from __future__ import annotations
@@ -171,6 +171,35 @@ def check_cli_seams(r: Report) -> None:
         r.check(
             add is not None and calls_attr(add, "add_cli_args", on="EngineArgs"),
             "cli: AsyncEngineArgs.add_cli_args no longer calls EngineArgs.add_cli_args on the class",
+        )
+    # Patch 8: every engine's config comes from `engine_args.create_engine_config(...)`,
+    # looked up on EngineArgs, after EngineArgs.__post_init__ has loaded the general plugins.
+    if isinstance(engine, ast.ClassDef):
+        create = class_method(engine, "create_engine_config")
+        r.check(
+            create is not None and params(create).positional[:2] == ["self", "usage_context"],
+            "cli: EngineArgs has no create_engine_config(self, usage_context, ...)",
+        )
+        post = class_method(engine, "__post_init__")
+        r.check(
+            post is not None
+            and "load_general_plugins" in {n.id for n in ast.walk(post) if isinstance(n, ast.Name)},
+            "cli: EngineArgs.__post_init__ no longer calls load_general_plugins()",
+        )
+    if isinstance(async_args, ast.ClassDef):
+        r.check(
+            class_method(async_args, "create_engine_config") is None,
+            "cli: AsyncEngineArgs overrides create_engine_config",
+        )
+    for engine_mod, engine_cls in (
+        ("vllm.v1.engine.llm_engine", "LLMEngine"),
+        ("vllm.v1.engine.async_llm", "AsyncLLM"),
+    ):
+        cls = _fn(r, engine_mod, engine_cls, "cli")
+        make = class_method(cls, "from_engine_args") if isinstance(cls, ast.ClassDef) else None
+        r.check(
+            make is not None and calls_attr(make, "create_engine_config", on="engine_args"),
+            f"cli: {engine_cls}.from_engine_args no longer calls engine_args.create_engine_config",
         )
     serve_mod = "vllm.entrypoints.cli.serve"
     top = top_names(src.module(serve_mod) or ast.Module(body=[], type_ignores=[]))

@@ -72,8 +72,27 @@ class Source:
     def module(self, dotted: str) -> ast.Module | None:
         if dotted not in self._ast:
             rel = self.module_file(dotted)
-            self._ast[dotted] = ast.parse(self.read(rel) or "", rel) if rel else None
+            self._ast[dotted] = self._parse(rel) if rel else None
         return self._ast[dotted]
+
+    def _parse(self, rel: str) -> ast.Module:
+        text = self.read(rel) or ""
+        if rel in self.overrides:
+            return ast.parse(text, rel)
+        if _PARSED_FROM != [self.path]:
+            _PARSED.clear()
+            _PARSED_FROM[:] = [self.path]
+        cached = _PARSED.get(rel)
+        if cached is None or cached[0] != text:
+            cached = _PARSED[rel] = (text, ast.parse(text, rel))
+        return cached[1]
+
+
+# The last source's trees, by path in the package, with the text each was parsed from: the
+# checks only read them, and the tests check the installed sources many times over, one file
+# edited each time. One source's only, as holding every minor's costs memory and exit time.
+_PARSED: dict[str, tuple[str, ast.Module]] = {}
+_PARSED_FROM: list[Path] = []
 
 
 Def = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef

@@ -180,6 +180,20 @@ def test_add_cli_args_no_longer_on_the_class_fails(files):
     assert any("EngineArgs.add_cli_args on the class" in p for p in problems)
 
 
+def test_engine_config_built_another_way_fails(files):
+    rel = "vllm/v1/engine/llm_engine.py"
+    problems = _moved(
+        files,
+        rel,
+        "vllm_config = engine_args.create_engine_config(usage_context)",
+        "vllm_config = _build_config(engine_args, usage_context)",
+    )
+    assert any(
+        "LLMEngine.from_engine_args no longer calls engine_args.create_engine_config" in p
+        for p in problems
+    ), problems
+
+
 def test_new_or_dropped_engine_field_fails(files):
     rel = "vllm/engine/arg_utils.py"
     problems = _moved(files, rel, "    enable_log_requests: bool", "    log_requests_enabled: bool")
