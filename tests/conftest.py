@@ -49,19 +49,19 @@ UNIT_OF = {
 LONGEST_UNITS = {
     RAY_UNIT: 600,
     "tests/serving/test_shutdown_serve.py": 285,
-    "tests/multinode/test_qwen3_omni_nodes.py": 230,
+    "tests/multinode/test_qwen3_omni_nodes.py": 150,
     EDIT_WAN_UNIT: 255,
     "tests/multinode/test_headless_loopback.py": 150,
     "tests/serving/test_glm_serve.py": 140,
-    "tests/vllm_window/test_seams.py": 100,
+    "tests/vllm_window/test_seams.py": 30,
     "tests/serving/test_chat_stage_serve.py": 80,
-    "tests/test_full_qwen_flux.py": 75,
+    "tests/test_full_qwen_flux.py": 55,
     "tests/multinode/test_headless_netns.py": 67,
     "tests/diffusion/test_parallel_serve.py": 65,
     "tests/serving/test_qwen3_omni_serve.py": 64,
     "tests/qwen3_omni/test_talker_async.py": 60,
     "tests/serving/test_watchdog.py": 60,
-    "tests/test_full_glm_image.py": 56,
+    "tests/test_full_glm_image.py": 40,
     "tests/serving/test_videos_i2v.py": 51,
 }
 
