@@ -275,6 +275,13 @@ def run_diffusers(args) -> dict:
     }
 
 
+def round_order(systems: list[str], r: int) -> list[str]:
+    """Round r's order: the systems rotated left by r, so each runs first, second, ... in turn
+    and none always profits from (or pays for) the machine state its predecessor left."""
+    k = r % len(systems)
+    return systems[k:] + systems[:k]
+
+
 def phase_run(args) -> None:
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
@@ -287,7 +294,7 @@ def phase_run(args) -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     for r in range(args.round_offset, args.round_offset + args.rounds):
-        order = systems[r % len(systems) :] + systems[: r % len(systems)]
+        order = round_order(systems, r)
         for position, system in enumerate(order):
             args.round = r
             t0 = time.perf_counter()

@@ -34,23 +34,30 @@ os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 # worker. Seconds measured on the 2-core machine; only their order matters, and a unit not
 # listed runs after these, in file order.
 RAY_UNIT = "tests/ray/"
-# The modules that use the Qwen-Image-Edit and Wan session servers (tests/serving/conftest.py)
-# are one unit too: each worker starts its own copy of a session server when one of its modules
-# first asks for it, so on one worker these two start once.
-EDIT_WAN_UNIT = "tests/serving/ (Qwen-Image-Edit and Wan session servers)"
+# The modules that use the session servers of tests/serving/conftest.py (GLM-Image, the small
+# Qwen-Image, Qwen-Image-Edit, Wan) are one unit too: each worker starts its own copy of a
+# session server when one of its modules first asks for it, so on one worker each starts once.
+SESSION_SERVERS_UNIT = "tests/serving/ (session servers)"
 UNIT_OF = {
-    module: EDIT_WAN_UNIT
+    f"tests/serving/{module}.py": SESSION_SERVERS_UNIT
     for module in (
-        "tests/serving/test_request_fields_serve.py",
-        "tests/serving/test_lora_serve.py",
-        "tests/serving/test_edits_serve.py",
+        "test_request_fields_serve",
+        "test_lora_serve",
+        "test_edits_serve",
+        "test_glm_nixl_serve",
+        "test_glm_edits_serve",
+        "test_bench_ar_served_tiny",
+        "test_soak",
+        "test_stream_disconnect",
+        "test_fuzz",
+        "test_step_cache_serve",
     )
 }
 LONGEST_UNITS = {
     RAY_UNIT: 600,
     "tests/serving/test_shutdown_serve.py": 285,
     "tests/multinode/test_qwen3_omni_nodes.py": 150,
-    EDIT_WAN_UNIT: 255,
+    SESSION_SERVERS_UNIT: 410,
     "tests/multinode/test_headless_loopback.py": 150,
     "tests/serving/test_glm_serve.py": 140,
     "tests/vllm_window/test_seams.py": 30,

@@ -249,3 +249,18 @@ def test_report_medians_spreads_and_write(tmp_path):
     fair_report.write_into(doc, text)
     assert "old" not in doc.read_text() and doc.read_text().endswith(f"{fair_report.END}\ntail\n")
     assert "vllm-omni-plugin" in doc.read_text()
+
+
+def test_rounds_rotate_so_each_system_runs_in_each_position():
+    import bench_fair
+
+    systems = ["ours", "omni", "omni-tuned", "diffusers"]
+    orders = [bench_fair.round_order(systems, r) for r in range(4)]
+    assert orders[0] == systems
+    assert orders[1] == ["omni", "omni-tuned", "diffusers", "ours"]
+    for order in orders:
+        assert sorted(order) == sorted(systems)
+    for position in range(len(systems)):
+        assert sorted(order[position] for order in orders) == sorted(systems)
+    assert bench_fair.round_order(systems, 5) == orders[1]
+    assert bench_fair.round_order(["ours", "diffusers"], 1) == ["diffusers", "ours"]

@@ -12,12 +12,15 @@ doing (a long step, a stuck shutdown); a stage still starting (loading its model
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import NoReturn
 
 import msgspec
 
@@ -115,5 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_finalization(code: int) -> NoReturn:
+    """End the process once its stage has stopped: what was registered with atexit runs
+    (logging's flush, multiprocessing's and torch's finalizers), the interpreter's own
+    teardown does not. That teardown is a full garbage collection over torch's, vLLM's and the
+    model's objects: seconds of CPU per stage process (measured: 1 to 2.5 s for each tiny
+    GLM-Image stage on a 2-core host), spent after everything was released, only to end."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main())
