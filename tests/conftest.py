@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,8 +27,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # rather than a process of its own: one interpreter, torch and vLLM import fewer per engine.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Secrets the project keeps per user and host (the node link's key, a local Ray cluster's token:
-# orchestrator/private_files.py) go to a runtime folder of this test session, never the user's.
+# orchestrator/private_files.py) and the AR stage's tokenizer folders (stages/tokenizer_folder.py)
+# go to a runtime folder of this test session, never the user's; removed when the session ends.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
+atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
 
 # Under pytest-xdist (`make test`: -n 2) each module is a unit of work (its module-scoped
 # servers start once), except that the Ray modules are one unit: one Ray cluster at a time.

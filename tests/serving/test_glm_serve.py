@@ -126,6 +126,9 @@ def wait_healthy(server, timeout: float = 180) -> None:
 def test_glm_image_end_to_end(glm):
     titles = [" ".join(p.cmdline()) for p in glm.descendants()]
     assert any("omni-stage-0" in t for t in titles) and any("omni-stage-1" in t for t in titles)
+    # vLLM parsed the AR stage's tokenizer folder's config at once, in each of its processes: no
+    # failed parse retried after 2 s (stages/tokenizer_folder.py).
+    assert "Error parsing config" not in glm.log.read_text(errors="replace")
     client = OpenAI(base_url=f"{glm.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     res = client.images.generate(
         model=glm.model,

@@ -1,4 +1,5 @@
-"""A folder only this user can enter (mode 0700), for secrets and stored results."""
+"""A folder only this user can enter (mode 0700), for secrets, stored results and the files a
+stage prepares for its engine."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def make_private_dir(path: Path) -> None:
         os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
+
+
+def user_runtime_dir() -> Path:
+    """`vllm-omni` under this user's runtime folder ($XDG_RUNTIME_DIR) or, without one, the cache
+    folder ($XDG_CACHE_HOME or ~/.cache), made private (`make_private_dir`; NotPrivateError)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME")
+    path = (Path(base) if base else Path.home() / ".cache") / "vllm-omni"
+    make_private_dir(path)
+    return path

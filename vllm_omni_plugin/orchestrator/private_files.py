@@ -14,7 +14,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from ..common.private_dir import NotPrivateError, make_private_dir
+from ..common.private_dir import NotPrivateError, user_runtime_dir
 
 
 class PrivateFileError(RuntimeError):
@@ -22,14 +22,10 @@ class PrivateFileError(RuntimeError):
 
 
 def private_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME")
-    root = Path(base) if base else Path.home() / ".cache"
-    path = root / "vllm-omni"
     try:
-        make_private_dir(path)
+        return user_runtime_dir()
     except NotPrivateError as exc:
         raise PrivateFileError(str(exc)) from None
-    return path
 
 
 def read_secret(path: Path) -> str:

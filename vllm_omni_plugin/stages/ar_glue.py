@@ -8,6 +8,7 @@ from typing import Any
 
 from ..common.errors import RequestValidationError
 from ..common.messages import GenerationParams
+from .tokenizer_folder import with_model_config
 
 
 class GlmImageGlue:
@@ -24,6 +25,11 @@ class GlmImageGlue:
         # The processor (chat template + grid tokens) lives in the pipeline's processor/.
         self.processor_dir = str(stage.tokenizer_path or Path(self.model_dir).parent / "processor")
         self.defaults = stage.sampling.sampling_kwargs()
+
+    def engine_tokenizer(self, tokenizer: str | None) -> str | None:
+        """What vLLM gets as `tokenizer`: the processor folder seen with the AR model's
+        config.json (tokenizer_folder.py: no 2 s config retry per process at start)."""
+        return with_model_config(tokenizer, self.model_dir)
 
     def prepare(self, params: GenerationParams):
         from vllm import SamplingParams
@@ -89,6 +95,9 @@ class ChatOnlyGlue:
 
     def __init__(self, stage: Any):
         self.defaults = stage.sampling.sampling_kwargs()
+
+    def engine_tokenizer(self, tokenizer: str | None) -> str | None:
+        return tokenizer
 
     def prepare(self, params: GenerationParams):
         raise RequestValidationError(

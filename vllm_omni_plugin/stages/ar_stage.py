@@ -144,6 +144,8 @@ class ARStageRunner(AsyncStageLoop):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.init.stage.engine_kwargs()
+        if kwargs.get("tokenizer"):
+            kwargs["tokenizer"] = self.glue.engine_tokenizer(kwargs["tokenizer"])
         self.thinker_states = thinker_states.attach(kwargs)  # None unless opted in
         own = list(self.init.spec.logits_processors)
         if own:
