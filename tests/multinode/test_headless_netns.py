@@ -3,6 +3,9 @@
 Each namespace sees only its end of the veth (and its own loopback). The node registers with
 the head across the veth; the AR -> DiT payload crosses it over NIXL with UCX over TCP. The
 test client reaches the head's API server inside the head's namespace (`ip netns exec`).
+
+Over 60 s: a head and a headless node start on a 2-core box, each in its namespace, with a
+stage apiece (the head's AR stage loads a vLLM engine), and NIXL connects across the veth.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ the prior token ids unchanged, and the image must be the same. That it is NIXL t
 is read from the stages: both stage processes have NIXL loaded, and the connector counters they
 relay to /metrics count one NIXL transfer per request, none failed. Concurrent requests over
 NIXL all succeed too.
+
+Over 60 s (the first test's setup): two GLM-Image servers start for it on a 2-core box, the NIXL
+one and, unless another module of the worker already started it, the session server.
 """
 
 from __future__ import annotations
