@@ -37,13 +37,14 @@ SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
 
 
 def overrides(dtype: str, gpu: bool) -> dict:
-    """The tiny checkpoint on the 1-GPU file: its own context, a small share, the frame cap."""
+    """The tiny checkpoint on the 1-GPU file: its own contexts, a small share, the frame cap."""
     thinker: dict = {"dtype": dtype, "max_model_len": 2048, "max_num_seqs": 4}
     if gpu:
         thinker["gpu_memory_utilization"] = 0.2
     return {
         "0": thinker,
-        "1": {"dtype": dtype, "default_sampling_params": {"max_tokens": FRAMES}},
+        # The tiny talker's positions stop at 4096 (the deploy file's default is 8192).
+        "1": {"dtype": dtype, "max_model_len": 1024, "default_sampling_params": {"max_tokens": FRAMES}},
         "2": {"dtype": dtype},
     }
 

@@ -117,9 +117,21 @@ omni_full_dir() {
   echo ""
 }
 trap 'stop_servers; exit 143' TERM INT
+# A phase starts once the GPU holds no other process's memory (an engine a failed phase left
+# behind can take seconds to let go); after 90 s it names the holders and goes on.
+wait_gpu_free() {
+  local holders
+  for _ in $(seq 90); do
+    holders=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null || true)
+    [ -z "$holders" ] && return 0
+    sleep 1
+  done
+  echo "GPU still held before $1:"; echo "$holders"
+}
 
 while [ $# -gt 0 ]; do
   step=$1; shift
+  case $step in install|collect|collect-omni) ;; *) wait_gpu_free "$step" ;; esac
   case $step in
     install)
       bash scripts/gpu_kit/install_kit.sh

@@ -192,6 +192,12 @@ def test_served_parity_locates_where_the_waveforms_part_and_its_overrides_load()
     )
     assert cfg.stage(1).sampling.max_tokens == parity.FRAMES
     assert cfg.stage(0).flat_dict()["gpu_memory_utilization"] == 0.2
+    # vLLM refuses a talker context past the checkpoint's positions.
+    from vllm_omni_plugin.pipelines.qwen3_omni import talker_lengths
+    from vllm_omni_plugin.testing import tiny_qwen3_omni as tiny
+
+    talker_positions = tiny.build_config().talker_config.text_config.max_position_embeddings
+    assert talker_lengths(cfg.stage(1))[0] <= talker_positions
 
 
 def test_talker_step_report_names_the_baseline_and_what_ran(tmp_path):
