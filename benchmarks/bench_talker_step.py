@@ -254,6 +254,10 @@ def main() -> None:
         model_dir = build_tiny(Path(args.work))
     else:
         model_dir = build(Path(args.work))
+    if DEVICE == "cuda":
+        # The build's tensors are gone but torch's allocator still holds their ~9 GB, which the
+        # engine (sized as a share of the whole GPU) would find missing.
+        torch.cuda.empty_cache()
     report = {
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
         "torch": torch.__version__,
