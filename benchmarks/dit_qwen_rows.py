@@ -22,6 +22,7 @@ the 8 alone predictions (relative error; bf16 on the GPU, so not zero).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import statistics
 import sys
 import time
@@ -253,3 +254,29 @@ def markdown(result: dict) -> str:
             f"{'-' if err is None else f'{err:.1e}'} | {calls['per_row']} / {calls['masked']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- qwen-rows:begin -->", "<!-- qwen-rows:end -->"
+
+
+def report(paths: list[Path]) -> str:
+    """The tables of the given results files (bench_dit_ab.py --qwen-rows JSON), newest last."""
+    return "\n".join(
+        f"From `{p.name}`:\n\n{markdown(json.loads(p.read_text()))}" for p in sorted(paths)
+    )
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from fair_report import write_into
+
+    parser = argparse.ArgumentParser(description="BENCHMARKS.md's per-row batching tables")
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--write", type=Path, default=None, help="markdown file with the markers")
+    args = parser.parse_args()
+    text = report(args.results)
+    if args.write:
+        write_into(args.write, text, BEGIN, END)
+    else:
+        print(text)

@@ -44,7 +44,11 @@ def overrides(dtype: str, gpu: bool) -> dict:
     return {
         "0": thinker,
         # The tiny talker's positions stop at 4096 (the deploy file's default is 8192).
-        "1": {"dtype": dtype, "max_model_len": 1024, "default_sampling_params": {"max_tokens": FRAMES}},
+        "1": {
+            "dtype": dtype,
+            "max_model_len": 1024,
+            "default_sampling_params": {"max_tokens": FRAMES},
+        },
         "2": {"dtype": dtype},
     }
 

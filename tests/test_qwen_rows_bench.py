@@ -89,3 +89,25 @@ def test_batch_inputs_of_each_variant():
     one = dit_qwen_rows.call_kwargs(rows[:1], 64, "per_row")
     assert one["encoder_hidden_states_mask"] is None and one["attention_kwargs"] == {}
     assert one["encoder_hidden_states"].shape[1] == 3
+
+
+def test_report_tables_each_results_file(dry_run, tmp_path):
+    result, md = dry_run
+    path = tmp_path / "qwen_rows_cpu.json"
+    path.write_text(json.dumps(result))
+    text = dit_qwen_rows.report([path])
+    assert text.startswith("From `qwen_rows_cpu.json`:") and md in text
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"head\n{dit_qwen_rows.BEGIN}\nold\n{dit_qwen_rows.END}\ntail\n")
+    from fair_report import write_into
+
+    write_into(doc, text, dit_qwen_rows.BEGIN, dit_qwen_rows.END)
+    assert "old" not in doc.read_text() and md in doc.read_text()
+
+
+def test_benchmarks_md_rows_block_is_the_report_of_the_results_files():
+    doc = (ROOT / "BENCHMARKS.md").read_text()
+    block = doc.split(dit_qwen_rows.BEGIN, 1)[1].split(dit_qwen_rows.END, 1)[0]
+    files = sorted((ROOT / "benchmarks" / "results").glob("qwen_rows_*.json"))
+    assert files, "no per-row batching results file"
+    assert block.strip() == dit_qwen_rows.report(files).strip()
