@@ -265,6 +265,7 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     parts = speech_parts_report.report(
         [
             results / "code2wav_gpu_h200_2026-12-05.json",
+            results / "code2wav_gpu_h100_2026-12-06.json",
             results / "talker_predictor_gpu_h200_2026-12-05.json",
         ]
     )
