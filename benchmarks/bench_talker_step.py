@@ -1,7 +1,7 @@
 """Qwen3-Omni's talker at full size on one GPU, without the server: the talker as vLLM's model,
 stepped by vLLM's engine (talker_step_vllm.py), its decode step time at batch 1, 8 and 32,
 greedy and with the checkpoint's sampling, beside the step's memory-bandwidth floor (the bytes
-of weights it reads over the H200's 4.8 TB/s) and their ratio.
+of weights it reads over the device's memory bandwidth) and their ratio.
 
     python3 benchmarks/bench_talker_step.py --work /dev/shm/talker-full --out OUT [--eager]
     python3 benchmarks/bench_talker_step.py report OUT/talker_step.json [MORE.json] \
@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from talker_step_vllm import hbm_bytes_per_s  # noqa: E402
 
 BEGIN, END = "<!-- talker-step:begin -->", "<!-- talker-step:end -->"
 DEVICE = "cuda"
@@ -131,19 +132,24 @@ def vllm_table(runs: list[tuple[Path, dict]]) -> str:
     """The vLLM talker's rows (sampling, batch) beside their bandwidth floors."""
     lines = [
         "| talker on vLLM's engine, sampling | batch | frames each | step ms (median) | p90 "
-        "| floor ms (weights read / 4.8 TB/s) | step / floor | weights read MB "
+        "| floor ms (weights read / HBM bandwidth) | step / floor | weights read MB "
         "| of which routed experts MB | floor ms with KV reads | audio s per wall s "
         "| result file |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path, run in runs:
+        # Floors from the bytes the file counted, at its device's bandwidth (files before the
+        # bandwidth was looked up by device recorded every floor at the H200's).
+        bytes_per_s = hbm_bytes_per_s(run.get("device", ""))
         for r in run.get("talker_vllm", ()):
             mb = r["weight_bytes"]
+            floor = mb["total"] / bytes_per_s * 1e3
+            floor_kv = (mb["total"] + r["kv_bytes"]) / bytes_per_s * 1e3
             lines.append(
                 f"| {r['sampling']} | {r['batch']} | {r['frames']} | {r['step_ms']} "
-                f"| {r['step_ms_p90']} | {r['floor_ms']} | {r['step_over_floor']} "
+                f"| {r['step_ms_p90']} | {floor:.4g} | {r['step_ms'] / floor:.3g} "
                 f"| {mb['total'] / 1e6:.1f} | {mb['routed_experts'] / 1e6:.1f} "
-                f"| {r['floor_with_kv_ms']} | {r['audio_s_per_wall_s']} | {path.name} |"
+                f"| {floor_kv:.4g} | {r['audio_s_per_wall_s']} | {path.name} |"
             )
     lines.append("")
     for path, run in runs:

@@ -6,8 +6,8 @@ codec end code is masked until then: `min_tokens`), greedy and with the checkpoi
 `LLMEngine.step()` is called here, one call per engine-core step; the time between the returns
 of consecutive steps after the first (the prefill of every request) is a decode step.
 
-The floor of a decode step is the bytes of weights it must read once, over the HBM bandwidth
-(H200: 4.8 TB/s). Counted from the checkpoint's own tensors (`step_weight_bytes`), at the run's
+The floor of a decode step is the bytes of weights it must read once, over the device's HBM
+bandwidth (H200: 4.8 TB/s, H100 SXM: 3.35 TB/s). Counted from the checkpoint's own tensors (`step_weight_bytes`), at the run's
 dtype:
 - once per step: the talker's attention, norms, router, shared expert, codec head, and the text
   projection (each request's text entry);
@@ -33,6 +33,17 @@ from pathlib import Path
 import torch
 
 HBM_BYTES_PER_S = 4.8e12  # H200
+# Datasheet memory bandwidth by the name torch gives the device; others are floored as an H200.
+HBM_BYTES_PER_S_BY_DEVICE = {"H100 80GB HBM3": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_bytes_per_s(device_name: str) -> float:
+    for key, value in HBM_BYTES_PER_S_BY_DEVICE.items():
+        if key in device_name:
+            return value
+    return HBM_BYTES_PER_S
+
+
 FRAME_S = 0.08
 PROMPTS_FILE = "talker_prompts.pt"
 PROMPT_TEXTS = [f"Tell me story number {i}." for i in range(8)]
@@ -141,8 +152,15 @@ def kv_elements(talker_config, batch: int, context: float) -> float:
     return per_position * context * batch
 
 
-def floor_row(weights: StepWeights, talker_config, batch: int, context: float, elt: int) -> dict:
-    """The floor of one decode step at `batch`: bytes by part, seconds at HBM_BYTES_PER_S."""
+def floor_row(
+    weights: StepWeights,
+    talker_config,
+    batch: int,
+    context: float,
+    elt: int,
+    bytes_per_s: float = HBM_BYTES_PER_S,
+) -> dict:
+    """The floor of one decode step at `batch`: bytes by part, seconds at `bytes_per_s`."""
     parts = weights.elements(batch)
     experts = parts.pop("expected_experts_per_layer")
     weight_bytes = {k: round(v * elt) for k, v in parts.items()}
@@ -150,9 +168,9 @@ def floor_row(weights: StepWeights, talker_config, batch: int, context: float, e
     return {
         "weight_bytes": weight_bytes,
         "expected_experts_per_layer": round(experts, 3),
-        "floor_ms": _ms(weight_bytes["total"] / HBM_BYTES_PER_S),
+        "floor_ms": _ms(weight_bytes["total"] / bytes_per_s),
         "kv_bytes": kv,
-        "floor_with_kv_ms": _ms((weight_bytes["total"] + kv) / HBM_BYTES_PER_S),
+        "floor_with_kv_ms": _ms((weight_bytes["total"] + kv) / bytes_per_s),
     }
 
 
@@ -304,7 +322,7 @@ def run(
             "dtype": dtype_name(device),
             "cuda_graphs": not eager and device == "cuda",
             "load_s": round(time.perf_counter() - t0, 2),
-            "hbm_bytes_per_s": HBM_BYTES_PER_S,
+            "hbm_bytes_per_s": hbm_bytes_per_s(report["device"]),
             "step_weights": weights.__dict__,
             "talker_vllm": [],
         }
@@ -317,7 +335,9 @@ def run(
             row = time_batch(llm, talker_config, prompts, b, frames, sampling, dtype)
             # Decode steps read contexts from prompt+1 to prompt+frames positions: the mean.
             context = row["mean_prompt_len"] + (frames + 1) / 2
-            row.update(floor_row(weights, talker_config, b, context, elt))
+            row.update(
+                floor_row(weights, talker_config, b, context, elt, report["hbm_bytes_per_s"])
+            )
             row["step_over_floor"] = float(f"{row['step_ms'] / row['floor_ms']:.4g}")
             print(json.dumps(row), flush=True)
             report["talker_vllm"].append(row)

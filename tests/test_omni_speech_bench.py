@@ -257,6 +257,7 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     step = bench_talker_step.report_table(
         [
             results / "talker_step_vllm_h200_2026-12-05.json",
+            results / "talker_step_vllm_h100_2026-12-06.json",
             results / "talker_step_h200_2026-12-03.json",
             results / "talker_step_h200_2026-12-03_growth.json",
         ]

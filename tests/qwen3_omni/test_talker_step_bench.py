@@ -97,3 +97,19 @@ def test_report_table(dry_run, tmp_path):
         r for r in dry_run["talker_vllm"] if (r["sampling"], r["batch"]) == ("greedy", 1)
     )
     assert f"| greedy | 1 | {FRAMES} | {greedy_1['step_ms']} |" in rows[0]
+
+
+def test_report_floors_each_file_at_its_devices_bandwidth(dry_run):
+    """A run on an H100 is floored at its 3.35 TB/s, whatever bandwidth the file recorded."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_talker_step
+
+    run = json.loads(json.dumps(dry_run))
+    run["device"] = "NVIDIA H100 80GB HBM3"
+    row = run["talker_vllm"][0]
+    floor = row["weight_bytes"]["total"] / 3.35e12 * 1000
+    text = bench_talker_step.vllm_table([(Path("h100.json"), run)])
+    line = next(x for x in text.splitlines() if x.endswith("| h100.json |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert float(cells[5]) == pytest.approx(floor, rel=1e-3)
+    assert float(cells[6]) == pytest.approx(row["step_ms"] / floor, rel=1e-2)
