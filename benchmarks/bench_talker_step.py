@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -250,7 +251,16 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint (a CPU dry run)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--samplings", default="greedy,checkpoint", help="greedy, checkpoint")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="BATCH",
+        help="then profile 20 decode steps at this batch (the engine runs in this process)",
+    )
     args = ap.parse_args()
+    if args.profile:
+        # The profiler sees the engine's kernels only when the engine core runs in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     global DEVICE
     DEVICE = args.device
     out = Path(args.out)
@@ -281,7 +291,9 @@ def run_vllm(args, model_dir: Path, batches, frames, report: dict, out: Path) ->
     samplings = args.samplings.split(",")
     path = out / "talker_step.json"
     save = lambda: path.write_text(json.dumps(report, indent=1))  # noqa: E731
-    run(model_dir, DEVICE, batches, frames, samplings, args.eager, report, save)
+    if args.profile:
+        report["engine_in_process"] = True
+    run(model_dir, DEVICE, batches, frames, samplings, args.eager, report, save, args.profile)
     print(vllm_table([(Path("talker_step.json"), report)]))
 
 

@@ -291,6 +291,68 @@ def time_batch(
     }
 
 
+def _merged_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile_batch(
+    llm, talker_config, prompts: list[dict], batch: int, steps: int, dtype, device: str
+) -> dict:
+    """`batch` greedy requests; once every one decodes, `steps` engine steps under torch's
+    profiler (the engine must run in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0). Per step:
+    the wall time, the device time its kernels took (summed, and their union: the time the GPU
+    was busy) and the kernels launched; the top ops by device time (by CPU time without a GPU).
+    A wall time far above the busy time: the step waits on the host, not on the GPU's work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_omni_plugin.models.qwen3_omni.talker_runner import frame_sampling_params
+
+    engine = llm.llm_engine
+    frames = steps + 8
+    for i in range(batch):
+        p = prompts[i % len(prompts)]
+        params = frame_sampling_params(
+            talker_config,
+            p["text_ids"],
+            frames,
+            temperature=0.0,
+            ignore_eos=True,
+            min_tokens=frames,
+        )
+        engine.add_request(f"profile-{i}", {"prompt_embeds": p["embeds"].to(dtype)}, params)
+    made: dict[str, int] = {}
+    while len(made) < batch or not all(made.values()):
+        for out in engine.step():
+            made[out.request_id] = len(out.outputs[0].token_ids)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    walls = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    sort_by = "self_device_time_total" if kernels else "self_cpu_time_total"
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_wall_ms": round(statistics.median(walls) * 1000, 3),
+        "kernel_ms_per_step": round(sum(b - a for a, b in spans) / 1000 / steps, 3),
+        "gpu_busy_ms_per_step": round(_merged_us(spans) / 1000 / steps, 3),
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "top_ops": prof.key_averages().table(sort_by=sort_by, row_limit=40),
+    }
+
+
 def run(
     model_dir: Path,
     device: str,
@@ -300,9 +362,10 @@ def run(
     eager: bool,
     report: dict,
     save=lambda: None,
+    profile: int | None = None,
 ) -> None:
     """Time every (sampling, batch), put each beside its floor, into `report` (`save()` after
-    each row)."""
+    each row); then, with `profile` (a batch size), where a step's time goes (`profile_batch`)."""
     import vllm
     from transformers import Qwen3OmniMoeConfig
 
@@ -342,4 +405,9 @@ def run(
             print(json.dumps(row), flush=True)
             report["talker_vllm"].append(row)
             save()
+    if profile:
+        report["profile"] = profile_batch(llm, talker_config, prompts, profile, 20, dtype, device)
+        print(report["profile"]["top_ops"])
+        print(json.dumps({k: v for k, v in report["profile"].items() if k != "top_ops"}))
+        save()
     del llm

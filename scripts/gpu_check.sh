@@ -45,6 +45,8 @@
 #   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker (vLLM's engine) at full size, decode
 #                                           step time at batch 1, 8, 32 beside its bandwidth floor (no server,
 #                                           <= 4 min with the ~8 GB build in /dev/shm)
+#   scripts/gpu_check.sh talker-profile     the same talker at batch 1, 20 decode steps under torch's profiler:
+#                                           step wall time vs GPU-busy time, kernels per step, top kernels
 #   scripts/gpu_check.sh code2wav           Code2Wav's batched decode: CUDA graphs vs eager, time per chunk
 #   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
 #   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
@@ -289,6 +291,14 @@ while [ $# -gt 0 ]; do
       timeout 240 python3 benchmarks/bench_talker_step.py \
         --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
         2>&1 | tee "$OUT/talker_step.log" | tail -30 || true
+      ;;
+    talker-profile)
+      # Where a talker step's time goes at batch 1: 20 decode steps under torch's profiler, the
+      # engine in this process (wall vs GPU-busy time per step, kernels per step, top kernels).
+      timeout 300 python3 benchmarks/bench_talker_step.py \
+        --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_profile" \
+        --batches 1 --samplings greedy --profile 1 \
+        2>&1 | tee "$OUT/talker_profile.log" | tail -60 || true
       ;;
     code2wav)
       # Code2Wav's batched decode, tiny and full-size widths: CUDA graphs vs eager, time per

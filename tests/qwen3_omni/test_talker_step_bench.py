@@ -35,6 +35,8 @@ def dry_run(tmp_path_factory) -> dict:
         ",".join(map(str, BATCHES)),
         "--frames",
         str(FRAMES),
+        "--profile",
+        "2",
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -113,3 +115,21 @@ def test_report_floors_each_file_at_its_devices_bandwidth(dry_run):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert float(cells[5]) == pytest.approx(floor, rel=1e-3)
     assert float(cells[6]) == pytest.approx(row["step_ms"] / floor, rel=1e-2)
+
+
+def test_profile_of_a_batch(dry_run):
+    """`--profile 2`: the engine ran in this process and 20 decode steps at batch 2 were profiled
+    (no GPU here: no kernels, the top ops by CPU time)."""
+    assert dry_run["engine_in_process"] is True
+    prof = dry_run["profile"]
+    assert prof["batch"] == 2 and prof["steps"] == 20 and prof["step_wall_ms"] > 0
+    assert prof["kernels_per_step"] == 0 and prof["gpu_busy_ms_per_step"] == 0
+    assert "Self CPU" in prof["top_ops"] and "aten::" in prof["top_ops"]
+
+
+def test_gpu_busy_time_is_the_union_of_kernel_intervals():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from talker_step_vllm import _merged_us
+
+    assert _merged_us([]) == 0
+    assert _merged_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
