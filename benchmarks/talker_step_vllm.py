@@ -7,8 +7,8 @@ codec end code is masked until then: `min_tokens`), greedy and with the checkpoi
 of consecutive steps after the first (the prefill of every request) is a decode step.
 
 The floor of a decode step is the bytes of weights it must read once, over the device's HBM
-bandwidth (H200: 4.8 TB/s, H100 SXM: 3.35 TB/s). Counted from the checkpoint's own tensors (`step_weight_bytes`), at the run's
-dtype:
+bandwidth (H200: 4.8 TB/s, H100 SXM: 3.35 TB/s). Counted from the checkpoint's own tensors
+(`step_weight_bytes`), at the run's dtype:
 - once per step: the talker's attention, norms, router, shared expert, codec head, and the text
   projection (each request's text entry);
 - once per code-predictor sub-step (num_code_groups - 1 of them, each a pass through all its
@@ -35,6 +35,12 @@ import torch
 HBM_BYTES_PER_S = 4.8e12  # H200
 # Datasheet memory bandwidth by the name torch gives the device; others are floored as an H200.
 HBM_BYTES_PER_S_BY_DEVICE = {"H100 80GB HBM3": 3.35e12, "H200": 4.8e12}
+FRAME_S = 0.08
+PROMPTS_FILE = "talker_prompts.pt"
+PROMPT_TEXTS = [f"Tell me story number {i}." for i in range(8)]
+THINKER_IDS = 64  # generated thinker ids each request carries (its text entries)
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "checkpoint": {}}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def hbm_bytes_per_s(device_name: str) -> float:
@@ -42,14 +48,6 @@ def hbm_bytes_per_s(device_name: str) -> float:
         if key in device_name:
             return value
     return HBM_BYTES_PER_S
-
-
-FRAME_S = 0.08
-PROMPTS_FILE = "talker_prompts.pt"
-PROMPT_TEXTS = [f"Tell me story number {i}." for i in range(8)]
-THINKER_IDS = 64  # generated thinker ids each request carries (its text entries)
-SAMPLINGS = {"greedy": {"temperature": 0.0}, "checkpoint": {}}
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
