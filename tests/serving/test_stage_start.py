@@ -2,7 +2,8 @@
 descriptors) is logged and retried with backoff like any other failed start, gives up after
 STARTUP_ATTEMPTS on the first start, and leaves no descriptor or process behind.
 
-A start whose process exits, then succeeds on retry, is in test_glm_serve.py (real stages).
+A start whose engine refuses its settings is not retried (a real AR stage, below). A start whose
+process exits, then succeeds on retry, is in test_glm_serve.py (real stages).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import resource
 
 import pytest
 
+from vllm_omni_plugin.common.exit_status import EXIT_CONFIG
 from vllm_omni_plugin.config import load_deploy_config
 from vllm_omni_plugin.config.stage_init import StageInit
 from vllm_omni_plugin.orchestrator import stage_client
-from vllm_omni_plugin.orchestrator.errors import StageStartupError
+from vllm_omni_plugin.orchestrator.errors import StageConfigError, StageStartupError
 from vllm_omni_plugin.orchestrator.stage_client import StageClient
 
 
@@ -82,3 +84,29 @@ def test_only_work_messages_count_as_progress_for_the_stall_watchdog(init):
     assert client.pending.last_progress == 0.0
     client._on_message(Pulse(stage_id=client.stage_id))
     assert client.pending.last_progress > 0.0
+
+
+def test_settings_the_engine_refuses_end_the_first_start_at_once(tiny_models, caplog):
+    """The AR stage's vLLM engine refuses a context longer than the checkpoint's positions
+    (pydantic's validation in vLLM's ModelConfig): the stage exits with EX_CONFIG and the
+    first start gives up after that one attempt, naming the field, where another start would
+    only be refused again."""
+    cfg = load_deploy_config(
+        "glm_image_tiny",
+        model=str(tiny_models("glm-image")),
+        stage_overrides={"0": {"max_model_len": 1 << 20}},
+    )
+    spec = cfg.topology.stages[0]
+    client = StageClient(
+        StageInit(stage=cfg.stage(spec.stage_id), spec=spec, pipeline=cfg.pipeline),
+        startup_timeout_s=300,
+    )
+    name = f"stage {client.stage_id} ({client.kind})"
+    with caplog.at_level(logging.ERROR, logger="vllm_omni_plugin.orchestrator"):
+        with pytest.raises(StageConfigError, match="refused its engine settings") as refused:
+            asyncio.run(client.start())
+    assert "max_model_len" in str(refused.value)  # the stage's log tail names the field
+    assert client.state == "dead" and client.start_failures == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"start of {name} failed (attempt 1), giving up" in m for m in lines), lines
+    assert client.proc is not None and client.proc.returncode() == EXIT_CONFIG

@@ -7,6 +7,11 @@ class StageStartupError(RuntimeError):
     """A stage did not become ready; the message names the stage and shows its log tail."""
 
 
+class StageConfigError(StageStartupError):
+    """A stage's engine refused its settings (vLLM's config validation): another start with the
+    same settings would be refused too, so the first start is not retried."""
+
+
 class StageUnavailableError(RuntimeError):
     """A stage the request needs is down or restarting (HTTP 503)."""
 

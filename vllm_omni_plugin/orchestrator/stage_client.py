@@ -7,7 +7,8 @@ down fail fast instead of queueing behind a restart.
 
 Every start (the first one and each restart) that fails for any reason is logged, the half-started
 process killed, and retried with backoff: the first start gives up after STARTUP_ATTEMPTS (the
-server then exits with the error), a restart never does. No background task ends silently: a done
+server then exits with the error), or at once when the stage's engine refused its settings
+(StageConfigError), a restart never does. No background task ends silently: a done
 callback logs its exception, and the supervisor restarts a stage that was left dead.
 
 A stage that is alive but stuck (SIGSTOPped, a deadlocked engine, a step that never returns)
@@ -45,7 +46,7 @@ from ..common.messages import (
 )
 from ..config.stage_init import StageInit
 from .connector_stats import absorb_relayed
-from .errors import StageUnavailableError
+from .errors import StageConfigError, StageUnavailableError
 from .handle import ReplicaStats, StageState, StageStats, limits_of, pending_stats
 from .pending import PendingRequests, stall_timeout_of
 from .stage_process import StageProcess
@@ -142,7 +143,10 @@ class StageClient:
                     return
                 self.state = StageState.DEAD
                 self.start_failures += 1
-                give_up = attempts is not None and attempt >= attempts
+                # Settings the engine refused are refused again: the first start ends here.
+                give_up = attempts is not None and (
+                    attempt >= attempts or isinstance(exc, StageConfigError)
+                )
                 logger.error(
                     "start of stage %d (%s) failed (attempt %d), %s: %s",
                     self.stage_id,

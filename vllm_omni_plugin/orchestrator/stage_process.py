@@ -32,9 +32,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..common.channel import MessageChannel, server_channel
+from ..common.exit_status import EXIT_CONFIG
 from ..common.messages import Ready, Shutdown, StageInfo, ToStageMessage
 from ..config.stage_init import StageInit
-from .errors import StageStartupError
+from .errors import StageConfigError, StageStartupError
 from .frames import FrameReader, FrameWriter, encode_frame
 from .node_protocol import AUTHKEY_ENV
 
@@ -171,16 +172,20 @@ class StageProcess:
         deadline = time.monotonic() + timeout_s
         while not self._wait_ready(0.2):
             code = self.proc.poll()
+            if code == EXIT_CONFIG:
+                raise self._startup_error("refused its engine settings", StageConfigError)
             if code is not None:
                 raise self._startup_error(f"exited with code {code} during start-up")
             if time.monotonic() > deadline:
                 raise self._startup_error(f"did not become ready within {timeout_s:.0f} s")
 
-    def _startup_error(self, what: str) -> StageStartupError:
+    def _startup_error(
+        self, what: str, kind: type[StageStartupError] = StageStartupError
+    ) -> StageStartupError:
         # The log pump may still be copying the stage's last lines: give it a moment.
         if self._log_thread is not None and self.returncode() is not None:
             self._log_thread.join(1.0)
-        return StageStartupError(
+        return kind(
             f"stage {self.stage_id} ({self.kind}) {what}. "
             f"Last lines of its log:\n" + "\n".join(self.log_tail)
         )

@@ -23,8 +23,10 @@ from multiprocessing.connection import Connection
 from typing import NoReturn
 
 import msgspec
+from pydantic import ValidationError
 
 from ..common.channel import MessageChannel
+from ..common.exit_status import EXIT_CONFIG
 from ..common.messages import Ready, StartStage
 from ..common.parent_watch import end_process_tree, watch_parent
 from ..config.stage_init import StageInit
@@ -90,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     _set_title(init)
     log = logging.getLogger(f"omni-stage-{init.stage.stage_id}")
     t0 = time.monotonic()
-    # StatsRelay: each Result carries this process's connector counters to /metrics.
-    runner = make_runner(init, StatsRelay(conn))
+    try:
+        # StatsRelay: each Result carries this process's connector counters to /metrics.
+        runner = make_runner(init, StatsRelay(conn))
+    except ValidationError as exc:  # vLLM's config classes validate with pydantic
+        log.error("the stage's engine refused its settings:\n%s", exc)
+        return EXIT_CONFIG
     info = runner.info()
     # The stage's own environment, read back here (/proc/<pid>/environ is not reliable once
     # setproctitle has reused the environ block for the title): for each `env:` name, whether
