@@ -6,10 +6,10 @@ exit code, and is restarted in the background with backoff. Requests that arrive
 down fail fast instead of queueing behind a restart.
 
 Every start (the first one and each restart) that fails for any reason is logged, the half-started
-process killed, and retried with backoff: the first start gives up after STARTUP_ATTEMPTS (the
-server then exits with the error), or at once when the stage's engine refused its settings
-(StageConfigError), a restart never does. No background task ends silently: a done
-callback logs its exception, and the supervisor restarts a stage that was left dead.
+process killed, and retried with backoff. The first start gives up after STARTUP_ATTEMPTS, or at
+once when the stage's engine refused its settings (StageConfigError), and the server then exits
+with the error; a restart never gives up. No background task ends silently: a done callback logs
+its exception, and the supervisor restarts a stage that was left dead.
 
 A stage that is alive but stuck (SIGSTOPped, a deadlocked engine, a step that never returns)
 is caught by the same supervisor: while the stage holds requests, every message it sends
