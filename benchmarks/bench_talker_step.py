@@ -157,7 +157,8 @@ def vllm_table(runs: list[tuple[Path, dict]]) -> str:
         if "talker_vllm" in run:
             lines.append(
                 f"- {path.name}: {run['device']}, torch {run['torch']}, vLLM {run['vllm']}, "
-                f"{run['dtype']}, CUDA graphs: {run['cuda_graphs']}; engine load (s): "
+                f"{run['dtype']}, CUDA graphs: {run['cuda_graphs']}, code predictor's layers "
+                f"compiled: {run.get('predictor_compiled', False)}; engine load (s): "
                 f"{run['load_s']}; checkpoint build (s): {run['build_s']}"
             )
     return "\n".join(lines) + "\n"

@@ -9,6 +9,9 @@ reports from inside its worker (models/qwen3_omni/predictor_probe.py):
 
 - `paths`: per batch size, whether the graphs' codes equal the eager path's (greedy rows, and
   mixed greedy / seeded / global rows), also over the padded bucket for sizes between buckets;
+- `compiled_layers`: per batch size, the predictor's compiled layers against their torch ops
+  (largest hidden-state difference, greedy codes equal: informative in bf16, where near-equal
+  logits of random weights may flip);
 - `frames`: the engine's frames for one request and for four, greedy, with the predictor's
   graphs and with its eager path (`equal`), and seeded (the same seed twice, graphs vs eager,
   another seed differs);
@@ -118,6 +121,10 @@ def check(model_dir: Path, dtype: str, eager_engine: bool) -> dict:
     report["graphed_engine_start_s"] = round(time.perf_counter() - start, 1)
     (report["predictor_graphed"],) = llm.collective_rpc("predictor_graphed")
     (report["paths"],) = llm.collective_rpc("compare_predictor_paths", args=([1, 3, 8, 32], 0))
+    # Compiled layers against their torch ops (on CUDA the graphs hold the compiled ones).
+    (report["compiled_layers"],) = llm.collective_rpc(
+        "compare_compiled_layers", args=([1, 8, 32], 0, "inductor")
+    )
     frames = {}
     for count in (1, 4):
         greedy = [predictor_frames(llm, requests, g, count, temperature=0.0) for g in (1, 0)]

@@ -382,6 +382,9 @@ def run(
             "vllm": vllm.__version__,
             "dtype": dtype_name(device),
             "cuda_graphs": not eager and device == "cuda",
+            # The code predictor's layers run compiled inside its graphs (files without this
+            # key predate that: uncompiled).
+            "predictor_compiled": not eager and device == "cuda",
             "load_s": round(time.perf_counter() - t0, 2),
             "hbm_bytes_per_s": hbm_bytes_per_s(report["device"]),
             "step_weights": weights.__dict__,

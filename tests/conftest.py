@@ -31,6 +31,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # go to a runtime folder of this test session, never the user's; removed when the session ends.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
+# What torch.compile caches (tests that compile the talker's code predictor) stays in the
+# session too: a cache left by another run never decides a result.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["XDG_RUNTIME_DIR"], "inductor")
 
 # Under pytest-xdist (`make test`: -n 2) each module is a unit of work (its module-scoped
 # servers start once), except that the Ray modules are one unit: one Ray cluster at a time.

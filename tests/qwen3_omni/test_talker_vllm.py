@@ -149,11 +149,13 @@ def image_reference(omni_model, omni_dir):
 def llm(omni_dir):
     from vllm import LLM
 
+    from vllm_omni_plugin.models.qwen3_omni.predictor_probe import PREDICTOR_PROBE
     from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_engine_args
 
     engine = LLM(
         model=str(omni_dir),
         **talker_engine_args(),
+        worker_extension_cls=PREDICTOR_PROBE,
         enforce_eager=True,
         dtype="float32",
         max_model_len=512,
@@ -311,3 +313,14 @@ def test_vllm_talker_image_prompt_frames_equal_transformers(
     got = _generate(llm, conditioner, talker_config, pair, **GREEDY)
     assert torch.equal(got[0][:, :text_clear], text_ref.codes[:, :text_clear])
     assert torch.equal(got[1][:, :clear], ref.codes[:, :clear])
+
+
+def test_compiled_predictor_layers_equal_their_torch_ops(llm):
+    """The code predictor's layers through torch.compile (inductor, dynamic batch and sequence
+    dimensions: what the talker's CUDA graphs hold on a GPU) against the same layers op by op,
+    float32: hidden states within 1e-4, and a frame's greedy codes equal, at batch 1 and 3."""
+    (rows,) = llm.collective_rpc("compare_compiled_layers", args=([1, 3], 0, "inductor"))
+    assert [r["rows"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["hidden_max_abs_diff"] < 1e-4, row
+        assert row["greedy_codes_equal"], row

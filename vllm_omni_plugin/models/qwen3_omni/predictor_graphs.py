@@ -9,7 +9,7 @@ step replays the smallest bucket that holds its batch; padding rows compute on s
 and are dropped. A replay gives the codes the eager path gives for the same inputs and noise.
 
     graphs = PredictorGraphs(talker, max_rows=max_num_seqs)
-    graphs.capture()                              # CUDA only; without it every call runs eagerly
+    graphs.capture(compile_layers=True)           # CUDA only; without it every call runs eagerly
     residual = graphs(hidden, code0, draws)       # [B, G - 1]
 
 The talker's model runner captures them right after vLLM's own CUDA graphs (so after vLLM sized
@@ -49,9 +49,12 @@ class PredictorGraphs:
     def captured(self) -> bool:
         return bool(self._graphs)
 
-    def capture(self) -> int:
+    def capture(self, compile_layers: bool = False) -> int:
         """Capture every bucket, the largest first (the smaller ones reuse its memory pool);
-        returns the device memory they and their inputs took, in bytes."""
+        returns the device memory they and their inputs took, in bytes. `compile_layers`:
+        the predictor's layers run through torch.compile inside the graphs
+        (talker.CodePredictor.compile_hidden), so each replay launches a fraction of the
+        kernels; compiled on the first warm-up, before any capture."""
         model = self.model
         weight = model.code_predictor.lm_head[0].weight
         device, rows = weight.device, self.buckets[-1]
@@ -67,6 +70,11 @@ class PredictorGraphs:
         )
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
+            if compile_layers:
+                # One uncompiled run first: it moves what the layers move lazily (the rotary
+                # cache to the activations' dtype), which a compiled graph must not mutate.
+                predict_with_noise(self.model, *self._inputs)
+                model.code_predictor.compile_hidden()
             for size in reversed(self.buckets):
                 self._graphs[size] = self._capture(size, pool)
         torch.cuda.synchronize(device)

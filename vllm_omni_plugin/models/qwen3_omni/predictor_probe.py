@@ -68,6 +68,38 @@ class PredictorProbe:
         return out
 
     @torch.inference_mode()
+    def compare_compiled_layers(self, rows_list: list[int], seed: int, backend: str) -> list[dict]:
+        """The predictor's layers through torch.compile against the same layers uncompiled,
+        per batch size: the largest absolute difference of `hidden` over sequences of 2 and
+        16 positions, and whether a frame's greedy codes are equal. Compiles with `backend`
+        where the layers are not compiled yet, and leaves them as it found them."""
+        model = self.model_runner.get_model()
+        pred = model.code_predictor
+        kept = pred.compiled_hidden
+        if kept is None:
+            pred.compile_hidden(backend)
+        compiled = pred.compiled_hidden
+        out = []
+        try:
+            for rows in rows_list:
+                hidden, code0 = _inputs(model, rows, seed)
+                gen = torch.Generator(device="cpu").manual_seed(seed)
+                diff = 0.0
+                for length in (2, 16):
+                    x = torch.randn(rows, length, hidden.shape[1], generator=gen)
+                    x = x.to(hidden.device, hidden.dtype)
+                    diff = max(diff, float((compiled(x) - pred.eager_hidden(x)).abs().max()))
+                codes = {}
+                for name, fn in (("compiled", compiled), ("eager", None)):
+                    pred.compiled_hidden = fn
+                    codes[name] = predict_eagerly(model, hidden, code0, PredictorDraws(None))
+                equal = bool(torch.equal(codes["compiled"], codes["eager"]))
+                out.append({"rows": rows, "hidden_max_abs_diff": diff, "greedy_codes_equal": equal})
+        finally:
+            pred.compiled_hidden = kept
+        return out
+
+    @torch.inference_mode()
     def time_predictor(self, rows_list: list[int], iters: int) -> list[dict]:
         """Milliseconds per step of the predictor alone (every row sampled from the global
         generator, its noise drawn in the step), eager and graphed, per batch size."""

@@ -180,9 +180,25 @@ class CodePredictor(nn.Module):
         self.lm_head = nn.ModuleList(
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(n)
         )
+        self.compiled_hidden = None  # set by compile_hidden
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, T, H]` sequences -> the last position's final hidden state `[B, H]`."""
+        if self.compiled_hidden is not None:
+            return self.compiled_hidden(x)
+        return self.eager_hidden(x)
+
+    def compile_hidden(self, backend: str = "inductor") -> None:
+        """Run `hidden` through torch.compile from now on. Uncompiled, one sub-step of one
+        frame is some sixty small kernels per layer (the norms, rotary embedding, residuals and
+        activation op by op); fused, a handful beside the matmuls and attention. The batch and
+        sequence dimensions are dynamic, so the 15 sub-steps of every batch size share two
+        graphs (batch 1, and larger)."""
+        self.compiled_hidden = torch.compile(
+            self.eager_hidden, backend=backend, dynamic=True, fullgraph=True
+        )
+
+    def eager_hidden(self, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1], device=x.device)
         for layer in self.layers:
             x = layer(x, positions)

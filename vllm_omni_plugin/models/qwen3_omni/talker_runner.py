@@ -27,7 +27,8 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   checkpoint's sub-talker settings from noise drawn before the predictor runs, from the
   request's seeded generator, greedy where the request is (temperature 0)
   (predictor_sampling.py). On CUDA the predictor's whole frame replays as a CUDA graph per
-  batch bucket, captured after vLLM's own graphs (predictor_graphs.py). A prompt given as
+  batch bucket, captured after vLLM's own graphs (predictor_graphs.py), its layers compiled
+  unless vLLM's compilation is off. A prompt given as
   embeddings has no codec ids for the repetition penalty to count (`_update_states`).
 
 - positions (`_init_mrope_positions`): the talker keeps its checkpoint's M-RoPE scheme, so
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.config import CUDAGraphMode
+from vllm.config import CompilationMode, CUDAGraphMode
 from vllm.v1.outputs import LogprobsTensors
 
 from .predictor_graphs import PredictorGraphs
@@ -201,7 +202,10 @@ class TalkerRunnerMixin:
             # communicator setup vLLM's own captures run in: those stay eager.
             and self.parallel_config.tensor_parallel_size == 1
         ):
-            captured += self._predictor_graphs().capture()
+            # vLLM's compilation mode covers the predictor's layers too: off, they run as
+            # torch ops (same graphs, more kernels).
+            compile_layers = self.compilation_config.mode != CompilationMode.NONE
+            captured += self._predictor_graphs().capture(compile_layers)
         return captured
 
     def _init_mrope_positions(self, req_state) -> None:
