@@ -44,7 +44,7 @@
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
 #   scripts/gpu_check.sh talker-step        bench_talker_step.py: the talker (vLLM's engine) at full size, decode
 #                                           step time at batch 1, 8, 32 beside its bandwidth floor (no server,
-#                                           <= 4 min with the ~8 GB build in /dev/shm)
+#                                           <= 6 min with the ~8 GB build in /dev/shm)
 #   scripts/gpu_check.sh talker-profile     the same talker at batch 1, 20 decode steps under torch's profiler:
 #                                           step wall time vs GPU-busy time, kernels per step, top kernels
 #   scripts/gpu_check.sh code2wav           Code2Wav's batched decode: CUDA graphs vs eager, time per chunk
@@ -288,7 +288,7 @@ while [ $# -gt 0 ]; do
       stop_servers
       ;;
     talker-step)
-      timeout 240 python3 benchmarks/bench_talker_step.py \
+      timeout 360 python3 benchmarks/bench_talker_step.py \
         --work "${TALKER_WORK:-/dev/shm/talker-full}" --out "$OUT/talker_step" \
         2>&1 | tee "$OUT/talker_step.log" | tail -30 || true
       ;;
