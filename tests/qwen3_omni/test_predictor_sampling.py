@@ -7,7 +7,11 @@ import torch
 
 from vllm_omni_plugin.families.qwen3_omni import PREDICTOR_SAMPLING
 from vllm_omni_plugin.models.qwen3_omni.predictor_graphs import batch_buckets
-from vllm_omni_plugin.models.qwen3_omni.predictor_sampling import PredictorDraws, sample_codes
+from vllm_omni_plugin.models.qwen3_omni.predictor_sampling import (
+    PredictorDraws,
+    candidate_count,
+    sample_codes,
+)
 
 
 def _reference_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -29,7 +33,8 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 def test_greedy_rows_take_the_argmax_and_sampled_rows_stay_in_top_k_top_p():
     logits = _logits(64, 512, 0)
     greedy = torch.arange(64) % 2 == 0
-    noise = torch.empty(64, 512).exponential_(generator=torch.Generator().manual_seed(1))
+    noise = torch.empty(64, candidate_count(512))
+    noise.exponential_(generator=torch.Generator().manual_seed(1))
     codes = sample_codes(logits, noise, greedy)
     assert torch.equal(codes[greedy], logits.argmax(-1)[greedy])
     allowed = _reference_probs(logits) > 0
@@ -43,8 +48,10 @@ def test_draws_follow_vllms_top_k_top_p_distribution():
     id is within 0.01 of vLLM's probability for it (about 7 standard deviations at the
     largest probability; seeded, so the same every run)."""
     draws, vocab = 20000, 256
-    logits = _logits(1, vocab, 2)
-    noise = torch.empty(draws, vocab).exponential_(generator=torch.Generator().manual_seed(3))
+    # Rounded to bf16, as the talker's logits are: ties among the most likely ids.
+    logits = _logits(1, vocab, 2).bfloat16()
+    noise = torch.empty(draws, candidate_count(vocab))
+    noise.exponential_(generator=torch.Generator().manual_seed(3))
     codes = sample_codes(logits.expand(draws, -1), noise, torch.zeros(draws, dtype=torch.bool))
     freq = torch.bincount(codes, minlength=vocab).float() / draws
     want = _reference_probs(logits)[0]
@@ -83,7 +90,7 @@ def test_seeded_noise_fixes_the_codes_and_another_seed_changes_them():
     greedy = torch.zeros(1, dtype=torch.bool)
 
     def frame(seed: int) -> torch.Tensor:
-        noise = torch.empty(1, 15, 512)
+        noise = torch.empty(1, 15, candidate_count(512))
         PredictorDraws(greedy, {0: torch.Generator().manual_seed(seed)}).fill(noise)
         return torch.cat([sample_codes(logits[j : j + 1], noise[:, j], greedy) for j in range(15)])
 

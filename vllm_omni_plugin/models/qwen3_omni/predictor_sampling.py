@@ -10,7 +10,9 @@ and eager runs give the same codes from the same noise.
   draw for the whole frame, so a seed fixes whole frames), the others from the global one.
 - `sample_codes` applies the predictor's settings (families.qwen3_omni.PREDICTOR_SAMPLING:
   temperature, then top-k, then top-p over what top-k kept, as vLLM's sampler orders them)
-  on the sorted logits and races the noise; greedy rows take the argmax of the logits.
+  on the most likely ids in order and races the noise; greedy rows take the argmax of the
+  logits. Only the top `candidate_count` ids are ordered (one top-k select instead of a sort
+  of the whole codebook, and noise for those ranks alone).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from vllm_omni_plugin.families.qwen3_omni import PREDICTOR_SAMPLING
 
 # `q` of exactly 0 (a uniform draw of 0) would make `0 / 0` a NaN, which argmax picks.
 _MIN_NOISE = 1e-20
+# top-k keeps every id at least as likely as the k-th, ties included (as vLLM's and
+# transformers' top-k do): the ids ordered are the k most likely and this many more, room for
+# the ties bf16 logits make at the k-th value.
+TIE_SLACK = 14
+
+
+def candidate_count(vocab_size: int) -> int:
+    """How many of the most likely ids a sub-step orders and races."""
+    return min(vocab_size, int(PREDICTOR_SAMPLING["top_k"]) + TIE_SLACK)
 
 
 @dataclass
@@ -34,7 +45,7 @@ class PredictorDraws:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
 
     def fill(self, noise: torch.Tensor) -> None:
-        """Draw `noise` `[B, sub-steps, vocab]` (float32) in place: Exp(1) per entry, each
+        """Draw `noise` `[B, sub-steps, candidates]` (float32) in place: Exp(1) per entry, each
         seeded row's whole frame from its generator, the other rows from the global one."""
         if len(self.generators) != noise.shape[0]:
             noise.exponential_()
@@ -43,12 +54,12 @@ class PredictorDraws:
 
 
 def sample_codes(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """One sub-step's codes `[B]` (int64) from its logits `[B, V]` and noise `[B, V]`: the
-    argmax where `greedy`, else a draw with the predictor's settings."""
+    """One sub-step's codes `[B]` (int64) from its logits `[B, V]` and noise `[B, C]` (one
+    entry per rank of the C = candidate_count(V) most likely ids): the argmax where `greedy`,
+    else a draw with the predictor's settings."""
     cfg = PREDICTOR_SAMPLING
     scaled = logits.float() / cfg["temperature"]
-    ordered, order = scaled.sort(dim=-1, descending=True)
-    # top-k keeps every id at least as likely as the k-th (ties included, as vLLM's does).
+    ordered, order = scaled.topk(noise.shape[-1], dim=-1)  # most likely first
     k = min(int(cfg["top_k"]), ordered.shape[-1])
     ordered = ordered.masked_fill(ordered < ordered[:, k - 1 : k], float("-inf"))
     # top-p keeps the most likely ids up to and including the one that brings their mass to p.
@@ -88,6 +99,6 @@ def predict_eagerly(
 
 
 def predictor_noise_shape(model, rows: int) -> tuple[int, int, int]:
-    """`[rows, sub-steps, codebook size]`: the noise one step of `rows` frames needs."""
+    """`[rows, sub-steps, candidates]`: the noise one step of `rows` frames needs."""
     heads = model.code_predictor.lm_head
-    return rows, len(heads), heads[0].out_features
+    return rows, len(heads), candidate_count(heads[0].out_features)
