@@ -28,7 +28,6 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul, get_act_fn
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -88,6 +87,22 @@ def suppressed_codec_ids(vocab_size: int, eos_id: int) -> torch.Tensor:
     return mask
 
 
+class PredictorRMSNorm(nn.Module):
+    """RMS normalization in plain torch ops (transformers' Qwen3 RMSNorm). vLLM's `RMSNorm`
+    calls an opaque custom op, which torch.compile can neither fuse nor see through: in the
+    code predictor's compiled layers that left seven kernels per norm."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
 class CodePredictorLayer(nn.Module):
     """One dense Qwen3 decoder layer of the code predictor. Its sequences are at most
     `num_code_groups + 1` positions long, so attention re-reads the whole (short) sequence in
@@ -110,8 +125,8 @@ class CodePredictorLayer(nn.Module):
         self.o_proj = RowParallelLinear(
             self.q_size, cfg.hidden_size, bias=False, prefix=f"{prefix}.self_attn.o_proj"
         )
-        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.q_norm = PredictorRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = PredictorRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(
             self.head_dim,
             max_position=cfg.max_position_embeddings,
@@ -127,8 +142,8 @@ class CodePredictorLayer(nn.Module):
             cfg.intermediate_size, cfg.hidden_size, bias=False, prefix=f"{prefix}.mlp.down_proj"
         )
         self.act_fn = SiluAndMul()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = PredictorRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = PredictorRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x `[B, T, H]` (a causal sequence per row), positions `[T]`."""
@@ -172,7 +187,7 @@ class CodePredictor(nn.Module):
         self.layers = nn.ModuleList(
             CodePredictorLayer(cfg, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = PredictorRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         n = num_code_groups - 1
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(n)
