@@ -152,6 +152,20 @@ def vllm_table(runs: list[tuple[Path, dict]]) -> str:
                 f"| {mb['total'] / 1e6:.1f} | {mb['routed_experts'] / 1e6:.1f} "
                 f"| {floor_kv:.4g} | {r['audio_s_per_wall_s']} | {path.name} |"
             )
+    profiled = [(path, run) for path, run in runs if run.get("profile")]
+    if profiled:
+        lines += [
+            "",
+            "| profiled (torch profiler, decode steps) | batch | code predictor's layers compiled "
+            "| step ms under the profiler | GPU-busy ms per step | kernels per step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for path, run in profiled:
+            p = run["profile"]
+            lines.append(
+                f"| {path.name} | {p['batch']} | {run.get('predictor_compiled', False)} "
+                f"| {p['step_wall_ms']} | {p['gpu_busy_ms_per_step']} | {p['kernels_per_step']:.0f} |"
+            )
     lines.append("")
     for path, run in runs:
         if "talker_vllm" in run:

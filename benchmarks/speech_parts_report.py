@@ -72,6 +72,17 @@ def predictor_table(path: Path, run: dict) -> list[str]:
         f"equal and reproducible: {frames_equal}; another seed differs: "
         f"{all(f['other_seed_differs'] for f in frames.values())}",
     ]
+    compiled = run.get("compiled_layers")
+    if compiled:
+        # The graphs hold the compiled layers; "eager" above is the same compiled layers
+        # launched op by op outside the graphs.
+        diff = max(r["hidden_max_abs_diff"] for r in compiled)
+        equal = all(r["greedy_codes_equal"] for r in compiled)
+        lines.append(
+            f"- the predictor's layers compiled (in and out of the graphs) vs their torch ops, "
+            f"batch {', '.join(str(r['rows']) for r in compiled)}: largest hidden-state "
+            f"difference {diff:g}, greedy codes equal: {equal}"
+        )
     eager = run.get("eager_engine")
     if eager:
         lines.append(

@@ -256,8 +256,11 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     results = REPO / "benchmarks" / "results"
     step = bench_talker_step.report_table(
         [
+            results / "talker_step_vllm_h100_compiled_2026-12-06.json",
             results / "talker_step_vllm_h200_2026-12-05.json",
             results / "talker_step_vllm_h100_2026-12-06.json",
+            results / "talker_profile_h100_2026-12-06.json",
+            results / "talker_profile_h100_compiled_2026-12-06.json",
             results / "talker_step_h200_2026-12-03.json",
             results / "talker_step_h200_2026-12-03_growth.json",
         ]
@@ -268,6 +271,7 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
             results / "code2wav_gpu_h200_2026-12-05.json",
             results / "code2wav_gpu_h100_2026-12-06.json",
             results / "talker_predictor_gpu_h200_2026-12-05.json",
+            results / "talker_predictor_gpu_h100_2026-12-06.json",
         ]
     )
     assert "| full_size_random (bfloat16) | 50, 25 | 32 |" in parts
