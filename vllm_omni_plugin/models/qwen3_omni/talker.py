@@ -204,11 +204,11 @@ class CodePredictor(nn.Module):
         return self.eager_hidden(x)
 
     def compile_hidden(self, backend: str = "inductor") -> None:
-        """Run `hidden` through torch.compile from now on. Uncompiled, one sub-step of one
-        frame is some sixty small kernels per layer (the norms, rotary embedding, residuals and
-        activation op by op); fused, a handful beside the matmuls and attention. The batch and
-        sequence dimensions are dynamic, so the 15 sub-steps of every batch size share two
-        graphs (batch 1, and larger)."""
+        """Run `hidden` through torch.compile from now on. Op by op, each layer of each
+        sub-step launches about fifty small kernels besides its matmuls and attention (the
+        norms, rotary embedding, residuals, activation); compiled, a handful. The batch and
+        sequence dimensions are dynamic: the 15 sub-steps of every batch size share a compiled
+        graph or two."""
         self.compiled_hidden = torch.compile(
             self.eager_hidden, backend=backend, dynamic=True, fullgraph=True
         )

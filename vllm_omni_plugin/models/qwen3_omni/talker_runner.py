@@ -28,8 +28,8 @@ a worker subclass (`worker_cls`, a vLLM setting) that gives its runner the mixin
   request's seeded generator, greedy where the request is (temperature 0)
   (predictor_sampling.py). On CUDA the predictor's whole frame replays as a CUDA graph per
   batch bucket, captured after vLLM's own graphs (predictor_graphs.py), its layers compiled
-  unless vLLM's compilation is off. A prompt given as
-  embeddings has no codec ids for the repetition penalty to count (`_update_states`).
+  unless vLLM's compilation is off. A prompt given as embeddings has no codec ids for the
+  repetition penalty to count (`_update_states`).
 
 - positions (`_init_mrope_positions`): the talker keeps its checkpoint's M-RoPE scheme, so
   vLLM's runner runs 3-D positions; a prompt given as embeddings has no ids to derive them
