@@ -157,6 +157,7 @@ def run_engine(args, record: Recorder) -> dict[str, np.ndarray]:
             min_height=args.size,
             min_width=args.size,
             step_cache={"policies": ["first_block", "teacache", "taylorseer"], "max_threshold": 1},
+            cuda_graphs=args.cuda_graphs == "on",
         )
     )
     load_s = time.perf_counter() - t_load
@@ -389,6 +390,8 @@ def main() -> None:
     ap.add_argument("--hooks", nargs="+", default=list(DEFAULT_HOOKS))
     ap.add_argument("--diffusers-budget-s", type=float, default=0)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                    help="the engine's CUDA graphs (on: the serving default on a GPU)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     base = {
@@ -398,6 +401,7 @@ def main() -> None:
         "size": args.size,
         "steps": args.steps,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "cuda_graphs": args.cuda_graphs == "on" and args.device.startswith("cuda"),
     }
     record = Recorder(args.out, base)
     seed0 = {} if args.no_engine else run_engine(args, record)

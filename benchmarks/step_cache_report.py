@@ -132,8 +132,13 @@ def render(rows: list[dict]) -> str:
         if settings:
             if "engine" in loaded:
                 e = loaded["engine"]
+                graphs = (
+                    "CUDA graphs on (whole forwards, and single blocks where rows skip blocks)"
+                    if e.get("cuda_graphs")
+                    else "eager: no CUDA graphs"
+                )
                 lines += [
-                    f"Engine (eager, step caching enabled: no CUDA graphs): load {e['load_s']} s, "
+                    f"Engine ({graphs}): load {e['load_s']} s, "
                     f"4-step warm-up {e['warm_up_s']} s.",
                     "",
                 ]

@@ -49,6 +49,11 @@
 #                                           step wall time vs GPU-busy time, kernels per step, top kernels
 #   scripts/gpu_check.sh code2wav           Code2Wav's batched decode: CUDA graphs vs eager, time per chunk
 #   scripts/gpu_check.sh talker-predictor   the vLLM talker's code predictor, tiny: CUDA graphs vs eager, time per step
+#   scripts/gpu_check.sh step-cache-graphs  step caching with CUDA graphs kept, tiny FLUX: graphed vs eager engine,
+#                                           pixel-exact (pytest, ~1.5 min)
+#   scripts/gpu_check.sh step-cache-flux    bench_step_cache.py on full-size FLUX (built once in $FLUX_FULL,
+#                                           default /tmp/flux-full): uncached vs cached rows (SC_ROWS) with
+#                                           CUDA graphs (SC_GRAPHS=off: eager); $OUT/step_cache
 #   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
 #                                           timed alone at the served shape) for FLUX.1-dev, Qwen-Image, GLM-Image's
 #                                           DiT, Wan2.2 TI2V-5B and T2V-A14B in one call: ~3 min, no weights, no vLLM;
@@ -311,6 +316,34 @@ while [ $# -gt 0 ]; do
       # path (codes, frames, seeds) and its time per step at batch 1/8/32. Under 2 min.
       timeout 300 python3 benchmarks/talker_predictor_gpu_check.py \
         --out "$OUT/talker_predictor.json" 2>&1 | tail -80 || true
+      ;;
+    step-cache-graphs)
+      # Step caching with the engine's CUDA graphs kept, tiny FLUX in bf16: the graphed engine
+      # against the eager one, policy by policy, alone and batched (pixel-exact). ~1.5 min.
+      mkdir -p "$OUT/step_cache"
+      timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/diffusion/test_step_cache_graphs_gpu.py 2>&1 | tail -15 \
+        | tee "$OUT/step_cache/graphs_pytest.txt" || true
+      ;;
+    step-cache-flux)
+      # bench_step_cache.py on FLUX.1-dev at full size (random weights, ~34 GB in $FLUX_FULL,
+      # built once), 1024x1024, 50 steps: the uncached engine and the cached rows SC_ROWS, with
+      # CUDA graphs (SC_GRAPHS=off: eager), bounded by what is left of CALL_LIMIT_S.
+      flux_dir=${FLUX_FULL:-/tmp/flux-full}
+      mkdir -p "$OUT/step_cache"
+      if [ ! -f "$flux_dir/.complete" ]; then
+        rm -rf "$flux_dir"
+        t0=$(date +%s)
+        python3 -c "from pathlib import Path; from vllm_omni_plugin.testing.full_flux import build; build(Path('$flux_dir'), 0)"
+        touch "$flux_dir/.complete"
+        echo "step-cache-flux: built in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/step_cache/build.txt"
+      fi
+      left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
+      # shellcheck disable=SC2086  # SC_ROWS is a list of settings
+      timeout "$left" python3 benchmarks/bench_step_cache.py --model "$flux_dir" --family flux \
+        --out "$OUT/step_cache/flux_graphs_${SC_GRAPHS:-on}" --cuda-graphs "${SC_GRAPHS:-on}" \
+        --rows ${SC_ROWS:-none taylorseer:5 teacache:0.4 first_block:0.08} \
+        --budget-s "$((left - 60))" 2>&1 | grep -v Loading | tail -20 || true
       ;;
     collect-omni)
       stop_servers

@@ -69,7 +69,6 @@ def test_engine_config_gets_the_section(tmp_path):
             "exceeds this stage's max_threshold",
         ),
         ("policies: [first_block]\n      default: {policy: teacache}", "not enabled"),
-        ("policies: [teacache]\n    cuda_graphs: true", "cuda_graphs"),
     ],
 )
 def test_bad_step_cache_refused_at_load(tmp_path, capsys, section, message):

@@ -166,11 +166,6 @@ class DiffusionOwner(Owner):
                     "step_cache cannot be combined with cfg_parallel or ulysses_degree > 1 "
                     "(the ranks would decide separately which steps to skip)"
                 )
-            if self.cuda_graphs:
-                raise ValueError(
-                    "step_cache and cuda_graphs: true cannot be combined (a graph of the whole "
-                    "forward replays one row plan); leave cuda_graphs unset"
-                )
             if self.compile_transformer and not self.compile_regional:
                 raise ValueError(
                     "step_cache with compile_transformer needs compile_regional: true (the "

@@ -26,6 +26,7 @@ from .adapters.base import DiffusionAdapter
 from .adapters.loader import configure_vae, load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
+from .cuda_graphs import BlockGraphs, StepGraphs
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
 from .lora.setup import build_store, check_request
 from .memory_plan import check_fits, plan_memory, request_shape, total_budget
@@ -113,16 +114,12 @@ class DiffusionEngine:
         return any(p != NONE for p in self.cache_bounds.policies)
 
     def _cuda_graphs(self, config: DiffusionEngineConfig) -> bool | None:
-        """Off where step caching is on: a graph of the whole forward would replay one row
-        plan (which rows compute) for every step; off with LoRA for the same reason (which rows
-        take which adapter: cuda_graphs true was refused by the LoRA checks)."""
+        """Off with LoRA: a graph would replay one plan of which rows take which adapter
+        (cuda_graphs true was refused by the LoRA checks). Step caching keeps them: its forwards
+        with per-row paths replay graphs of single blocks instead (step_cache/blocks.py)."""
         if config.lora is not None:
             return False
-        if not self._caching():
-            return config.cuda_graphs
-        if config.cuda_graphs:
-            raise DiffusionEngineError("step_cache and cuda_graphs: true cannot be combined")
-        return False
+        return config.cuda_graphs
 
     def _step_cache(self) -> StepCache | None:
         if not self._caching():
@@ -140,8 +137,11 @@ class DiffusionEngine:
             )
         if not self.adapter.step_batched:
             return None  # whole-pipeline families: requests asking for a policy are refused
+        graphs = None
+        if isinstance(self.adapter.transformer, StepGraphs):
+            graphs = BlockGraphs(self.device, max_signatures=cfg.cuda_graph_max_graphs)
         try:
-            return StepCache(self.adapter.cached_models())
+            return StepCache(self.adapter.cached_models(), graphs)
         except TypeError as exc:
             raise DiffusionEngineError(f"step_cache: {exc}") from exc
 
