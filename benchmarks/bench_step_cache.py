@@ -158,6 +158,8 @@ def run_engine(args, record: Recorder) -> dict[str, np.ndarray]:
             min_width=args.size,
             step_cache={"policies": ["first_block", "teacache", "taylorseer"], "max_threshold": 1},
             cuda_graphs=args.cuda_graphs == "on",
+            compile_transformer=args.compile_regional,
+            compile_regional=args.compile_regional,
         )
     )
     load_s = time.perf_counter() - t_load
@@ -177,6 +179,12 @@ def run_engine(args, record: Recorder) -> dict[str, np.ndarray]:
 
     t0 = time.perf_counter()
     engine.generate([request("warm-up", 99, {"policy": "none"}, steps=4)])
+    if args.concurrency > 1:  # the batch's shapes too (compiles, graphs), not in the first row
+        warm = [
+            request(f"warm-up-{i}", 99, {"policy": "none"}, steps=3)
+            for i in range(args.concurrency)
+        ]
+        engine.generate(warm)
     record({"system": "engine", "event": "loaded", "load_s": round(load_s, 1),
             "warm_up_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
     started = time.perf_counter()
@@ -390,6 +398,8 @@ def main() -> None:
     ap.add_argument("--hooks", nargs="+", default=list(DEFAULT_HOOKS))
     ap.add_argument("--diffusers-budget-s", type=float, default=0)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--compile-regional", action="store_true",
+                    help="each transformer block compiled (the served deploy files' setting)")  # fmt: skip
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                     help="the engine's CUDA graphs (on: the serving default on a GPU)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
@@ -402,6 +412,7 @@ def main() -> None:
         "steps": args.steps,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "cuda_graphs": args.cuda_graphs == "on" and args.device.startswith("cuda"),
+        "compile_regional": args.compile_regional,
     }
     record = Recorder(args.out, base)
     seed0 = {} if args.no_engine else run_engine(args, record)

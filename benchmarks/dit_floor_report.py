@@ -78,11 +78,14 @@ def _served(rec: dict, file: str) -> list[dict]:
         uncached = (rec.get("cache") or {}).get("policy") == "none" or rec.get("hook") == "none"
         if not uncached:
             return []
-        system = (
-            "vllm-omni-plugin (eager: step caching on)"
-            if rec["system"] == "engine"
-            else "diffusers"
-        )
+        if rec["system"] == "engine":
+            how = [
+                "CUDA graphs" if rec.get("cuda_graphs") else "eager",
+                "compiled blocks" if rec.get("compile_regional") else "no compile",
+            ]
+            system = f"vllm-omni-plugin ({', '.join(how)})"
+        else:
+            system = "diffusers"
         return [
             {
                 "family": rec["family"],

@@ -138,8 +138,7 @@ def render(rows: list[dict]) -> str:
                     else "eager: no CUDA graphs"
                 )
                 lines += [
-                    f"Engine ({graphs}): load {e['load_s']} s, "
-                    f"4-step warm-up {e['warm_up_s']} s.",
+                    f"Engine ({graphs}): load {e['load_s']} s, 4-step warm-up {e['warm_up_s']} s.",
                     "",
                 ]
             lines += engine_table(settings)

@@ -341,7 +341,8 @@ while [ $# -gt 0 ]; do
       left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
       # shellcheck disable=SC2086  # SC_ROWS is a list of settings
       timeout "$left" python3 benchmarks/bench_step_cache.py --model "$flux_dir" --family flux \
-        --out "$OUT/step_cache/flux_graphs_${SC_GRAPHS:-on}" --cuda-graphs "${SC_GRAPHS:-on}" \
+        --out "$OUT/step_cache/flux_graphs_${SC_GRAPHS:-on}${SC_COMPILE:+_compiled}" \
+        --cuda-graphs "${SC_GRAPHS:-on}" ${SC_COMPILE:+--compile-regional} \
         --rows ${SC_ROWS:-none taylorseer:5 teacache:0.4 first_block:0.08} \
         --budget-s "$((left - 60))" 2>&1 | grep -v Loading | tail -20 || true
       ;;

@@ -84,3 +84,13 @@ def test_vllm_omni_cache_backend_refused_naming_step_cache(tmp_path, capsys):
     assert main(["config", "validate", str(write(tmp_path, text))]) == 1
     err = capsys.readouterr().err
     assert "cache_backend" in err and "step_cache" in err
+
+
+def test_step_cache_keeps_cuda_graphs(tmp_path):
+    """Step caching no longer turns CUDA graphs off: `cuda_graphs: true` beside it loads and
+    reaches the engine config (the engine replays graphs where no row takes a per-row path)."""
+    text = GOOD.replace("    step_cache:", "    cuda_graphs: true\n    step_cache:")
+    cfg = load_deploy_config(str(write(tmp_path, text)), model=str(tmp_path))
+    engine = DiffusionEngineConfig.from_stage_config(cfg.stages[0])
+    assert engine.cuda_graphs is True
+    assert engine.step_cache["policies"] == ["first_block", "taylorseer"]

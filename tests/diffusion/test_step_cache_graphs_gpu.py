@@ -1,7 +1,7 @@
 """Step caching with CUDA graphs, on a GPU (tiny FLUX, bf16): the engine keeps its graphs when a
-stage enables step caching. Forwards without per-row paths (uncached rows, TaylorSeer's computed
-steps) replay the graph of the whole forward; forwards where first_block or teacache rows may skip
-blocks run each block from a graph of its own (diffusion/cuda_graphs.py BlockGraphs).
+stage enables step caching. Forwards without per-row paths through the blocks (uncached rows,
+TaylorSeer's computed steps, also at the smaller batches its forecast rows leave) replay graphs of
+the whole forward; forwards with first_block or teacache rows run uncaptured.
 
 Tolerance 0 everywhere (pixel-exact on the 0-255 scale): a replay launches the very kernels of the
 uncaptured call on the same shapes, so the graphed engine gives exactly the eager engine's
@@ -67,9 +67,8 @@ def px(out) -> np.ndarray:
 def test_graphs_stay_on_with_step_caching(engines):
     graphed, eager = engines
     assert isinstance(graphed.adapter.transformer, StepGraphs)
-    assert graphed.step_cache.block_graphs is not None
+    assert graphed.step_cache is not None
     assert not isinstance(eager.adapter.transformer, StepGraphs)
-    assert eager.step_cache.block_graphs is None
 
 
 @pytest.mark.parametrize("cache", POLICIES, ids=lambda c: "none" if c is None else c["policy"])
@@ -78,13 +77,13 @@ def test_each_policy_alone_equals_the_eager_engine(engines, cache):
     graphed, eager = engines
     name = "none" if cache is None else cache["policy"]
     (ref,) = eager.generate([req(f"e-{name}", 3, cache)])
+    stats = graphed.adapter.transformer.stats
+    replays = stats["replays"]
     for attempt in range(2):
         (out,) = graphed.generate([req(f"g-{name}-{attempt}", 3, cache)])
         assert np.array_equal(px(out), px(ref)), (name, attempt)
-    if cache is not None and cache["policy"] != "taylorseer":
-        assert graphed.step_cache.block_graphs.stats["replays"] > 0
-    if cache is None or cache["policy"] == "taylorseer":
-        assert graphed.adapter.transformer.stats["replays"] > 0
+    if name in ("none", "taylorseer"):  # computed steps replay the whole forward's graph
+        assert stats["replays"] > replays
 
 
 def test_a_mixed_batch_equals_the_eager_engine(engines):

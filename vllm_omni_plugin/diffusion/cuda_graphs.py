@@ -90,22 +90,11 @@ def _device_index(device: torch.device) -> int:
 
 
 class _Graph:
-    """One captured forward: static input buffers, the graph, its static outputs. `inputs`:
-    static buffers shared with other graphs of the same signature (BlockGraphs), filled from
-    `kwargs` here; None: copies of `kwargs` of its own."""
+    """One captured forward: static input buffers, the graph, its static outputs."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        kwargs: dict[str, Any],
-        pool: Any,
-        device,
-        inputs: dict[str, Any] | None = None,
-    ) -> None:
-        self.inputs = _map_tensors(kwargs, lambda t: t.clone()) if inputs is None else inputs
+    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any], pool: Any, device) -> None:
+        self.inputs = _map_tensors(kwargs, lambda t: t.clone())
         self._flat_inputs = _tensors(self.inputs)
-        if inputs is not None:
-            self._fill(kwargs)
         # One call on a side stream first, as torch prescribes before a capture: lazy
         # initialisations (cuBLAS handles, kernel loading, a compile of this shape) happen
         # outside the graph.
@@ -120,13 +109,10 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(**self.inputs)
 
-    def _fill(self, kwargs: dict[str, Any]) -> None:
+    def replay(self, kwargs: dict[str, Any]) -> Any:
         for static, new in zip(self._flat_inputs, _tensors(kwargs), strict=True):
             if static.data_ptr() != new.data_ptr():
                 static.copy_(new)
-
-    def replay(self, kwargs: dict[str, Any]) -> Any:
-        self._fill(kwargs)
         self.graph.replay()
         # The next replay (of this graph or one sharing the pool) overwrites the outputs.
         return _map_tensors(self.outputs, lambda t: t.clone())
@@ -208,95 +194,3 @@ class StepGraphs:
 def uncaptured(fn: Callable[..., Any]) -> Callable[..., Any]:
     """What `fn` calls without its CUDA graphs (itself where it has none)."""
     return fn.fn if isinstance(fn, StepGraphs) else fn
-
-
-class _Signature:
-    """The graphs of one block input signature: one static copy of the inputs, read by all."""
-
-    def __init__(self, kwargs: dict[str, Any]) -> None:
-        self.inputs = _map_tensors(kwargs, lambda t: t.clone())
-        self.graphs: dict[Hashable, _Graph] = {}
-
-
-class BlockGraphs:
-    """CUDA graphs of single transformer blocks, for forwards whose rows take different paths
-    through the block stack (step caching: some rows skip the blocks after the first, or all of
-    them, and the choice is made on the host between blocks, so no graph of the whole forward can
-    hold it). Each block call is replayed from a graph per (block, input signature), captured on
-    that pair's second call, as StepGraphs does for whole forwards.
-
-    Memory: the blocks run one after another, never at once, so all graphs of one signature read
-    the same static inputs (one block's inputs per signature, not one per block) and all graphs
-    share one memory pool; outputs are cloned out right after each replay. At most
-    `max_signatures` signatures are kept (least recently used evicted with all their graphs)."""
-
-    def __init__(self, device: torch.device, max_signatures: int = 8, capture_at: int = 2) -> None:
-        if max_signatures < 1:
-            raise ValueError(f"max_signatures must be >= 1, got {max_signatures}")
-        self.device, self.max_signatures, self.capture_at = device, max_signatures, capture_at
-        self._signatures: OrderedDict[Hashable, _Signature] = OrderedDict()
-        self._seen: dict[tuple[Hashable, Hashable], int] = {}
-        self._failed: set[tuple[Hashable, Hashable]] = set()
-        self._pool: Any = None
-        self.stats = {"captures": 0, "replays": 0, "evictions": 0, "failures": 0, "uncaptured": 0}
-
-    def __call__(self, block: Hashable, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-        """`fn(**kwargs)`, the call of `block`, through that block's graph for this signature."""
-        key = signature(kwargs, self.device)
-        pair = (block, key)
-        if key is None or pair in self._failed:
-            self.stats["uncaptured"] += 1
-            return fn(**kwargs)
-        sig = self._signatures.get(key)
-        graph = None if sig is None else sig.graphs.get(block)
-        if graph is None:
-            if len(self._seen) >= _MAX_SEEN and pair not in self._seen:
-                self._seen.clear()
-            seen = self._seen[pair] = self._seen.get(pair, 0) + 1
-            if seen < self.capture_at:
-                self.stats["uncaptured"] += 1
-                return fn(**kwargs)
-            graph = self._capture(pair, fn, kwargs)
-            if graph is None:
-                return fn(**kwargs)
-        else:
-            self._signatures.move_to_end(key)
-        self.stats["replays"] += 1
-        return graph.replay(kwargs)
-
-    def _capture(
-        self, pair: tuple[Hashable, Hashable], fn: Callable[..., Any], kwargs: dict[str, Any]
-    ) -> _Graph | None:
-        block, key = pair
-        try:
-            sig = self._signatures.get(key)
-            if sig is None:
-                while len(self._signatures) >= self.max_signatures:
-                    self._signatures.popitem(last=False)
-                    self.stats["evictions"] += 1
-                sig = self._signatures[key] = _Signature(kwargs)
-            self._signatures.move_to_end(key)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(_device_index(self.device)):
-                graph = _Graph(fn, kwargs, self._pool, self.device, inputs=sig.inputs)
-        except Exception as exc:
-            self._failed.add(pair)
-            self.stats["failures"] += 1
-            logger.warning(
-                "CUDA graph capture of a block failed for %s; it runs uncaptured: %s: %s",
-                key,
-                type(exc).__name__,
-                str(exc)[:300],
-            )
-            return None
-        sig.graphs[block] = graph
-        self._seen.pop(pair, None)
-        self.stats["captures"] += 1
-        return graph
-
-    def clear(self) -> None:
-        """Drop every graph (their pool memory goes back to the caching allocator)."""
-        self._signatures.clear()
-        self._seen.clear()
-        self._pool = None

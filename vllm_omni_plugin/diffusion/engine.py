@@ -26,7 +26,6 @@ from .adapters.base import DiffusionAdapter
 from .adapters.loader import configure_vae, load_pipeline, torch_dtype
 from .adapters.registry import get_adapter_class, pipeline_class_of
 from .config import DiffusionEngineConfig
-from .cuda_graphs import BlockGraphs, StepGraphs
 from .errors import CapacityError, DiffusionEngineError, RequestValidationError
 from .lora.setup import build_store, check_request
 from .memory_plan import check_fits, plan_memory, request_shape, total_budget
@@ -116,7 +115,7 @@ class DiffusionEngine:
     def _cuda_graphs(self, config: DiffusionEngineConfig) -> bool | None:
         """Off with LoRA: a graph would replay one plan of which rows take which adapter
         (cuda_graphs true was refused by the LoRA checks). Step caching keeps them: its forwards
-        with per-row paths replay graphs of single blocks instead (step_cache/blocks.py)."""
+        whose rows take per-row paths through the blocks run uncaptured (step_cache/runtime.py)."""
         if config.lora is not None:
             return False
         return config.cuda_graphs
@@ -137,11 +136,8 @@ class DiffusionEngine:
             )
         if not self.adapter.step_batched:
             return None  # whole-pipeline families: requests asking for a policy are refused
-        graphs = None
-        if isinstance(self.adapter.transformer, StepGraphs):
-            graphs = BlockGraphs(self.device, max_signatures=cfg.cuda_graph_max_graphs)
         try:
-            return StepCache(self.adapter.cached_models(), graphs)
+            return StepCache(self.adapter.cached_models())
         except TypeError as exc:
             raise DiffusionEngineError(f"step_cache: {exc}") from exc
 

@@ -10,10 +10,7 @@ The first block is the head, the others the tail. Per forward (a `ForwardPlan`, 
   the threshold, the output is the input plus the cached residual of all blocks.
 
 Rows that compute run the tail as one smaller batch; the last block puts every row back in its
-place. Without a plan (no row with an active policy) the wrappers call the block unchanged (and a
-CUDA graph of the whole forward may hold them). With one, where the engine captures CUDA graphs,
-each block's call is replayed from a graph of that block (the owner's `block_graphs`): the choices
-between blocks stay on the host, the blocks' kernels are launched as graphs.
+place. Without a plan (no row with an active policy) the wrappers call the block unchanged.
 The block output layout ((encoder, hidden) or (hidden, encoder) or hidden) per block class is the
 one diffusers' own cache hooks use.
 """
@@ -78,14 +75,8 @@ class CachedBlock(torch.nn.Module):
         if not plan.compute:
             out = self._passthrough(bound)
         else:
-            out = self._run(self._rows(plan, bound))
+            out = self.inner(**self._rows(plan, bound))
         return self._assemble(plan, out) if self.role == "last" else out
-
-    def _run(self, kwargs: dict[str, Any]) -> Any:
-        graphs = self._owner.block_graphs
-        if graphs is None:
-            return self.inner(**kwargs)
-        return graphs(self, self.inner, kwargs)
 
     # ---- head --------------------------------------------------------------------------
     def _head(self, plan: ForwardPlan, args: dict[str, Any]) -> Any:
@@ -96,7 +87,7 @@ class CachedBlock(torch.nn.Module):
         run = [g for g in plan.groups if g not in plan.skip_stack]
         if run:
             sub = args if len(run) == len(plan.groups) else self._subset(plan, args, run)
-            out = self._run(sub)
+            out = self.inner(**sub)
         else:
             out = None
         plan.head = self._scatter(plan, run, out)

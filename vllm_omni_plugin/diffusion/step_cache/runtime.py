@@ -12,8 +12,10 @@ row groups in batch order: (request state, tag, rows), tag "cond" or "uncond". P
 
 With no row of an active policy the model is called exactly as without a step cache. Where the
 engine captures CUDA graphs, forwards whose blocks take no per-row path (uncached rows, TaylorSeer
-rows that compute) replay the graph of the whole forward; the others run the forward uncaptured
-and each block from a graph of its own (`block_graphs`, blocks.py).
+rows that compute) replay the graph of the whole forward; forwards with first_block or teacache
+rows run uncaptured, since their rows' paths are chosen on the host between blocks. (Graphs of
+single blocks for those were measured slower than the uncaptured forward with compiled blocks:
+docs/step-cache.md.)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ...common.cache_policy import (
     CachePolicyError,
     parse_cache,
 )
-from ..cuda_graphs import BlockGraphs, uncaptured
+from ..cuda_graphs import uncaptured
 from ..errors import DiffusionEngineError
 from . import blocks
 from .rows import RowGroup, regroup, row_index, take_rows
@@ -47,11 +49,8 @@ SHARED_KWARGS = frozenset({"txt_ids", "img_ids", "attention_kwargs", "joint_atte
 
 
 class StepCache:
-    def __init__(
-        self, models: list[torch.nn.Module], block_graphs: BlockGraphs | None = None
-    ) -> None:
+    def __init__(self, models: list[torch.nn.Module]) -> None:
         self.plan: blocks.ForwardPlan | None = None
-        self.block_graphs = block_graphs
         for m in models:
             blocks.install(m, self)
         self._lock = threading.Lock()
@@ -102,8 +101,7 @@ class StepCache:
             active = any(g.policy in (FIRST_BLOCK, TEACACHE) for g in sub)
             self.plan = blocks.ForwardPlan(sub, sum(g.n for g in sub), active)
             try:
-                # A graph of the whole forward would replay one path for every row: forwards
-                # with per-row paths run uncaptured, their blocks from block graphs.
+                # A graph of the whole forward would replay one path for every row.
                 result = (uncaptured(model) if active else model)(**kw)
             finally:
                 self.plan = None
