@@ -14,8 +14,8 @@ With no row of an active policy the model is called exactly as without a step ca
 engine captures CUDA graphs, forwards whose blocks take no per-row path (uncached rows, TaylorSeer
 rows that compute) replay the graph of the whole forward; forwards with first_block or teacache
 rows run uncaptured, since their rows' paths are chosen on the host between blocks. (Graphs of
-single blocks for those were measured slower than the uncaptured forward with compiled blocks:
-docs/step-cache.md.)
+single blocks for those measured slower than the uncaptured forward with compiled blocks:
+BENCHMARKS.md, "Step caching with CUDA graphs kept".)
 """
 
 from __future__ import annotations
