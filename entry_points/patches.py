@@ -465,10 +465,9 @@ def serve_patches_installed() -> bool:
 #  (b) `Qwen3OmniMoeProcessor.from_pretrained` loads a video processor (`Qwen2VLVideoProcessor`,
 #      torchvision-only) and checks it against `VideoProcessorMixin`, which transformers'
 #      processor module cannot look up without torchvision. We register (AutoVideoProcessor's
-#      public `register`) a stand-in of that name that loads the checkpoint's video settings
-#      and refuses to process a video, and make the mixin visible to that lookup. Video inputs
-#      therefore still need torchvision (deploy files without it set `limit_mm_per_prompt:
-#      {video: 0}`); images and audio work.
+#      public `register`) our torch-only processor of that name
+#      (models/qwen3_omni/video_processor.py: the same settings, steps and outputs) and make the
+#      mixin visible to that lookup.
 # Guarded: inert when torchvision imports, and outside a stage pipeline (the API server with
 # --stage-config sets STAGE_PIPELINE_ENV; the processes it starts inherit it). Idempotent.
 # Checked: transformers 5.19 (processing_utils.get_possibly_dynamic_module, video_processing_auto,
@@ -499,26 +498,20 @@ def install_torchvision_free_qwen2_vl() -> bool:
         module.smart_resize = _require(pil, "smart_resize")  # type: ignore[attr-defined]
         module.Qwen2VLImageProcessor = _require(pil, "Qwen2VLImageProcessorPil")  # type: ignore[attr-defined]
         sys.modules[_QWEN2_VL_IMAGE_PROCESSING] = module
-    _register_video_stand_in()
+    _register_torch_video_processor()
     _torchvision_free_installed = True
     return True
 
 
-def _register_video_stand_in() -> None:
+def _register_torch_video_processor() -> None:
     from transformers import PretrainedConfig
 
     processing = importlib.import_module("transformers.processing_utils")
     videos = importlib.import_module("transformers.video_processing_utils")
     auto = importlib.import_module("transformers.models.auto.video_processing_auto")
 
-    class Qwen2VLVideoProcessor(_require(videos, "BaseVideoProcessor")):  # type: ignore[misc]
-        """Stand-in for transformers' torchvision-only video processor (patch 7)."""
-
-        def preprocess(self, *args: Any, **kwargs: Any) -> Any:
-            raise ValueError(
-                "video inputs need torchvision, which is not installed here; install it or "
-                "send images and audio only"
-            )
+    _require(videos, "BaseVideoProcessor")
+    from vllm_omni_plugin.models.qwen3_omni.video_processor import Qwen2VLVideoProcessor
 
     class _NoTorchvisionConfig(PretrainedConfig):
         model_type = "vllm_omni_no_torchvision"

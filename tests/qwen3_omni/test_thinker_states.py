@@ -4,8 +4,8 @@ run over the same tokens (`output_hidden_states`): `hidden_states[0]` (the input
 merged in) and `hidden_states[accept_hidden_layer]`, for every prompt position (media included)
 and every generated token that had a forward (all but the last sampled one).
 
-Video is not covered: transformers' Qwen3-Omni video processor needs torchvision, which the CPU
-environment lacks (the tiny deploy file sets `limit_mm_per_prompt: {video: 0}`).
+Video runs through the torch-only Qwen2-VL video processor where torchvision is absent
+(models/qwen3_omni/video_processor.py), on both sides of the comparison.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .thinker_states_common import (
     extract,
     processor_for,
     random_image,
+    random_video,
     rel_err,
     start_engine,
     transformers_states,
@@ -119,11 +120,19 @@ def test_audio_prompt_equals_transformers(engine, omni_model, processor, accept_
     check(layers, want, accept_layer, prompt_len, ids)
 
 
-def test_video_prompt():
-    pytest.skip(
-        "video: transformers' Qwen3-Omni video processor needs torchvision, absent from the "
-        "CPU environment (the tiny deploy file sets limit_mm_per_prompt: {video: 0})"
-    )
+def test_video_prompt_equals_transformers(engine, omni_model, processor, accept_layer):
+    """Four frames: vLLM's thinker (its video path, the processor of the checkpoint's name)
+    against transformers' thinker on the processor's outputs for the same frames."""
+    video = random_video()
+    text = chat_prompt(processor, [{"type": "video"}, {"type": "text", "text": "What happens?"}])
+    inputs = processor(text=[text], videos=[video], return_tensors="pt")
+    prompt = {"prompt": text, "multi_modal_data": {"video": video}}
+    ids, prompt_len, layers, _ = extract(engine, prompt, "video")
+    assert ids[:prompt_len] == inputs["input_ids"][0].tolist()
+    video_token = omni_model.config.thinker_config.video_token_id
+    assert ids.count(video_token) > 1
+    want = transformers_states(omni_model, inputs, ids, (0, accept_layer))
+    check(layers, want, accept_layer, prompt_len, ids)
 
 
 def test_two_requests_batched_equal_each_alone(engine, processor):

@@ -57,7 +57,7 @@ def start_engine(omni_dir, **overrides):
         enforce_eager=True,
         max_model_len=2048,
         max_num_seqs=4,
-        limit_mm_per_prompt={"video": 0},
+        limit_mm_per_prompt={"video": 1},
         # On, as vLLM's default: an extracted request skips reading it (ts.opt_in).
         enable_prefix_caching=True,
         additional_config={ts.ADDITIONAL_CONFIG_KEY: states},
@@ -142,6 +142,12 @@ def check(layers, want, accept_layer, prompt_len, ids):
         # Prompt and generated positions each match (not only the largest values).
         assert rel_err(layers[k][:prompt_len], want[k][:prompt_len]) <= REL_TOL
         assert rel_err(layers[k][prompt_len:], want[k][prompt_len:]) <= REL_TOL
+
+
+def random_video(frames: int = 4, size: int = 56) -> np.ndarray:
+    """(frames, size, size, 3) uint8 frames, as vLLM's video loaders give them."""
+    rng = np.random.default_rng(1)
+    return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
 
 
 def random_image():

@@ -144,6 +144,15 @@ def test_a_video_with_more_frames_than_the_bound_is_refused():
     assert "12 frames" in err.message and "serving.max_input_video_frames" in err.message
 
 
+def test_a_video_whose_frames_have_more_pixels_than_the_bound_is_refused():
+    """Each frame is held to the image bound (32 x 32 = 1024 pixels here)."""
+    ok = limits(max_input_image_pixels=32 * 32)
+    asyncio.run(ok.check(messages(video_part(mp4(3)))))
+    err = refusal(limits(max_input_image_pixels=32 * 32 - 1), messages(video_part(mp4(3))))
+    assert err.param == "messages[1].content[1]" and err.code == "video_too_large"
+    assert "32x32" in err.message and "serving.max_input_image_pixels" in err.message
+
+
 @pytest.mark.parametrize(
     "part, code",
     [

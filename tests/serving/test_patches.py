@@ -147,10 +147,11 @@ if installed:
     import importlib
     auto = importlib.import_module("transformers.models.auto.video_processing_auto")
     cls = auto.video_processor_class_from_name("Qwen2VLVideoProcessor")
-    try:
-        cls().preprocess([])
-    except ValueError as exc:
-        print("video refused:", "torchvision" in str(exc))
+    from vllm_omni_plugin.models.qwen3_omni import video_processor
+    import numpy as np
+    frames = np.random.default_rng(0).integers(0, 256, (4, 60, 90, 3), dtype=np.uint8)
+    out = cls().preprocess([frames], return_tensors="pt")
+    print("video", cls is video_processor.Qwen2VLVideoProcessor, out["video_grid_thw"].tolist())
 else:
     print("module", patches._QWEN2_VL_IMAGE_PROCESSING in sys.modules)
 """
@@ -172,8 +173,12 @@ def _patch7(env_value: str | None) -> str:
 @pytest.mark.skipif(
     importlib.util.find_spec("torchvision") is not None, reason="patch 7 is inert with torchvision"
 )
-def test_patch7_only_in_a_stage_pipeline_and_refuses_videos():
+def test_patch7_only_in_a_stage_pipeline():
     """Outside a stage pipeline nothing is touched; inside one the Qwen2-VL image module is
-    the PIL one's `smart_resize` and the video processor stand-in refuses videos by name."""
+    the PIL one's `smart_resize` and the checkpoint's video processor name loads the torch-only
+    one, which turns 4 frames of 60x90 into a 2 x 20 x 28 grid of patches: frames paired, and
+    resized up to the default least area (128 * 28 * 28 pixels) in multiples of 28: 280x392."""
     assert _patch7(None).split() == ["installed", "False", "module", "False"]
-    assert _patch7("1").split() == ["installed", "True", "video", "refused:", "True"]
+    out = _patch7("1")
+    assert out.split()[:4] == ["installed", "True", "video", "True"], out
+    assert out.strip().endswith("[[2, 20, 28]]"), out

@@ -12,10 +12,11 @@ Parity, greedy (the thinker at temperature 0, the talker greedy by the server's
 - the streamed pcm16 deltas join to exactly the non-streamed WAV's samples;
 - requests decoded together give what each gives alone within 2 LSB of 16-bit audio (6e-5: a
   batched decode sums in another order; tests/qwen3_omni bounds it at 1e-4 in float);
-- `input_audio` and `image_url` prompts answer as transformers does, in text and in speech (the
-  WAV within the same 0.01), alone or batched with text-only prompts. Video is not served by
-  the CPU config at all (transformers' video processor needs torchvision), and speech for it is
-  a 400 (tests/serving/test_speech_api.py).
+- `input_audio`, `image_url` and `video_url` prompts answer as transformers does, in text and in
+  speech (the WAV within the same 0.01), alone or batched with text-only prompts. The video is a
+  4-frame MP4 (a data URL) that vLLM decodes; transformers gets the frames vLLM's video loader
+  decodes from the same bytes, through the same processor (without torchvision, the torch-only
+  Qwen2-VL video processor: models/qwen3_omni/video_processor.py).
 """
 
 from __future__ import annotations
@@ -165,13 +166,43 @@ def _image():
     return Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), "RGB")
 
 
+def _mp4() -> bytes:
+    """Four frames of 64 x 64 random pixels at 2 frames per second (2 s), MPEG-4 in MP4."""
+    import av
+
+    rng = np.random.default_rng(1)
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        for frame in rng.integers(0, 256, (4, 64, 64, 3), dtype=np.uint8):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def _decoded_video() -> np.ndarray:
+    """The frames vLLM's video loader decodes from `_mp4()` (what the served thinker sees)."""
+    from vllm.multimodal.media.image import ImageMediaIO
+    from vllm.multimodal.media.video import VideoMediaIO
+
+    loaded = VideoMediaIO(ImageMediaIO()).load_bytes(_mp4())
+    frames, _ = getattr(loaded, "media", loaded)
+    assert frames.shape == (4, 64, 64, 3), frames.shape
+    return frames
+
+
 def media_content(kind: str) -> list[dict]:
-    """A question and one `input_audio` or `image_url` (PNG data URL) part."""
+    """A question and one `input_audio`, `image_url` (PNG) or `video_url` (MP4) data URL part."""
     from vllm_omni_plugin.serving.audio_encode import encode_audio
 
     if kind == "audio":
         data = base64.b64encode(encode_audio(_tone(), 16000, "wav")).decode()
         part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    elif kind == "video":
+        url = "data:video/mp4;base64," + base64.b64encode(_mp4()).decode()
+        part = {"type": "video_url", "video_url": {"url": url}}
     else:
         png = io.BytesIO()
         _image().save(png, "PNG")
@@ -202,7 +233,12 @@ def media_references(omni_speech_server):
         processor = AutoProcessor.from_pretrained(omni_speech_server.model)
         model = load_reference_model(omni_speech_server.model)
         out = {}
-        for kind, media in (("audio", {"audio": [_tone()]}), ("image", {"images": [_image()]})):
+        media_of = {
+            "audio": {"audio": [_tone()]},
+            "image": {"images": [_image()]},
+            "video": {"videos": [_decoded_video()]},
+        }
+        for kind, media in media_of.items():
             parts = [{"type": "text", "text": MEDIA_QUESTION}, {"type": kind}]
             prompt = processor.apply_chat_template(
                 [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
@@ -222,16 +258,16 @@ def media_references(omni_speech_server):
     return out
 
 
-@pytest.mark.parametrize("kind", ["audio", "image"])
+@pytest.mark.parametrize("kind", ["audio", "image", "video"])
 def test_media_input_answers_equal_transformers(omni_speech_server, media_references, kind):
-    """An `input_audio` or `image_url` part beside text, through vLLM's own chat and media
-    processing:
+    """An `input_audio`, `image_url` or `video_url` part beside text, through vLLM's own chat
+    and media processing:
     - in text: transformers' thinker's greedy ids (exactly) for the same processor output;
     - in speech: the same transcript, and the WAV equals transformers' `generate(...,
       return_audio=True)` within max abs 0.01 (as for text prompts above: chunked Code2Wav plus
       16-bit quantization): the talker read the thinker's hidden states at the media positions
       (vLLM's thinker's, within 1e-4 of transformers': tests/qwen3_omni/test_thinker_states.py)
-      and, for the image, ran transformers' 3-D positions.
+      and, for the image and the video, ran transformers' 3-D positions.
     """
     ids, reference = media_references[kind]
     content = media_content(kind)

@@ -97,19 +97,17 @@ def test_bad_speech_requests_are_400s_naming_the_field(fields, param, code):
     assert body["type"] == "invalid_request_error"
 
 
-def test_speech_for_audio_and_image_inputs_passes_and_for_video_is_a_400():
-    """Audio within the bound and images pass (the talker reads the thinker's hidden states at
-    their positions, on 3-D positions for images); speech for a prompt with a video part is
-    refused, also when the part sits among text, audio and image parts."""
+def test_speech_for_audio_image_and_video_inputs_passes_and_for_embeddings_is_a_400():
+    """Audio within the bound, images and videos pass (the talker reads the thinker's hidden
+    states at their positions, on 3-D positions for images and videos); speech for a prompt with
+    an embedding part is refused, also when the part sits among text, audio and image parts."""
     audio = audio_message(wav_b64(1.0))
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
-    mixed = [{"role": "user", "content": [*audio[0]["content"], image]}]
+    video = {"type": "video_url", "video_url": {"url": "data:,"}}
+    mixed = [{"role": "user", "content": [*audio[0]["content"], image, video]}]
     for messages in (audio, mixed):
         assert check(chat_request(**{**SPEECH, "messages": messages})).voice
-    for part in (
-        {"type": "video_url", "video_url": {"url": "data:,"}},
-        {"type": "image_embeds", "image_embeds": "AAAA"},
-    ):
+    for part in ({"type": "image_embeds", "image_embeds": "AAAA"},):
         content = [{"type": "text", "text": "and this?"}, *mixed[0]["content"], part]
         with pytest.raises(APIError) as err:
             check(chat_request(**{**SPEECH, "messages": [{"role": "user", "content": content}]}))

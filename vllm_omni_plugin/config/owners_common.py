@@ -216,5 +216,5 @@ class ServingLimits(Owner):
     """Most frames one video part (a `video_url` data URL) may hold, read from its container
     (more: a 400). 3600: two minutes at 30 fps."""
     max_input_image_pixels: int = Field(7680 * 4320, ge=1)
-    """Most pixels (width x height, read from the image header) one image part may have (more: a
-    400). The default is an 8K frame."""
+    """Most pixels (width x height, read from the image header or the video container) one image
+    part, or one frame of a video part, may have (more: a 400). The default is an 8K frame."""

@@ -9,7 +9,8 @@ Each refusal is an APIError 400 in OpenAI's shape whose `param` is the part's pa
   `serving.max_media_part_bytes`, told from the base64 length before anything is decoded;
 - an image wider x taller than `serving.max_input_image_pixels` (read from its header only);
 - audio longer than `serving.max_input_audio_s` (decoded, as the length is not in every header);
-- a video with more frames than `serving.max_input_video_frames` (read from its container);
+- a video with more frames than `serving.max_input_video_frames`, or frames of more pixels than
+  `serving.max_input_image_pixels` (both read from its container);
 - a part that is not base64, or not an image / audio / video of the kind its part says.
 
 Remote URLs (http, https, file) are left to vLLM's own media handling, which fetches them with
@@ -161,7 +162,7 @@ class MediaLimits:
 
     def _check_video(self, part: MediaPart, raw: bytes) -> None:
         try:
-            frames = container_frames(raw)
+            frames, width, height = container_video(raw)
         except ImportError:
             return  # without PyAV the frame count is not knowable here; vLLM's loader bounds it
         except Exception:
@@ -172,6 +173,14 @@ class MediaLimits:
                 f"{self.max_input_video_frames} (serving.max_input_video_frames)",
                 part.path,
                 "video_too_long",
+            )
+        if width * height > self.max_input_image_pixels:
+            raise invalid(
+                f"{part.path}: the video's frames are {width}x{height} = {width * height} "
+                f"pixels; this server takes at most {self.max_input_image_pixels} per frame "
+                "(serving.max_input_image_pixels)",
+                part.path,
+                "video_too_large",
             )
 
 
@@ -264,18 +273,19 @@ def _b64decode(part: MediaPart) -> bytes:
     return raw
 
 
-def container_frames(raw: bytes) -> int:
-    """Frames of the first video stream, from the container's header, else by counting its
-    packets (demuxed, not decoded). ImportError without PyAV."""
+def container_video(raw: bytes) -> tuple[int, int, int]:
+    """(frames, width, height) of the first video stream: the frame count from the container's
+    header, else by counting its packets (demuxed, not decoded). ImportError without PyAV."""
     import av
 
     with av.open(io.BytesIO(raw)) as container:
         if not container.streams.video:
             raise ValueError("no video stream")
         stream = container.streams.video[0]
+        size = int(stream.codec_context.width), int(stream.codec_context.height)
         if stream.frames:
-            return int(stream.frames)
-        return sum(1 for packet in container.demux(stream) if packet.size)
+            return int(stream.frames), *size
+        return sum(1 for packet in container.demux(stream) if packet.size), *size
 
 
 def decoded_seconds(raw: bytes) -> float:

@@ -12,8 +12,8 @@ request, off the event loop). Each refusal is an APIError 400 (OpenAI's error ob
 - `n` > 1 (one voice answers once);
 - `speech_sampling` (the talker's sampling for this request, beside the chat's own settings)
   with a key outside SPEECH_SAMPLING or a value out of its range;
-- speech asked for a prompt with video (or embedding) parts (not supported yet: text,
-  `input_audio` and `image_url` parts only).
+- speech asked for a prompt with embedding parts (`image_embeds`, ...: they carry no patch grid
+  for the talker's 3-D positions; text, `input_audio`, `image_url` and `video_url` parts speak).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .errors import invalid
 STREAM_FORMAT = "pcm16"
 # Content parts a spoken answer may follow besides text (the talker reads the thinker's hidden
 # states at their positions: stages/thinker_media.py).
-SPOKEN_MEDIA = ("input_audio", "image_url")
+SPOKEN_MEDIA = ("input_audio", "image_url", "video_url")
 # The talker's per-request sampling (`extra_body={"speech_sampling": {...}}`): name -> check.
 # Unset keys take the talker stage's `default_sampling_params`, then the checkpoint's; the
 # chat request's own `seed` seeds the talker too unless `speech_sampling.seed` is set.
@@ -121,13 +121,11 @@ def check_speech_request(
         raise invalid("audio output does not continue a final message", "continue_final_message")
     unspoken = [m for m in media_parts(getattr(request, "messages", [])) if m not in SPOKEN_MEDIA]
     if unspoken:
-        # Video's 3-D talker positions follow its frame timing, which no test here can check
-        # against transformers (its video processor needs torchvision); embedding parts carry
-        # no grid of their own.
+        # Embedding parts carry no patch grid of their own for the talker's 3-D positions.
         raise invalid(
             f"speech answers to {unspoken[0]} inputs are not supported yet; send text, "
-            'input_audio and image_url parts with `modalities: ["text", "audio"]`, or drop '
-            "`audio` for a text answer",
+            'input_audio, image_url and video_url parts with `modalities: ["text", "audio"]`, '
+            "or drop `audio` for a text answer",
             "messages",
             "unsupported_modality",
         )

@@ -378,7 +378,11 @@ def visual_grids(features: list) -> list:
             raise RequestRefused(f"the chat request's {feature.modality} arrived without data")
         data = feature.data.get_data()
         t, h, w = (int(v) for v in data[f"{feature.modality}_grid_thw"].reshape(-1).tolist())
-        seconds = data.get("video_second_per_grid")
+        # The processor's `video_second_per_grid`, which vLLM's Qwen-Omni processors keep as
+        # `second_per_grid_ts`; images have none (their grid has one time step).
+        seconds = data.get("second_per_grid_ts", data.get("video_second_per_grid"))
+        if seconds is None and feature.modality == "video":
+            raise RequestRefused("the chat request's video arrived without its frame timing")
         seconds = float(seconds.reshape(-1)[0]) if seconds is not None else 1.0
         grids.append(VisualGrid(t, h, w, seconds))
     return grids
