@@ -22,6 +22,10 @@ peak while it runs (NVML every 0.2 s; null without an NVIDIA device). Ours also 
 stage restarts from /metrics. With `--budget-s`, a run starts only if its estimated duration (the
 latest run of that system in OUT plus 10%, else `--first-run-s`) fits what is left; runs already
 in OUT/results.jsonl are not repeated, so the same command continues in the next call.
+
+`--input audio|video` asks every speech request a media question instead (omni_speech_client's
+`user_content`: a 10 s `input_audio` part, or a 30-frame `video_url` part); its runs are recorded
+with `input` and continue only runs of the same input.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from incumbent import (  # noqa: E402
     validate_deploy,
 )
 from omni_speech_client import (  # noqa: E402
+    INPUTS,
     Lengths,
     load,
     speech_request,
@@ -132,7 +137,13 @@ def server_argv(args, system: str, incumbent: dict) -> tuple[list[str], dict, di
 
 # ---- one served run --------------------------------------------------------------------------
 async def measure(
-    url: str, model: str, lengths: Lengths, singles: int, levels: list[int], api_key: str = "none"
+    url: str,
+    model: str,
+    lengths: Lengths,
+    singles: int,
+    levels: list[int],
+    api_key: str = "none",
+    media: str = "text",
 ) -> dict:
     """Everything a run measures once its server is healthy (the module docstring's order)."""
     import httpx
@@ -152,7 +163,11 @@ async def measure(
 
     out: dict = {"restarts_before": await restarts()}
     t0 = time.perf_counter()
-    warm = await speech_request(client, model, 99, lengths)
+
+    def speak(i: int):
+        return speech_request(client, model, i, lengths, media=media)
+
+    warm = await speak(99)
     out["warmup_s"] = round(time.perf_counter() - t0, 2)
     out["warmup_ok"] = warm["ok"]
     text = [await text_request(client, model, i, lengths) for i in range(singles)]
@@ -165,13 +180,11 @@ async def measure(
         if level == 1:
             records, wall = [], 0.0
             for i in range(singles):
-                rec = await speech_request(client, model, i, lengths)
+                rec = await speak(i)
                 records.append(rec)
                 wall += rec["s"]
         else:
-            records, wall = await load(
-                lambda i: speech_request(client, model, i, lengths), level, level
-            )
+            records, wall = await load(speak, level, level)
         out[f"speech_c{level}"] = summarize_speech(records, wall, level)
         scrape_after = await metrics()
         busy_after = stage_counter(scrape_after, "busy_seconds")
@@ -213,7 +226,14 @@ def run_served(args, system: str, incumbent: dict, r: int) -> dict:
             ready = server.wait_ready(args.start_timeout)
             print(f"{system} r{r}: ready in {ready:.1f} s", flush=True)
             data = asyncio.run(
-                measure(server.url, str(args.model), args.lengths, args.singles, args.levels)
+                measure(
+                    server.url,
+                    str(args.model),
+                    args.lengths,
+                    args.singles,
+                    args.levels,
+                    media=args.input,
+                )
             )
     finally:
         server.stop()
@@ -230,11 +250,12 @@ def run_served(args, system: str, incumbent: dict, r: int) -> dict:
 
 
 # ---- rounds ----------------------------------------------------------------------------------
-def done_runs(results: Path) -> list[dict]:
+def done_runs(results: Path, media: str = "text") -> list[dict]:
+    """The runs recorded for questions of this input kind."""
     if not results.exists():
         return []
     rows = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
-    return [x for x in rows if x.get("phase") == "omni-speech"]
+    return [x for x in rows if x.get("phase") == "omni-speech" and x.get("input", "text") == media]
 
 
 def plan(
@@ -269,10 +290,10 @@ def phase_run(args) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = args.out / "results.jsonl"
     start = time.monotonic()
-    todo = plan(systems, args.rounds, done_runs(results), args.round_offset)
+    todo = plan(systems, args.rounds, done_runs(results, args.input), args.round_offset)
     for r, system in todo:
         left = args.budget_s - (time.monotonic() - start) if args.budget_s else None
-        need = estimate_s(system, done_runs(results), args.first_run_s)
+        need = estimate_s(system, done_runs(results, args.input), args.first_run_s)
         if left is not None and need > left:
             print(f"STOPPED: {system} r{r} needs ~{need:.0f} s, {left:.0f} s left; run again "
                   f"to continue ({len(todo) - todo.index((r, system))} runs to go)", flush=True)  # fmt: skip
@@ -280,7 +301,9 @@ def phase_run(args) -> None:
         t0 = time.perf_counter()
         data = run_served(args, system, incumbent, r)
         record = build_record(system, r, device, args.lengths, time.perf_counter() - t0, data)
-        record.update(singles=args.singles, levels=args.levels, versions=_versions())
+        record.update(
+            input=args.input, singles=args.singles, levels=args.levels, versions=_versions()
+        )
         record["started_utc"] = time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - record["run_s"])
         )
@@ -345,6 +368,7 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=3, help="requests one at a time")
     parser.add_argument("--levels", type=levels_arg, default=[1, 8, 32])
     parser.add_argument("--thinker-tokens", type=int, default=64)
+    parser.add_argument("--input", choices=INPUTS, default="text", help="the question's kind")
     parser.add_argument("--frames", type=int, default=128, help="talker frames (80 ms each)")
     parser.add_argument("--stage-config", default=STAGE_CONFIG, help="ours (a CPU dry run: tiny)")
     parser.add_argument("--stage-overrides", default=None, help="ours: more overrides (JSON)")

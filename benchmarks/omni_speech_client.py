@@ -14,6 +14,11 @@ Both servers' stream shapes are read: ours (OpenAI's) carries `delta.audio.data`
 and `delta.audio.transcript`; vLLM-Omni 0.26 sends chunks with a top-level `modality` ("audio":
 `delta.content` is base64 pcm16 of that chunk; "text": the text).
 
+The question (`--input`): `text` (PROMPTS), `audio` (a 10 s spoken-question stand-in: an
+`input_audio` WAV part, 16 kHz, then a text part) or `video` (a 30-frame question: a `video_url`
+MP4 data URL, 320 x 240 at 2 frames per second, then a text part). Random weights answer noise as
+well as speech; the media's cost (encoder, positions, hidden states) is what these measure.
+
 One text request (`modalities=["text"]`, streamed, same length): the thinker's tokens per second,
 overall (`tokens / wall_s`) and while decoding (`(tokens - 1) / (last - first token)`).
 
@@ -24,10 +29,14 @@ an exception: a load of 32 counts what did not complete.
 from __future__ import annotations
 
 import base64
+import functools
+import io
 import statistics
 import time
+import wave
 from dataclasses import dataclass
 
+import numpy as np
 import openai
 from load_gen import closed_loop, percentile
 
@@ -43,6 +52,62 @@ PROMPTS = [
     "Why is the sky blue?",
     "Say something kind to a friend who had a long day.",
 ]
+
+
+INPUTS = ("text", "audio", "video")
+AUDIO_QUESTION_S = 10.0
+VIDEO_QUESTION_FRAMES = 30
+
+
+@functools.cache
+def audio_question_wav() -> bytes:
+    """AUDIO_QUESTION_S of a gliding tone with noise, 16-bit mono WAV at 16 kHz."""
+    rate = 16000
+    t = np.arange(int(AUDIO_QUESTION_S * rate)) / rate
+    wave_ = 0.3 * np.sin(2 * np.pi * (200 + 30 * t) * t)
+    wave_ += 0.05 * np.random.default_rng(0).standard_normal(t.shape)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(wave_, -1, 1) * 32767).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+@functools.cache
+def video_question_mp4() -> bytes:
+    """VIDEO_QUESTION_FRAMES frames of 320 x 240 moving gradients, MPEG-4 at 2 fps."""
+    import av
+
+    ys, xs = np.mgrid[0:240, 0:320]
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
+        for k in range(VIDEO_QUESTION_FRAMES):
+            rgb = np.stack([(xs + 8 * k) % 256, (ys + 4 * k) % 256, (xs + ys) % 256], -1)
+            frame = av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def user_content(i: int, media: str = "text") -> str | list[dict]:
+    """The user turn of request `i`: PROMPTS[i] alone, or a media part and a question."""
+    if media == "text":
+        return PROMPTS[i % len(PROMPTS)]
+    if media == "audio":
+        data = base64.b64encode(audio_question_wav()).decode()
+        part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+        question = "Answer the question in the recording."
+    elif media == "video":
+        url = "data:video/mp4;base64," + base64.b64encode(video_question_mp4()).decode()
+        part = {"type": "video_url", "video_url": {"url": url}}
+        question = "What happens in this video?"
+    else:
+        raise ValueError(f"input {media!r}: one of {INPUTS}")
+    return [part, {"type": "text", "text": question}]
 
 
 @dataclass(frozen=True)
@@ -95,16 +160,22 @@ def _failure(exc: Exception, t0: float) -> dict:
 
 
 async def speech_request(
-    client: openai.AsyncOpenAI, model: str, i: int, lengths: Lengths, voice: str = "ethan"
+    client: openai.AsyncOpenAI,
+    model: str,
+    i: int,
+    lengths: Lengths,
+    voice: str = "ethan",
+    media: str = "text",
 ) -> dict:
-    """One streamed speech answer to PROMPTS[i]; the timing record (module docstring)."""
+    """One streamed speech answer to request i's question (`user_content`); the timing record
+    (module docstring)."""
     t0 = time.perf_counter()
     first = last = None
     nbytes, transcript = 0, []
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            messages=[{"role": "user", "content": user_content(i, media)}],
             modalities=["text", "audio"],
             audio={"voice": voice, "format": "pcm16"},
             stream=True,

@@ -156,12 +156,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+QUESTIONS = {
+    "audio": "a 10 s spoken question (an `input_audio` part) and a line of text",
+    "video": "a 30-frame video question (a `video_url` MP4, 320 x 240) and a line of text",
+}
+
+
+def tables(rows: list[dict]) -> str:
+    """The text-question table, then one per media question kind that was measured."""
+    out = [table([r for r in rows if r.get("input", "text") == "text"])]
+    for kind, what in QUESTIONS.items():
+        mine = [r for r in rows if r.get("input") == kind]
+        if mine:
+            out.append(f"\nSpeech answers to {what}:\n\n" + table(mine))
+    return "".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--write", type=Path, default=None, help="markdown file with the markers")
     args = parser.parse_args()
-    text = table(load(args.results))
+    text = tables(load(args.results))
     if args.write:
         write_into(args.write, text, BEGIN, END)
     else:

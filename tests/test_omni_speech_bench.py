@@ -173,6 +173,41 @@ def test_report_medians_ratios_and_goals(tmp_path):
     assert report.table([]) == "Not measured yet.\n"
 
 
+def test_media_questions_are_bounded_valid_media_and_runs_keep_apart_by_input(tmp_path):
+    """The audio question is 10 s of 16 kHz WAV, the video question 30 frames of 320 x 240 (read
+    back by the server's own bound checks); runs of one input kind never count as done for
+    another, and the report gives each measured kind its own table."""
+    import io
+    import wave
+
+    from vllm_omni_plugin.serving.media_limits import container_video
+
+    audio, text = client.user_content(0, "audio")
+    raw = base64.b64decode(audio["input_audio"]["data"])
+    with wave.open(io.BytesIO(raw)) as w:
+        assert (w.getframerate(), w.getnframes()) == (16000, 160000)
+    assert text["type"] == "text"
+    video, _ = client.user_content(3, "video")
+    url = video["video_url"]["url"]
+    assert url.startswith("data:video/mp4;base64,")
+    assert container_video(base64.b64decode(url.split(",", 1)[1])) == (30, 320, 240)
+    assert client.user_content(2, "text") == client.PROMPTS[2]
+    with pytest.raises(ValueError, match="input 'speech'"):
+        client.user_content(0, "speech")
+
+    audio_run = {**_run("ours", 0, 0.3, 60.0), "input": "audio"}
+    text_run = _run("ours", 0, 0.4, 60.0)
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(audio_run) + "\n" + json.dumps(text_run) + "\n")
+    assert [r["input"] for r in bench.done_runs(results, "audio")] == ["audio"]
+    assert bench.done_runs(results, "video") == []
+    assert len(bench.done_runs(results)) == 1  # the text run (recorded before `input` existed)
+    text = report.tables(report.load([results]))
+    assert text.count("| time to first audio, c1 (s) |") == 2
+    assert "Speech answers to a 10 s spoken question" in text
+    assert "video question" not in text
+
+
 def test_served_parity_locates_where_the_waveforms_part_and_its_overrides_load():
     import numpy as np
     import omni_served_parity as parity

@@ -455,7 +455,8 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
     (greedy); the real-time factor is wall time over the audio received; the thinker wrote
     exactly the tokens asked (32: the tiny config's default caps requests, as vLLM's does); no
     5xx and no stage restart (our /metrics). The tiny talker (67 codec codes) often ends at its
-    end-of-speech code before the cap; prompt 1 runs to it: 64 x 1920 samples less the trim."""
+    end-of-speech code before the cap; prompt 1 runs to it: 64 x 1920 samples less the trim.
+    With `media="audio"` (the bench's 10 s spoken question) the request completes too."""
     import asyncio
     import sys
 
@@ -491,6 +492,9 @@ def test_speech_benchmark_measures_the_served_pipeline(omni_speech_server, tmp_p
         # load's ratio moves by more than 1e-3 relative)
         assert 0 < load["rtf"] <= (load["wall_s"] + 5e-4) / shortest + 5e-5
     assert c1["samples_by_prompt"]["0"] == c4["samples_by_prompt"]["0"]
+    heard = asyncio.run(measure(url, model, lengths, 1, [1], api_key=API_KEY, media="audio"))
+    assert heard["warmup_ok"] and heard["http_5xx"] == 0, heard
+    assert (heard["speech_c1"]["requests"], heard["speech_c1"]["completed"]) == (1, 1), heard
     for load in (c1, c4):  # our /metrics: every stage held the load's requests for a while
         assert set(load["stage_request_s"]) == {"0", "1", "2"}, load
         assert all(v > 0 for v in load["stage_request_s"].values()), load
