@@ -68,6 +68,17 @@ def test_rows_rebuild_the_resized_normalized_frames_exactly():
     assert torch.equal(rebuilt, want)
 
 
+def test_size_bounds_from_construction_and_from_a_call():
+    """min_pixels / max_pixels (the older names) bound the frame area, at construction or per
+    call; 60 x 90 frames capped at 28 x 28 x 4 pixels become 28 x 56 (a 2 x 4 patch grid)."""
+    small = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 4}
+    by_init = Qwen2VLVideoProcessor(**small)([frames(2)], return_tensors="pt")
+    by_call = Qwen2VLVideoProcessor()([frames(2)], return_tensors="pt", **small)
+    for out in (by_init, by_call):
+        assert out["video_grid_thw"].tolist() == [[1, 2, 4]]
+    assert torch.equal(by_init["pixel_values_videos"], by_call["pixel_values_videos"])
+
+
 def test_uint8_resize_on_the_cpu_is_the_native_kernel_elsewhere_float_rounded():
     x = torch.from_numpy(frames(2)).permute(0, 3, 1, 2).contiguous()
     native = torch.nn.functional.interpolate(

@@ -101,6 +101,23 @@ class Qwen2VLVideoProcessor(BaseVideoProcessor):
         size.pop("max_pixels", None)
         super().__init__(size=size, **kwargs)
 
+    def _standardize_kwargs(
+        self,
+        size: Any = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        **kwargs: Any,
+    ) -> dict:
+        # A call's min_pixels / max_pixels set the bounds of its size, as at construction.
+        if min_pixels is not None or max_pixels is not None:
+            bounds = dict(size or self.size)
+            if min_pixels is not None:
+                bounds["shortest_edge"] = min_pixels
+            if max_pixels is not None:
+                bounds["longest_edge"] = max_pixels
+            size = bounds
+        return super()._standardize_kwargs(size=size, **kwargs)
+
     # ---- frames ------------------------------------------------------------------------
     def sample_frames(
         self,
