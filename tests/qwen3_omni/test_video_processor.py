@@ -21,7 +21,7 @@ import torch
 
 from vllm_omni_plugin.models.qwen3_omni.video_processor import (
     Qwen2VLVideoProcessor,
-    resize_bicubic,
+    resize_frames,
 )
 
 
@@ -60,7 +60,7 @@ def test_rows_rebuild_the_resized_normalized_frames_exactly():
     assert grid == [3, 20, 28]
     rebuilt = unpatchify(out["pixel_values_videos"], grid)
     x = torch.from_numpy(video).permute(0, 3, 1, 2).contiguous()
-    x = resize_bicubic(x, 280, 392).to(torch.float32)
+    x = resize_frames(x, 280, 392).to(torch.float32)
     mean = torch.tensor(proc.image_mean).view(-1, 1, 1) * 255
     std = torch.tensor(proc.image_std).view(-1, 1, 1) * 255
     want = (x - mean) / std
@@ -84,11 +84,19 @@ def test_uint8_resize_on_the_cpu_is_the_native_kernel_elsewhere_float_rounded():
     native = torch.nn.functional.interpolate(
         x, size=[30, 40], mode="bicubic", align_corners=False, antialias=True
     )
-    assert torch.equal(resize_bicubic(x, 30, 40), native)
-    assert resize_bicubic(x, 60, 90) is x  # already that size
-    halves = resize_bicubic(x.to(torch.int16), 30, 40)  # the cast path: float32, round, back
+    assert torch.equal(resize_frames(x, 30, 40), native)
+    assert resize_frames(x, 60, 90) is x  # already that size
+    halves = resize_frames(x.to(torch.int16), 30, 40)  # the cast path: float32, round, back
     assert halves.dtype == torch.int16
     assert (halves.to(torch.int32) - native.to(torch.int32)).abs().max() <= 1
+
+
+def test_a_resample_filter_it_cannot_run_is_refused_not_ignored():
+    bilinear = Qwen2VLVideoProcessor(resample=2)([frames(2)], return_tensors="pt")
+    bicubic = Qwen2VLVideoProcessor()([frames(2)], return_tensors="pt")
+    assert not torch.equal(bilinear["pixel_values_videos"], bicubic["pixel_values_videos"])
+    with pytest.raises(ValueError, match="resample 1"):
+        Qwen2VLVideoProcessor()([frames(2)], return_tensors="pt", resample=1)  # LANCZOS
 
 
 def test_sampling_by_fps_pairs_frames_within_the_bounds():

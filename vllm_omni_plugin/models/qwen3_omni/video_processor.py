@@ -9,8 +9,9 @@ model's preprocessing, done with the torch operations torchvision's own kernels 
   to the temporal patch size;
 * each frame resized to the closest size whose sides are multiples of patch_size * merge_size and
   whose area lies between `size["shortest_edge"]` and `size["longest_edge"]` pixels (Qwen2-VL's
-  `smart_resize`), bicubic with antialiasing: `torch.nn.functional.interpolate`, on uint8 frames
-  natively on the CPU (torchvision does the same there), elsewhere in float32, clamped, rounded;
+  `smart_resize`), bicubic (the checkpoints' `resample`) with antialiasing:
+  `torch.nn.functional.interpolate`, on uint8 frames natively on the CPU (torchvision does the
+  same there), elsewhere in float32, clamped, rounded;
 * rescaled and normalized in one step (mean and std divided by the rescale factor), as the
   processors' base class does;
 * cut into patches of temporal_patch_size x patch_size x patch_size, ordered so that each
@@ -45,21 +46,32 @@ class Qwen2VLVideoKwargs(VideosKwargs, total=False):
     max_video_tokens: int
 
 
-def resize_bicubic(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """(..., C, H, W) frames resized to (height, width), bicubic with antialiasing, in their dtype."""
+# PIL's resampling filter numbers (the processor's `resample`) -> interpolate's mode.
+MODES = {int(PILImageResampling.BILINEAR): "bilinear", int(PILImageResampling.BICUBIC): "bicubic"}
+
+
+def resize_frames(
+    frames: torch.Tensor, height: int, width: int, mode: str = "bicubic"
+) -> torch.Tensor:
+    """(..., C, H, W) frames resized to (height, width) with antialiasing, in their dtype, as
+    torchvision resizes tensors: uint8 natively on the CPU where torch has the kernel (bicubic;
+    bilinear with AVX2), otherwise in float32, then clamped (bicubic) and rounded back."""
     if tuple(frames.shape[-2:]) == (height, width):
         return frames
     lead, (c, h, w) = frames.shape[:-3], frames.shape[-3:]
     flat = frames.reshape(-1, c, h, w)
+    native_uint8 = flat.device.type == "cpu" and (
+        mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability()
+    )
     native = flat.dtype in (torch.float32, torch.float64) or (
-        flat.dtype == torch.uint8 and flat.device.type == "cpu"
+        flat.dtype == torch.uint8 and native_uint8
     )
     x = flat if native else flat.to(torch.float32)
     out = torch.nn.functional.interpolate(
-        x, size=[height, width], mode="bicubic", align_corners=False, antialias=True
+        x, size=[height, width], mode=mode, align_corners=False, antialias=True
     )
     if not native:
-        if flat.dtype == torch.uint8:
+        if mode == "bicubic" and flat.dtype == torch.uint8:
             out = out.clamp_(0, 255)
         if not flat.dtype.is_floating_point:
             out = out.round_()
@@ -230,13 +242,19 @@ class Qwen2VLVideoProcessor(BaseVideoProcessor):
         patch_size = patch_size or self.patch_size
         merge_size = merge_size or self.merge_size
         tps = temporal_patch_size or self.temporal_patch_size
+        mode = MODES.get(int(self.resample if resample is None else resample))
+        if do_resize and mode is None:
+            raise ValueError(
+                f"resample {resample!r}: this video processor resizes with bilinear (2) or "
+                "bicubic (3) filters only"
+            )
         patches, grids = [], []
         for video in videos:
             if do_resize:
                 h, w = self.target_size(
                     video, size, patch_size * merge_size, tps, bool(cap_pixels_per_frame)
                 )
-                video = resize_bicubic(video, h, w)
+                video = resize_frames(video, h, w, mode)
             video = self.rescale_and_normalize(
                 video, do_rescale, rescale_factor, do_normalize, image_mean, image_std
             )
