@@ -471,7 +471,8 @@ def serve_patches_installed() -> bool:
 # Guarded: inert when torchvision imports, and outside a stage pipeline (the API server with
 # --stage-config sets STAGE_PIPELINE_ENV; the processes it starts inherit it). Idempotent.
 # Checked: transformers 5.19 (processing_utils.get_possibly_dynamic_module, video_processing_auto,
-# both qwen2_vl image modules), vLLM 0.26.0 to 0.33.0 (the import in qwen2_vl.py).
+# both qwen2_vl image modules, video_processing_utils.BaseVideoProcessor's preprocess path),
+# vLLM 0.26.0 to 0.33.0 (the import in qwen2_vl.py; the Qwen-Omni processors' video items).
 # --------------------------------------------------------------------------------------------
 
 STAGE_PIPELINE_ENV = "VLLM_OMNI_STAGE_PIPELINE"
