@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from free_ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -73,14 +73,8 @@ def local_answers(model: Path, folder: Path, log: Path) -> dict[str, dict]:
         return answers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_and_ask(model: Path, log: Path) -> dict[str, dict]:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
     env["TOKENIZERS_PARALLELISM"] = "false"

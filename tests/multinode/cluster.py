@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM = str(Path(sys.executable).parent / "vllm")
 CONFIG = "stage_configs/glm_image_tiny_nixl.yaml"
 NS_CLIENT = Path(__file__).with_name("ns_client.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

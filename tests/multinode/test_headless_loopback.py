@@ -25,12 +25,12 @@ import pytest
 from cluster import (
     Proc,
     connector_metric,
-    free_port,
     head_args,
     node_args,
     stage_metric,
     wait_status,
 )
+from free_ports import free_port
 from openai import OpenAI
 from PIL import Image
 

@@ -17,7 +17,6 @@ import pytest
 from cluster import (
     Proc,
     connector_metric,
-    free_port,
     head_args,
     node_args,
     ns_call,
@@ -25,6 +24,7 @@ from cluster import (
     sh,
     stage_metric,
 )
+from free_ports import free_port
 
 
 @pytest.fixture

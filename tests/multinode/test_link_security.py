@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from free_ports import free_port
 from link_peers import (
     DIT,
     KEY,
@@ -310,9 +311,7 @@ async def test_with_the_key_the_registry_listens_on_all_interfaces(monkeypatch):
 
 def test_vllm_serve_refuses_a_non_loopback_registry_without_the_key(tmp_path):
     """The acceptance line: `vllm serve ... --stage-ids 0 --omni-master-address 0.0.0.0`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master = s.getsockname()[1]
+    master = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (AUTHKEY_ENV, "VLLM_PLUGINS")}
     vllm = str(Path(sys.executable).parent / "vllm")
     args = ["serve", "/unused/glm-image", "--stage-config", "glm_image_tiny_nixl"]

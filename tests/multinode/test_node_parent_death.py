@@ -18,7 +18,8 @@ import time
 
 import psutil
 import pytest
-from cluster import REPO, VLLM, free_port, node_args
+from cluster import REPO, VLLM, node_args
+from free_ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,8 @@ import time
 
 import cluster
 import pytest
-from cluster import NS_CLIENT, REPO, Proc, free_port, ns_call, ns_wait_healthy
+from cluster import NS_CLIENT, REPO, Proc, ns_call, ns_wait_healthy
+from free_ports import free_port
 from ns_http import NsHttp
 from speech_reference import TALKER, THINKER_TOKENS
 

@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,12 +31,6 @@ RAY_PORT = 6379
 
 def sh(*args: str) -> str:
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def netns_inode(ns: str) -> int:

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from ray_cluster import RAY, free_port
+from free_ports import free_port
+from ray_cluster import RAY
 
 pytestmark = pytest.mark.slow
 

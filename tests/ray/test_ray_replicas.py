@@ -19,7 +19,8 @@ import time
 
 import psutil
 import pytest
-from ray_cluster import TwoNodeRay, free_port, replica_actor_pid, replica_rows
+from free_ports import free_port
+from ray_cluster import TwoNodeRay, replica_actor_pid, replica_rows
 
 pytestmark = pytest.mark.slow
 

@@ -30,8 +30,9 @@ import time
 
 import psutil
 import pytest
+from free_ports import free_port
 from ns_http import NsHttp
-from ray_cluster import REPO, TwoNodeRay, free_port, replica_actor_pid, replica_rows
+from ray_cluster import REPO, TwoNodeRay, replica_actor_pid, replica_rows
 from speech_reference import CODE2WAV_WINDOW, THINKER_TOKENS
 from speech_reference import TALKER as TALKER_SETTINGS
 

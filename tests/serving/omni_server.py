@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from free_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -26,12 +27,6 @@ MULTIPART_FILE_START = (
 # serving.request_timeout_s of the Qwen test server; its ordinary test requests take
 # 0.1-1 s on a busy box.
 REQUEST_TIMEOUT_S = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
