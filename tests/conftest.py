@@ -34,6 +34,8 @@ atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True
 # What torch.compile caches (tests that compile the talker's code predictor) stays in the
 # session too: a cache left by another run never decides a result.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["XDG_RUNTIME_DIR"], "inductor")
+# vLLM's own cache (its AOT-compiled graphs, model-class inspections), not the user's ~/.cache.
+os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ["XDG_RUNTIME_DIR"], "vllm-cache")
 
 # Under pytest-xdist (`make test`: -n 2) each module is a unit of work (its module-scoped
 # servers start once), except that the Ray modules are one unit: one Ray cluster at a time.

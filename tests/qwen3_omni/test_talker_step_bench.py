@@ -17,8 +17,9 @@ BATCHES, FRAMES = (1, 4), 6
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> dict:
-    """The bench as the GPU runs it, on the tiny checkpoint (~40 s, nearly all of it one vLLM
-    CPU engine's start)."""
+    """The bench as the GPU runs it, on the tiny checkpoint, but eager (`--eager`): vLLM's CPU
+    build would spend ~18 s compiling the talker with inductor, which nothing here checks
+    (~15 s, most of it one vLLM CPU engine's start)."""
     tmp = tmp_path_factory.mktemp("talker-step")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
@@ -37,6 +38,7 @@ def dry_run(tmp_path_factory) -> dict:
         str(FRAMES),
         "--profile",
         "2",
+        "--eager",
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
