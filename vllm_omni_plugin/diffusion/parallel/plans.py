@@ -23,7 +23,7 @@ class RankInit(msgspec.Struct, tag=True):
     """What a follower needs to (re)build its engine (its rank is in its argv)."""
 
     config: DiffusionEngineConfig
-    init_method: str | None  # None: the process group exists already (a rebuild)
+    store_port: int | None  # rank 0's store; None: the process group exists already (a rebuild)
 
 
 class PlannedRequest(msgspec.Struct):

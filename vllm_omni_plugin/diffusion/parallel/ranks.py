@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -61,7 +60,23 @@ def rank_config(config: DiffusionEngineConfig, rank: int) -> DiffusionEngineConf
     return config
 
 
-def join(config: DiffusionEngineConfig, rank: int, init_method: str) -> ParallelLayout:
+def store_at(port: int | None, world_size: int) -> dist.TCPStore:
+    """The ranks' meeting point on this host. Rank 0 (`port` None) listens on a port it holds
+    from the start (port 0: the kernel picks one) and sends it to the followers, which connect.
+    A port found free and released first could be taken by another process's connection
+    before rank 0 listened on it."""
+    leader = port is None
+    return dist.TCPStore(
+        "127.0.0.1",
+        0 if leader else port,
+        world_size,
+        is_master=leader,
+        timeout=COLLECTIVE_TIMEOUT,
+        wait_for_workers=False,
+    )
+
+
+def join(config: DiffusionEngineConfig, rank: int, store: dist.Store) -> ParallelLayout:
     layout = layout_of(config, rank)
     device = torch.device(rank_config(config, rank).device)
     if device.type == "cuda":
@@ -69,7 +84,7 @@ def join(config: DiffusionEngineConfig, rank: int, init_method: str) -> Parallel
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=layout.world_size,
         timeout=COLLECTIVE_TIMEOUT,
@@ -176,12 +191,6 @@ def _exit_stage(rank: int, code: int) -> None:
     os._exit(RANK_DIED_EXIT_CODE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_engine(
     config: DiffusionEngineConfig,
     on_rank_death: Callable[[int, int], None] | None = None,
@@ -208,7 +217,7 @@ def build_engine(
         layout = layout_of(config, 0)
         layout.init_groups()
     else:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        store = store_at(None, world)
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "vllm_omni_plugin.diffusion.parallel.follower", str(rank)],
@@ -219,8 +228,8 @@ def build_engine(
         ranks = ParallelRanks(procs, on_rank_death or _exit_stage)
     try:
         if reuse is None:
-            ranks.send(RankInit(config, init_method))
-            layout = join(config, 0, init_method)
+            ranks.send(RankInit(config, store.port))
+            layout = join(config, 0, store)
         engine = DiffusionEngine(rank_config(config, 0))
         make_parallel(engine, layout)
     except BaseException:
@@ -247,8 +256,8 @@ def follow(conn: Connection, rank: int) -> None:
             return
         if isinstance(msg, RankInit):
             adapter, states = None, {}
-            if msg.init_method is not None:
-                layout = join(msg.config, rank, msg.init_method)
+            if msg.store_port is not None:
+                layout = join(msg.config, rank, store_at(msg.store_port, msg.config.world_size))
             else:
                 layout = layout_of(msg.config, rank)
                 layout.init_groups()
