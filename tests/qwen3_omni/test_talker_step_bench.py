@@ -17,9 +17,9 @@ BATCHES, FRAMES = (1, 4), 6
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> dict:
-    """The bench as the GPU runs it, on the tiny checkpoint, but eager (`--eager`): vLLM's CPU
-    build would spend ~18 s compiling the talker with inductor, which nothing here checks
-    (~15 s, most of it one vLLM CPU engine's start)."""
+    """The bench as the GPU runs it, on the tiny checkpoint, but eager (`--eager`): nothing here
+    checks the compiled talker, which vLLM's CPU build compiles with inductor (~30 s alone,
+    against ~34 s compiled; most of it one vLLM CPU engine's start and first steps)."""
     tmp = tmp_path_factory.mktemp("talker-step")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
