@@ -145,15 +145,36 @@ def image_reference(omni_model, omni_dir):
     return _media_reference(omni_model, omni_dir, "image")
 
 
+# The published checkpoint's generation config (the thinker's) ends text at these ids: past the
+# codec vocabulary, as they are at full size.
+PUBLISHED_TEXT_EOS = [151645, 151643]
+
+
 @pytest.fixture(scope="module")
-def llm(omni_dir):
+def engine_dir(omni_dir, tmp_path_factory):
+    """The tiny checkpoint with the published generation config's EOS ids, for the engine: the
+    talker must take none of them as its own (test_vllm_talker_min_tokens_masks_the_codec_eos)."""
+    import json
+
+    out = tmp_path_factory.mktemp("talker-engine-checkpoint")
+    for f in omni_dir.iterdir():
+        (out / f.name).symlink_to(f)
+    generation = out / "generation_config.json"
+    config = json.loads(generation.read_text())
+    generation.unlink()
+    generation.write_text(json.dumps({**config, "eos_token_id": PUBLISHED_TEXT_EOS}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dir):
     from vllm import LLM
 
     from vllm_omni_plugin.models.qwen3_omni.predictor_probe import PREDICTOR_PROBE
     from vllm_omni_plugin.models.qwen3_omni.talker_runner import talker_engine_args
 
     engine = LLM(
-        model=str(omni_dir),
+        model=str(engine_dir),
         **talker_engine_args(),
         worker_extension_cls=PREDICTOR_PROBE,
         enforce_eager=True,
@@ -213,6 +234,19 @@ def test_vllm_talker_frames_equal_transformers(llm, conditioner, talker_config, 
     assert clear > 1
     if clear == ref.num_frames:
         assert frames.shape == ref.codes.shape
+    assert torch.equal(frames[:, :clear], ref.codes[:, :clear])
+
+
+def test_vllm_talker_min_tokens_masks_the_codec_eos(llm, conditioner, talker_config, references):
+    """`min_tokens` (a deploy's default_sampling_params or a request's own): until then vLLM masks
+    the request's stop ids, which are the codec EOS alone, not the checkpoint's text EOS ids
+    (past the codec vocabulary here, as at full size: engine_dir). Every frame is written, and
+    up to the first near-tie (NEAR_TIE) they equal transformers' greedy ones."""
+    ids, ref, clear = references[PROMPTS[0]]
+    request = [(ids, ref.text_ids)]
+    (frames,) = _generate(llm, conditioner, talker_config, request, min_tokens=MAX_FRAMES, **GREEDY)
+    assert frames.shape[1] == MAX_FRAMES
+    assert clear > 1
     assert torch.equal(frames[:, :clear], ref.codes[:, :clear])
 
 

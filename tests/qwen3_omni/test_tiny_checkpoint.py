@@ -90,6 +90,10 @@ def test_full_size_config_has_the_published_sizes():
         model = Qwen3OmniMoeForConditionalGeneration(config)
     billions = sum(p.numel() for p in model.parameters()) / 1e9
     assert 33 < billions < 37, billions
+    assert config.talker_config.accept_hidden_layer == 24
+    # A shallow build (--num-layers) reads the input of the thinker's last layer.
+    shallow = full.build_config(ids, num_layers=2)
+    assert shallow.talker_config.accept_hidden_layer == 1
 
 
 def test_layer_by_layer_writer_writes_what_save_pretrained_writes(tmp_path):

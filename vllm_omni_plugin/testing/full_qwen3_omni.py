@@ -158,7 +158,8 @@ def build_config(ids: dict[str, int], num_layers: int | None = None):
         "codec_think_eos_id": 2157,
         "num_code_groups": 16,
         "thinker_hidden_size": 2048,
-        "accept_hidden_layer": min(24, thinker_layers),
+        # The input of thinker layer 24 (of 48); a shallower build reads its last layer's input.
+        "accept_hidden_layer": min(24, thinker_layers - 1),
         "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
         "spatial_merge_size": 2,
         "code_predictor_config": {

@@ -51,6 +51,7 @@ that step may wait for the thinker's next id (or its end), as the next frame wou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -377,13 +378,22 @@ def __getattr__(name: str):
     return cls
 
 
+# The talker's generation config: empty. The checkpoint's generation_config.json is the
+# thinker's, and vLLM reads its EOS ids even with `generation_config="vllm"`, adding them to
+# every request's stop ids: text ids, which in the codec vocabulary would end an answer at an
+# ordinary code, and which vLLM's min_tokens processor masks in the codec head's logits (at
+# full size 151643 and 151645, past its 3072 columns: an out-of-range index that kills the
+# engine). The talker's stop id is the codec EOS each request names (frame_sampling_params).
+TALKER_GENERATION_CONFIG = Path(__file__).with_name("talker_generation")
+
+
 def talker_engine_args() -> dict:
     """The vLLM engine arguments every talker engine has, whatever its deploy settings: the
     talker built from the whole checkpoint's `talker_config` (hf_overrides), frames out through
     the talker worker's runner, prompts given as embeddings (so nothing to share between
-    prefixes), and vLLM's sampling defaults (the checkpoint's generation config is the
-    thinker's). Scheduling is vLLM's choice or the deploy's (`async_scheduling`): the runner
-    is correct under both."""
+    prefixes), and a generation config of its own (TALKER_GENERATION_CONFIG: vLLM's sampling
+    defaults, no text special ids). Scheduling is vLLM's choice or the deploy's
+    (`async_scheduling`): the runner is correct under both."""
     from vllm_omni_plugin.families.qwen3_omni import talker_hf_config
 
     return {
@@ -392,7 +402,7 @@ def talker_engine_args() -> dict:
         "skip_tokenizer_init": True,
         "enable_prompt_embeds": True,
         "enable_prefix_caching": False,
-        "generation_config": "vllm",
+        "generation_config": str(TALKER_GENERATION_CONFIG),
     }
 
 
