@@ -167,7 +167,8 @@ def check_talker_runner(r: Report) -> None:
     `scheduler_config`, `compilation_config` and `parallel_config`, and hands the frames out
     as the step's `LogprobsTensors`, which the scheduler slices per request (`slice_request`)
     for requests that asked for logprobs; under async scheduling `sample_tokens` hands those
-    tensors to `AsyncGPUModelRunnerOutput`, whose `get_output` returns them."""
+    tensors to `AsyncGPUModelRunnerOutput`, whose `get_output` returns them. The talker engine's
+    `generation_config` folder is the one `ModelConfig` reads special ids from."""
     src = r.src
     for module, name in (
         ("vllm.v1.worker.gpu_worker", "Worker"),
@@ -253,6 +254,17 @@ def check_talker_runner(r: Report) -> None:
         r.check(
             "self._logprobs_tensors_cpu" in text and "output.logprobs = logprobs_lists" in text,
             "talker: AsyncGPUModelRunnerOutput.get_output no longer returns the logprobs",
+        )
+    # talker_engine_args names a generation config folder of the talker's own (the checkpoint's
+    # is the thinker's): vLLM reads the special ids from that folder, not from the model's.
+    model_config = _fn(r, "vllm.config.model", "ModelConfig", "talker")
+    if isinstance(model_config, ast.ClassDef):
+        read = class_method(model_config, "try_get_generation_config")
+        text = ast.unparse(read) if read is not None else ""
+        r.check(
+            "try_get_generation_config(self.generation_config," in text,
+            "talker: ModelConfig.try_get_generation_config no longer reads a generation_config "
+            "folder",
         )
     state = _fn(r, "vllm.v1.worker.gpu_input_batch", "CachedRequestState", "talker")
     if isinstance(state, ast.ClassDef):
