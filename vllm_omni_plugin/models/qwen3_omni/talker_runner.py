@@ -384,7 +384,7 @@ def __getattr__(name: str):
 # ordinary code, and which vLLM's min_tokens processor masks in the codec head's logits (at
 # full size 151643 and 151645, past its 3072 columns: an out-of-range index that kills the
 # engine). The talker's stop id is the codec EOS each request names (frame_sampling_params).
-TALKER_GENERATION_CONFIG = Path(__file__).with_name("talker_generation")
+TALKER_GENERATION_CONFIG = Path(__file__).with_name("talker-generation-config")
 
 
 def talker_engine_args() -> dict:
