@@ -59,6 +59,18 @@ CPU_DEFAULT_WORKER_NICE = 19
 ENGINE_CHECK_S = 1.0
 
 
+def serve_engine(engine_args):
+    """vLLM's AsyncLLM for a stage, configured as `vllm serve` configures its engine: its usage
+    context picks the defaults for this hardware that a deploy leaves unset (on an H100/H200,
+    8192 tokens a step and up to 1024 sequences, where AsyncLLM's own default is 2048 tokens;
+    the step budget also bounds one image, audio or video item's encoder tokens). The API
+    server's view of a chat stage's engine (serving/text_engine.py) is built the same way."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+
+
 def worker_nice() -> int:
     value = os.environ.get(WORKER_NICE_ENV)
     if value is not None:
@@ -141,7 +153,6 @@ class ARStageRunner(AsyncStageLoop):
 
     async def _build_engine(self):
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.init.stage.engine_kwargs()
         if kwargs.get("tokenizer"):
@@ -150,7 +161,7 @@ class ARStageRunner(AsyncStageLoop):
         own = list(self.init.spec.logits_processors)
         if own:
             kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), *own]
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        engine = serve_engine(AsyncEngineArgs(**kwargs))
         self.thinker_media = ThinkerMedia(self.thinker_states, engine.model_config.hf_config)
         await self._warm_up(engine)
         nice = worker_nice()

@@ -217,12 +217,11 @@ class TalkerStage(AsyncStageLoop):
 
     async def _build_engine(self):
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
-        from .ar_stage import lower_worker_priority, worker_nice
+        from .ar_stage import lower_worker_priority, serve_engine, worker_nice
 
         kwargs = talker_engine_kwargs(self.init.stage, self.text.endpoint)
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        engine = serve_engine(AsyncEngineArgs(**kwargs))
         nice = worker_nice()  # as an AR stage's workers (ar_stage.py says why)
         if nice > 0:
             lower_worker_priority(nice)
