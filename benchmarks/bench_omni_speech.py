@@ -25,7 +25,9 @@ in OUT/results.jsonl are not repeated, so the same command continues in the next
 
 `--input audio|video` asks every speech request a media question instead (omni_speech_client's
 `user_content`: a 10 s `input_audio` part, or a 30-frame `video_url` part); its runs are recorded
-with `input` and continue only runs of the same input.
+with `input` and continue only runs of the same input. `--then audio:1,8 --then video:1` measures
+more inputs on the same server after the first (one record each, written as each finishes: a
+server start is most of a run's time on a fresh GPU machine).
 """
 
 from __future__ import annotations
@@ -216,7 +218,10 @@ async def measure(
     return out
 
 
-def run_served(args, system: str, incumbent: dict, r: int) -> dict:
+def run_served(args, system: str, incumbent: dict, r: int, record) -> None:
+    """Start `system`'s server, measure `args.input` at `args.levels`, then each `--then` input
+    on the same server; `record(data)` is called after each, so a call cut short keeps what it
+    finished."""
     argv, env, reserved = server_argv(args, system, incumbent)
     baseline = used_gib()
     log = args.out / f"{system}_r{r}.log"
@@ -225,28 +230,37 @@ def run_served(args, system: str, incumbent: dict, r: int) -> dict:
         with PeakMemory() as mem:
             ready = server.wait_ready(args.start_timeout)
             print(f"{system} r{r}: ready in {ready:.1f} s", flush=True)
-            data = asyncio.run(
-                measure(
-                    server.url,
-                    str(args.model),
-                    args.lengths,
-                    args.singles,
-                    args.levels,
-                    media=args.input,
+            for i, (media, levels) in enumerate([(args.input, args.levels), *args.then]):
+                t0 = time.perf_counter()
+                data = asyncio.run(
+                    measure(
+                        server.url,
+                        str(args.model),
+                        args.lengths,
+                        args.singles,
+                        levels,
+                        media=media,
+                    )
                 )
-            )
+                record(
+                    {
+                        "input": media,
+                        "levels": levels,
+                        # the first input's time includes the server's start; a later one's is
+                        # its own measurement on the same server
+                        "measure_s": round(time.perf_counter() - t0, 1),
+                        "same_server_as": None if i == 0 else args.input,
+                        "ready_s": round(ready, 1),
+                        **data,
+                        "baseline_gib": baseline,
+                        "peak_gib": mem.peak_gib,
+                        "total_gib": total_gib(),
+                        "reserved": reserved,
+                    }
+                )
     finally:
         server.stop()
         _keep_log_lines(log, args.out / f"{system}_r{r}_log_lines.txt")
-    total = total_gib()
-    return {
-        "ready_s": round(ready, 1),
-        **data,
-        "baseline_gib": baseline,
-        "peak_gib": mem.peak_gib,
-        "total_gib": total,
-        "reserved": reserved,
-    }
 
 
 # ---- rounds ----------------------------------------------------------------------------------
@@ -299,19 +313,20 @@ def phase_run(args) -> None:
                   f"to continue ({len(todo) - todo.index((r, system))} runs to go)", flush=True)  # fmt: skip
             return
         t0 = time.perf_counter()
-        data = run_served(args, system, incumbent, r)
-        record = build_record(system, r, device, args.lengths, time.perf_counter() - t0, data)
-        record.update(
-            input=args.input, singles=args.singles, levels=args.levels, versions=_versions()
-        )
-        record["started_utc"] = time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - record["run_s"])
-        )
-        if system == "omni":
-            record["changes"] = incumbent["changes"]
-        with open(results, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
+
+        def record(data: dict, r=r, system=system, t0=t0) -> None:
+            row = build_record(system, r, device, args.lengths, time.perf_counter() - t0, data)
+            row.update(singles=args.singles, versions=_versions())
+            row["started_utc"] = time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - row["run_s"])
+            )
+            if system == "omni":
+                row["changes"] = incumbent["changes"]
+            with open(results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+
+        run_served(args, system, incumbent, r, record)
     print("ALL_DONE", flush=True)
 
 
@@ -350,6 +365,13 @@ def phase_deploy(args) -> None:
     print(json.dumps(info, indent=1))
 
 
+def then_arg(text: str) -> tuple[str, list[int]]:
+    media, _, levels = text.partition(":")
+    if media not in INPUTS:
+        raise argparse.ArgumentTypeError(f"--then wants INPUT:LEVELS with INPUT in {INPUTS}")
+    return media, levels_arg(levels or "1")
+
+
 def levels_arg(text: str) -> list[int]:
     levels = [int(x) for x in text.split(",") if x.strip()]
     if not levels or min(levels) < 1:
@@ -369,6 +391,14 @@ def main() -> None:
     parser.add_argument("--levels", type=levels_arg, default=[1, 8, 32])
     parser.add_argument("--thinker-tokens", type=int, default=64)
     parser.add_argument("--input", choices=INPUTS, default="text", help="the question's kind")
+    parser.add_argument(
+        "--then",
+        type=then_arg,
+        action="append",
+        default=[],
+        metavar="INPUT:LEVELS",
+        help="after --input, measure this input too on the same server (e.g. audio:1,8)",
+    )
     parser.add_argument("--frames", type=int, default=128, help="talker frames (80 ms each)")
     parser.add_argument("--stage-config", default=STAGE_CONFIG, help="ours (a CPU dry run: tiny)")
     parser.add_argument("--stage-overrides", default=None, help="ours: more overrides (JSON)")

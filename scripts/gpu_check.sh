@@ -40,6 +40,7 @@
 #                                           $SPEECH_OUT are kept, so the same command continues where it stopped.
 #                                           SYSTEMS ROUNDS ROUND_OFFSET SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
 #                                           SPEECH_INPUT (text, audio: a 10 s spoken question, video: 30 frames)
+#                                           SPEECH_THEN ("audio:1,8 video:1": more inputs on the same server)
 #                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
 #   scripts/gpu_check.sh omni-parity        the tiny Qwen3-Omni served here (bf16) vs transformers on this GPU
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
@@ -280,6 +281,7 @@ while [ $# -gt 0 ]; do
           --round-offset "${ROUND_OFFSET:-0}" --singles "${SINGLES:-3}" --levels "${SPEECH_CONCURRENCY:-1,8,32}" \
           --thinker-tokens "${THINKER_TOKENS:-64}" --frames "${FRAMES:-128}" \
           --input "${SPEECH_INPUT:-text}" \
+          $(for t in ${SPEECH_THEN:-}; do printf -- '--then %s ' "$t"; done) \
           --budget-s "$((left - 15))" --first-run-s "${FIRST_RUN_S:-300}" --omni-path /tmp/vomni \
           --stage-config "${OMNI_STAGE_CONFIG:-qwen3_omni_1gpu}" \
           ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \

@@ -119,6 +119,15 @@ def test_plan_alternates_and_skips_recorded_runs():
     assert bench.plan(systems, 1, done, offset=2) == [(2, "ours"), (2, "omni")]
 
 
+def test_then_measures_more_inputs_on_the_same_server_and_refuses_unknown_ones():
+    assert bench.then_arg("audio:1,8") == ("audio", [1, 8])
+    assert bench.then_arg("video") == ("video", [1])
+    with pytest.raises(Exception, match="INPUT:LEVELS"):
+        bench.then_arg("speech:1")
+    with pytest.raises(Exception, match="levels must be"):
+        bench.then_arg("audio:0")
+
+
 def _speech(ttfa, rtf, per_wall, completed=8):
     return {"ttfa_s": ttfa, "rtf": rtf, "audio_s_per_wall_s": per_wall, "completed": completed,
             "requests": 8, "audio_s": 10.24, "at_cap": completed}  # fmt: skip
