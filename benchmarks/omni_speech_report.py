@@ -116,12 +116,22 @@ def table(rows: list[dict]) -> str:
     first = rows[0]
     systems = [s for s in LABELS if any(r["system"] == s for r in rows)]
     by = {s: [r for r in rows if r["system"] == s] for s in systems}
+    devices = {s: by[s][0].get("device", "?") for s in systems}
+    across = len(set(devices.values())) > 1
+    where = (
+        ", ".join(f"{LABELS[s]} on {d}" for s, d in devices.items())
+        if across
+        else first.get("device", "?")
+    )
+    shared = any(r.get("same_server_as") for r in rows)
     lengths = first["lengths"]
     lines = [
-        f"Qwen3-Omni, {first.get('device', '?')}: {lengths['thinker_tokens']} thinker tokens, "
+        f"Qwen3-Omni, {where}: {lengths['thinker_tokens']} thinker tokens, "
         f"at most {lengths['frames']} talker frames ({lengths['audio_s_at_cap']:.2f} s of audio) "
         "per answer, streamed pcm16. Each cell: median over runs (min-max, n runs); rounds "
-        "alternate the systems, each run from a fresh start.",
+        "alternate the systems, each round from a fresh start"
+        + ("; the inputs of one round (text, audio, video) share its server." if shared else ".")
+        + (" The systems ran on different GPUs: read the ratios as across GPUs." if across else ""),
         "",
         "| figure | " + " | ".join(LABELS[s] for s in systems) + " | ours / theirs | goal |",
         "|---" * (len(systems) + 3) + "|",
@@ -136,7 +146,10 @@ def table(rows: list[dict]) -> str:
             )
             ratio = mine / theirs if mine is not None and theirs else None
         shown = f"{ratio:.2f}" if ratio is not None else "-"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {shown} | {_goal(ratio, goal)} |")
+        verdict = _goal(ratio, goal)
+        if across and verdict:
+            verdict += " (across GPUs)"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {shown} | {verdict} |")
     lines.append("")
     for s in systems:
         lines.append(

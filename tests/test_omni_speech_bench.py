@@ -291,8 +291,8 @@ def _block(doc: str, begin: str, end: str) -> str:
 
 
 def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
-    """BENCHMARKS.md's talker-step and speech-parts blocks are the reports of the results files
-    they name (regenerated here and compared as text): no hand-edited figure."""
+    """BENCHMARKS.md's talker-step, speech-parts and served-speech blocks are the reports of the
+    results files they name (regenerated here and compared as text): no hand-edited figure."""
     import bench_talker_step
     import speech_parts_report
 
@@ -320,3 +320,13 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     )
     assert "| full_size_random (bfloat16) | 50, 25 | 32 |" in parts
     assert _block(doc, speech_parts_report.BEGIN, speech_parts_report.END) == parts.strip()
+    served = report.tables(
+        report.load(
+            [
+                results / "omni_speech_h100_2026-12-06.jsonl",
+                results / "omni_speech_h200_2026-12-04_incumbent.jsonl",
+            ]
+        )
+    )
+    assert "vllm-omni-plugin on NVIDIA H100 80GB HBM3, vLLM-Omni 0.26 on NVIDIA H200" in served
+    assert _block(doc, report.BEGIN, report.END) == served.strip()
