@@ -4,6 +4,9 @@
 
 Thread-safe for `add_request` / `abort` / `progress` from other threads while one thread drives
 `step()`: the lock covers the scheduler's bookkeeping, not the model run.
+
+With `overlap_encode_decode`, prepare and decode run on the side lane (side_lane.py) while
+`step()` denoises; each step's schedule first collects what the lane finished.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 import secrets
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -30,12 +34,18 @@ from .errors import CapacityError, DiffusionEngineError, RequestValidationError
 from .lora.setup import build_store, check_request
 from .memory_plan import check_fits, plan_memory, request_shape, total_budget
 from .outputs import GenerationOutput
+from .phase_log import PhaseLog
 from .request import GenerationRequest, RequestState, preview_steps
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
+from .side_lane import SideLane
 from .step_cache.runtime import StepCache, cache_bounds
 
 __all__ = ["MAX_SEED", "DiffusionEngine"]
+
+# A step with nothing to denoise while the side lane works waits this long at most for its
+# results, then returns, so that a caller's loop still takes new requests and aborts meanwhile.
+SIDE_LANE_WAIT_S = 0.05
 
 
 class DiffusionEngine:
@@ -82,6 +92,7 @@ class DiffusionEngine:
         self.memory = plan_memory(config, self.adapter, self._budget_bytes, self.device, self.dtype)
         self._activation_budget = None if self.memory is None else self.memory.budget_bytes
         self.limits = self._limits()
+        overlap = self._overlap(config)
         self.scheduler = Scheduler(
             config.max_batch_size,
             self.adapter.batch_key,
@@ -90,11 +101,19 @@ class DiffusionEngine:
             step_batched=self.adapter.step_batched,
             max_wait_s=(config.request_batch_max_wait_ms or 0.0) / 1e3,
             admit=self._admit_lora,
+            prepare_aside=self.adapter.prepares_aside if overlap else None,
         )
-        self.runner = ModelRunner(self.adapter)
         self._lock = threading.Lock()
         self._progress: dict[str, tuple[int, int]] = {}
         self._previews: dict[str, tuple[int, list]] = {}
+        self.phases = PhaseLog()  # what ran when, on which lane
+        self.side_lane: SideLane | None = None
+        if overlap:
+            # Each job holds at least one admitted request: max_batch_size bounds them.
+            self.side_lane = SideLane(self.adapter, self.device, config.max_batch_size, self.phases)
+            # An engine dropped unclosed stops its worker; at exit the daemon thread just ends.
+            weakref.finalize(self, self.side_lane.close).atexit = False
+        self.runner = ModelRunner(self.adapter, self.side_lane, self.phases)
 
     def _load_adapter(self) -> DiffusionAdapter:
         cfg = self.config
@@ -108,6 +127,24 @@ class DiffusionEngine:
             return config.fuse_gelu
         # LoRA adapts the up-projections the fusion would replace.
         return self.device.type == "cuda" and not config.fp8_linear and config.lora is None
+
+    def _overlap(self, config: DiffusionEngineConfig) -> bool:
+        """Whether prepare and decode run on the side lane (DiffusionEngineConfig's comment on
+        overlap_encode_decode says why the default is what it is)."""
+        asked = config.overlap_encode_decode
+        if asked is False:
+            return False
+        why_not = None
+        if not self.adapter.step_batched:
+            family = type(self.adapter.pipe).__name__
+            why_not = f"{family} runs each request as a whole pipeline (no separate phases)"
+        elif config.world_size > 1:
+            why_not = "cfg_parallel / ulysses_degree > 1: the follower ranks prepare in step"
+        if why_not is not None:
+            if asked:
+                raise DiffusionEngineError(f"overlap_encode_decode: {why_not}")
+            return False
+        return asked if asked is not None else self.device.type == "cuda"
 
     def _caching(self) -> bool:
         return any(p != NONE for p in self.cache_bounds.policies)
@@ -268,17 +305,16 @@ class DiffusionEngine:
             return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """Whether `step()` has more to do: requests held, or aborted ones still to report or
+        whose side-lane job is still out."""
         with self._lock:
             return self.scheduler.has_unfinished()
 
     def held(self) -> dict[str, tuple[int, int]]:
-        """Requests the engine holds now (waiting or running; aborted ones are gone):
-        request id -> (steps done, total steps)."""
+        """Requests the engine holds now (waiting, running, preparing or decoding on the side
+        lane; aborted ones are gone): request id -> (steps done, total steps)."""
         with self._lock:
-            return {
-                s.request_id: (s.step, s.total_steps)
-                for s in (*self.scheduler.running, *self.scheduler.waiting)
-            }
+            return {s.request_id: (s.step, s.total_steps) for s in self.scheduler.live()}
 
     def hold_s(self) -> float:
         """Seconds until held requests start (request_batch_max_wait_ms); 0: step now."""
@@ -302,15 +338,20 @@ class DiffusionEngine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
-        with self._lock:
-            batch = self.scheduler.schedule()
+        batch = self._schedule()
+        if not batch and self.side_lane is not None and self.side_lane.busy:
+            # Everything admitted is on the side lane: wait for it rather than spin.
+            self.side_lane.wait(SIDE_LANE_WAIT_S)
+            batch = self._schedule()
         # Requests whose adapters failed to load at admission fail without running.
-        failed = {s.request_id: f"lora: {s.lora_error}" for s in batch.prefill if s.lora_error}
+        admitted = [*batch.prefill, *batch.prepare_aside]
+        failed = {s.request_id: f"lora: {s.lora_error}" for s in admitted if s.lora_error}
         run = batch
         if failed:
             run = dataclasses.replace(
                 batch,
                 prefill=[s for s in batch.prefill if s.request_id not in failed],
+                prepare_aside=[s for s in batch.prepare_aside if s.request_id not in failed],
                 denoise=[s for s in batch.denoise if s.request_id not in failed],
             )
         out = self.runner.run(run)
@@ -322,6 +363,17 @@ class DiffusionEngine:
                 for o in outputs:
                     self.lora.release(o.request_id)
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        done = self.side_lane.collect() if self.side_lane is not None else []
+        with self._lock:
+            return self.scheduler.schedule(done)
+
+    def close(self) -> None:
+        """Stop the side lane's worker thread (a daemon: an engine never closed does not keep
+        its process alive). Requests still held are not run further."""
+        if self.side_lane is not None:
+            self.side_lane.close()
 
     def _admit_lora(self, state: RequestState) -> bool:
         """Scheduler hook: pin the request's adapters on the device (False: no free slot yet)."""
@@ -340,7 +392,8 @@ class DiffusionEngine:
     def _note_progress(self, batch, out, outputs: list[GenerationOutput]) -> None:
         """What a step leaves for readers between steps: previews and per-request progress."""
         self._previews.update(out.previews)
-        running = [*batch.prefill, *batch.denoise, *([batch.whole] if batch.whole else [])]
+        running = [*batch.prefill, *batch.prepare_aside, *batch.denoise]
+        running += [batch.whole] if batch.whole else []
         for s in running:
             self._progress[s.request_id] = (s.step, s.total_steps)
         for o in outputs:

@@ -81,6 +81,7 @@ class RequestState:
     cond: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     batch_sizes: list[int] = field(default_factory=list)
+    prepare_s: float = 0.0  # its prepare (text encoding, latents), batched with its admission
     decode_s: float = 0.0  # VAE decode of its batch (x-omni-stage-timings)
     # Streaming previews: step indices to preview after (`preview_steps`); `x0` holds the
     # x0 prediction of the step just run when that step is one of them, until decoded.

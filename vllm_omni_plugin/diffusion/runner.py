@@ -1,9 +1,10 @@
 """Runs a scheduled batch on the model adapter: prepare, one denoising step, decode.
 
+With a side lane (side_lane.py, `overlap_encode_decode`), the prepare of requests admitted to it
+and the decode of requests whose last step ran are handed to the lane instead of run here.
+
 A failure in a phase fails the requests of that phase, never the engine, except a device error
-(a CUDA error): after one the device context is unusable, so it is raised as DeviceError and
-takes the stage down (the stage process exits and is restarted) instead of leaving a broken
-engine that reports ready.
+(phase_guard.py).
 """
 
 from __future__ import annotations
@@ -11,13 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from .adapters.base import DiffusionAdapter
 from .errors import DeviceError
+from .phase_guard import is_device_error, run_guarded
+from .phase_log import ENGINE_LANE, PhaseLog
 from .request import RequestState
 from .scheduler import RunnerOutput, ScheduledBatch
+
+if TYPE_CHECKING:
+    from .side_lane import SideLane
+
+__all__ = ["FAULT_PROMPT_ENV", "ModelRunner", "injected_device_error", "is_device_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,27 +36,6 @@ logger = logging.getLogger(__name__)
 # (torch.AcceleratorError where torch has it), so a CPU test can show that a device error takes
 # the stage down. Read once per engine; never set it in production.
 FAULT_PROMPT_ENV = "VLLM_OMNI_TEST_DEVICE_ERROR_PROMPT"
-
-# Messages of RuntimeErrors that come from a failed device, not from a bad input. "CUDA out of
-# memory" is not among them: an OOM fails the batch, the device stays usable.
-_DEVICE_ERROR_MARKERS = (
-    "CUDA error",
-    "CUDA driver error",
-    "CUBLAS_STATUS_",
-    "cuDNN error",
-    "device-side assert triggered",
-)
-
-
-def is_device_error(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    if isinstance(exc, getattr(torch.cuda, "CudaError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_ERROR_MARKERS)
 
 
 def injected_device_error() -> RuntimeError:
@@ -57,8 +46,15 @@ def injected_device_error() -> RuntimeError:
 
 
 class ModelRunner:
-    def __init__(self, adapter: DiffusionAdapter) -> None:
+    def __init__(
+        self,
+        adapter: DiffusionAdapter,
+        side_lane: SideLane | None = None,
+        log: PhaseLog | None = None,
+    ) -> None:
         self.adapter = adapter
+        self.side_lane = side_lane
+        self.log = log or PhaseLog()
         self._fault_prompt = os.environ.get(FAULT_PROMPT_ENV) or None
 
     @torch.inference_mode()
@@ -68,34 +64,59 @@ class ModelRunner:
             self._run_whole(batch.whole, out)
             return out
         if batch.prefill:
-            self._guard(batch.prefill, out, "prepare", self.adapter.prepare)
+            with self._turn():
+                self._prepare(batch.prefill, out)
+        if batch.prepare_aside:
+            self.side_lane.prepare(batch.prepare_aside)
         group = [s for s in batch.denoise if s.request_id not in out.failed]
         if group:
-            self._guard(group, out, "denoise", self.adapter.denoise)
+            with self.log.span("denoise", ENGINE_LANE, group):
+                self._guard(group, out, "denoise", self.adapter.denoise)
         # Streaming previews: requests whose step just run is one of their preview steps.
         want = [s for s in group if s.x0 is not None and s.request_id not in out.failed]
         if want:
-            self._preview(want, out)
-        # A request that just took its last step is decoded now, together with its group.
+            with self._turn():
+                self._preview(want, out)
+        # A request that just took its last step is decoded with its group: on the side lane
+        # when there is one (after this step's queued work), else now.
         last = [s for s in group if s.request_id not in out.failed and s.step + 1 >= s.total_steps]
-        if last:
-            t0 = time.perf_counter()
-            images = self._guard(last, out, "decode", self.adapter.decode)
-            for s in last:  # the images are on the host now: the decode has finished
-                s.decode_s = time.perf_counter() - t0
-            if images is not None:
-                for s, imgs in zip(last, images, strict=True):
-                    out.finished[s.request_id] = imgs
-                    s.latents = None
-                    s.cond.clear()
+        if last and self.side_lane is not None:
+            self.side_lane.decode(last)
+            out.decoding.update(s.request_id for s in last)
+        elif last:
+            self._decode(last, out)
         return out
+
+    def _turn(self):
+        """The side lane's lock around engine-thread calls into modules its phases use."""
+        return nullcontext() if self.side_lane is None else self.side_lane.turn()
+
+    def _prepare(self, states: list[RequestState], out: RunnerOutput) -> None:
+        t0 = time.perf_counter()
+        with self.log.span("prepare", ENGINE_LANE, states):
+            self._guard(states, out, "prepare", self.adapter.prepare)
+        for s in states:
+            s.prepare_s = time.perf_counter() - t0
+
+    def _decode(self, states: list[RequestState], out: RunnerOutput) -> None:
+        t0 = time.perf_counter()
+        with self.log.span("decode", ENGINE_LANE, states):
+            images = self._guard(states, out, "decode", self.adapter.decode)
+        for s in states:  # the images are on the host now: the decode has finished
+            s.decode_s = time.perf_counter() - t0
+        if images is not None:
+            for s, imgs in zip(states, images, strict=True):
+                out.finished[s.request_id] = imgs
+                s.latents = None
+                s.cond.clear()
 
     def _preview(self, states: list[RequestState], out: RunnerOutput) -> None:
         """Decode the x0 previews in one VAE call. A failed preview is skipped (logged), never
         the request's failure; a device error still takes the engine down."""
         t0 = time.perf_counter()
         try:
-            images = self.adapter.preview(states)
+            with self.log.span("preview", ENGINE_LANE, states):
+                images = self.adapter.preview(states)
         except Exception as exc:
             if is_device_error(exc):
                 raise DeviceError(f"preview decode: {type(exc).__name__}: {exc}") from exc
@@ -110,19 +131,12 @@ class ModelRunner:
 
     def _guard(self, states: list[RequestState], out: RunnerOutput, phase: str, fn):
         """Run one phase; a failure fails these requests, a device error the engine."""
-        try:
+
+        def run(states: list[RequestState]):
             self._maybe_inject_fault(states, phase)
             return fn(states)
-        except Exception as exc:
-            ids = [s.request_id for s in states]
-            if is_device_error(exc):
-                raise DeviceError(
-                    f"diffusion {phase} of {ids}: {type(exc).__name__}: {exc}"
-                ) from exc
-            logger.exception("diffusion %s failed for %s", phase, ids)
-            for s in states:
-                out.failed[s.request_id] = f"{phase} failed: {type(exc).__name__}: {exc}"
-            return None
+
+        return run_guarded(states, out, phase, run)
 
     def _maybe_inject_fault(self, states: list[RequestState], phase: str) -> None:
         if self._fault_prompt is None or phase not in ("denoise", "pipeline"):

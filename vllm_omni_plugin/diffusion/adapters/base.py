@@ -182,6 +182,12 @@ class DiffusionAdapter(ABC):
         """Requests with equal keys may share a denoising forward."""
         return (state.req.height, state.req.width, state.do_cfg)
 
+    def prepares_aside(self, state: RequestState) -> bool:
+        """Whether this request's `prepare` may run on the side lane, beside other requests'
+        denoising (`overlap_encode_decode`). False where it would call a module the denoising
+        calls too: the engine thread then prepares it, as without the side lane."""
+        return True
+
     @abstractmethod
     def prepare(self, states: list[RequestState]) -> None:
         """Encode prompts (batched), draw latents with each request's generator, set schedules."""

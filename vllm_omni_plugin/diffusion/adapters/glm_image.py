@@ -166,6 +166,12 @@ class GlmImageAdapter(DiffusionAdapter):
         return self.grid_token_geometry(height, width, self.vae_scale_factor * self.patch, 256)
 
     # ---- prepare -----------------------------------------------------------------------
+    def prepares_aside(self, state: RequestState) -> bool:
+        """Not an edit: its prepare runs the denoising transformer itself (the source image's
+        "write" pass, `_condition`), which the engine thread calls meanwhile, and whose
+        wrappers (CUDA graphs, compiled blocks, LoRA row plans, step cache) serve one caller."""
+        return not state.req.input_images
+
     def _glyph_embeds(self, prompts: list[str]) -> list[torch.Tensor]:
         """diffusers' `_get_glyph_embeds`, with all prompts' glyph texts in one encoder call.
 
