@@ -210,6 +210,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "max_width",
             "size_granularity",
             "request_batch_max_wait_ms",
+            "overlap_encode_decode",
             "vae_use_slicing",
             "vae_use_tiling",
             "compile_transformer",

@@ -102,6 +102,11 @@ class DiffusionOwner(Owner):
     """How long an idle engine holds a new request for others to batch with, in ms."""
     enable_cpu_offload: bool | None = None
     """Keep idle components in host memory (not implemented: true is refused)."""
+    overlap_encode_decode: bool | None = None
+    """Run the text encoding of newly admitted requests and the VAE decode of finished ones on a
+    side thread (on CUDA its own stream) while the other requests go on denoising, instead of
+    stalling their steps (None: on for CUDA devices, off on CPU, where both threads would share
+    the same cores). Not with cfg_parallel / ulysses_degree > 1."""
     vae_use_slicing: bool | None = None
     """Decode the VAE one image at a time."""
     vae_use_tiling: bool | None = None
@@ -172,6 +177,11 @@ class DiffusionOwner(Owner):
                     "step_cache with compile_transformer needs compile_regional: true (the "
                     "per-row decisions sit between the compiled blocks)"
                 )
+        if self.overlap_encode_decode and (self.cfg_parallel or self.ulysses_degree > 1):
+            raise ValueError(
+                "overlap_encode_decode cannot be combined with cfg_parallel or ulysses_degree > 1 "
+                "(the follower ranks prepare requests in step with rank 0's plan)"
+            )
         if self.lora is not None:
             self._lora_combinations()
         if self.memory_budget_gb is not None and self.gpu_memory_utilization is not None:
