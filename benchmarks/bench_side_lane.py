@@ -1,0 +1,146 @@
+"""The side lane (`overlap_encode_decode`): the same stream of requests with prepare and decode
+on the engine thread (`off`) and on the side lane (`on`), in alternating rounds.
+
+    # CPU smoke test on a tiny checkpoint (seconds):
+    .venv/bin/python benchmarks/bench_side_lane.py --build tiny --size 64 --steps 8 \
+        --device cpu --dtype float32 --interval-ms 30
+    # One GPU: FLUX.1-dev size with random bf16 weights, 1024x1024, a request every 2 s:
+    python benchmarks/bench_side_lane.py --build full --work /data/bench-side-lane
+
+Requests arrive open-loop, one every `--interval-ms` (the driver adds those due before each
+engine step), `--requests` in all, each `--steps` steps at `--size`. One JSON line per mode and
+round: `wall_s` (first arrival to last image), `images_per_s`, `latency_s` (mean arrival to
+image) and `max_stall_ms`: the longest wait of a running request between two of its denoising
+steps (host clock, from the engine's phase log: the stall a newcomer's encoding or another's
+decode adds; on CUDA the host side of the steps, so read it beside the wall-clock columns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, GenerationRequest
+
+
+def engine_for(args, model: str, overlap: bool) -> DiffusionEngine:
+    cfg = DiffusionEngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        min_height=args.size,
+        min_width=args.size,
+        overlap_encode_decode=overlap,
+    )
+    return DiffusionEngine(cfg)
+
+
+def request(rid: str, seed: int, args) -> GenerationRequest:
+    return GenerationRequest(
+        rid,
+        f"a photo of a cat, variation {seed}",
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        seed=seed,
+    )
+
+
+def max_stall_ms(engine: DiffusionEngine, ids: set[str]) -> float:
+    """Longest gap between consecutive denoising steps of one running request."""
+    last_end: dict[str, float] = {}
+    worst = 0.0
+    spans = sorted(
+        (s for s in engine.phases.spans() if s.phase == "denoise"), key=lambda s: s.start
+    )
+    for span in spans:
+        for rid in span.request_ids:
+            if rid in ids and rid in last_end:
+                worst = max(worst, span.start - last_end[rid])
+            last_end[rid] = span.end
+    return worst * 1e3
+
+
+def timed_run(engine: DiffusionEngine, args, tag: str, cuda: bool) -> dict:
+    reqs = [request(f"{tag}-{i}", i, args) for i in range(args.requests)]
+    due = [i * args.interval_ms / 1e3 for i in range(len(reqs))]
+    done, latencies = 0, []
+    t0 = time.perf_counter()
+    added = 0
+    while done < len(reqs):
+        now = time.perf_counter() - t0
+        while added < len(reqs) and due[added] <= now:
+            engine.add_request(reqs[added])
+            added += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, due[added] - now))
+            continue
+        for o in engine.step():
+            if o.error:
+                raise RuntimeError(f"{o.request_id}: {o.error}")
+            latencies.append(o.metrics["total_s"])
+            done += 1
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {
+        "wall_s": round(wall, 3),
+        "images_per_s": round(len(reqs) / wall, 3),
+        "latency_s": round(statistics.mean(latencies), 3),
+        "max_stall_ms": round(max_stall_ms(engine, {r.request_id for r in reqs}), 1),
+    }
+
+
+def run(args) -> list[dict]:
+    model = args.model
+    if model is None:
+        from vllm_omni_plugin.testing.tiny_models import build_tiny_model
+
+        work = Path(args.work or tempfile.mkdtemp(prefix="bench-side-lane-"))
+        model = str(work / f"flux-{args.build}")
+        if not (Path(model) / "model_index.json").is_file():
+            build_tiny_model("flux", model, seed=0, size=args.build)
+    cuda = args.device.startswith("cuda")
+    engines = {"off": engine_for(args, model, False), "on": engine_for(args, model, True)}
+    for mode, engine in engines.items():  # compile, capture, first-call costs out of the rounds
+        engine.generate([request(f"warm-{mode}-{i}", i, args) for i in range(2)])
+    rows = []
+    for r in range(args.rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            row = timed_run(engines[mode], args, f"{mode}-{r}", cuda)
+            rows.append({"mode": mode, "round": r, **row, "device": args.device})
+    for engine in engines.values():
+        engine.close()
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="a FLUX pipeline folder (default: build one, see --build)")
+    ap.add_argument("--build", choices=["tiny", "full"], default="tiny")
+    ap.add_argument("--work", help="where a built model goes (kept for re-runs)")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--interval-ms", type=float, default=2000.0)
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    return ap
+
+
+def main() -> None:
+    for row in run(parser().parse_args()):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
