@@ -56,6 +56,9 @@
 #   scripts/gpu_check.sh step-cache-flux    bench_step_cache.py on full-size FLUX (built once in $FLUX_FULL,
 #                                           default /tmp/flux-full): uncached vs cached rows (SC_ROWS) with
 #                                           CUDA graphs (SC_GRAPHS=off: eager); $OUT/step_cache
+#   scripts/gpu_check.sh side-lane          prepare/decode beside the denoising (overlap_encode_decode): tiny FLUX
+#                                           on vs off pixel-exact with CUDA graphs, then full-size FLUX (built once
+#                                           in $FLUX_FULL) off vs on in alternating rounds; $OUT/side_lane
 #   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
 #                                           timed alone at the served shape) for FLUX.1-dev, Qwen-Image, GLM-Image's
 #                                           DiT, Wan2.2 TI2V-5B and T2V-A14B in one call: ~3 min, no weights, no vLLM;
@@ -126,6 +129,19 @@ omni_full_dir() {
   echo ""
 }
 trap 'stop_servers; exit 143' TERM INT
+# FLUX.1-dev at full size (random bf16 weights, ~34 GB) in $FLUX_FULL, built once; prints its
+# folder, the build's time appended to the file $1.
+flux_full() {
+  local dir=${FLUX_FULL:-/tmp/flux-full} t0
+  if [ ! -f "$dir/.complete" ]; then
+    rm -rf "$dir"
+    t0=$(date +%s)
+    python3 -c "from pathlib import Path; from vllm_omni_plugin.testing.full_flux import build; build(Path('$dir'), 0)" >&2
+    touch "$dir/.complete"
+    echo "flux-full: built in $(( $(date +%s) - t0 )) s" >>"$1"
+  fi
+  echo "$dir"
+}
 # A phase starts once the GPU holds no other process's memory (an engine a failed phase left
 # behind can take seconds to let go); after 90 s it names the holders and goes on.
 wait_gpu_free() {
@@ -333,15 +349,8 @@ while [ $# -gt 0 ]; do
       # bench_step_cache.py on FLUX.1-dev at full size (random weights, ~34 GB in $FLUX_FULL,
       # built once), 1024x1024, 50 steps: the uncached engine and the cached rows SC_ROWS, with
       # CUDA graphs (SC_GRAPHS=off: eager), bounded by what is left of CALL_LIMIT_S.
-      flux_dir=${FLUX_FULL:-/tmp/flux-full}
       mkdir -p "$OUT/step_cache"
-      if [ ! -f "$flux_dir/.complete" ]; then
-        rm -rf "$flux_dir"
-        t0=$(date +%s)
-        python3 -c "from pathlib import Path; from vllm_omni_plugin.testing.full_flux import build; build(Path('$flux_dir'), 0)"
-        touch "$flux_dir/.complete"
-        echo "step-cache-flux: built in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/step_cache/build.txt"
-      fi
+      flux_dir=$(flux_full "$OUT/step_cache/build.txt")
       left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
       # shellcheck disable=SC2086  # SC_ROWS is a list of settings
       timeout "$left" python3 benchmarks/bench_step_cache.py --model "$flux_dir" --family flux \
@@ -349,6 +358,20 @@ while [ $# -gt 0 ]; do
         --cuda-graphs "${SC_GRAPHS:-on}" ${SC_COMPILE:+--compile-regional} \
         --rows ${SC_ROWS:-none taylorseer:5 teacache:0.4 first_block:0.08} \
         --budget-s "$((left - 60))" 2>&1 | grep -v Loading | tail -20 || true
+      ;;
+    side-lane)
+      # Prepare and decode on the side lane (overlap_encode_decode) on the GPU: tiny FLUX in
+      # bf16 with CUDA graphs, on vs off pixel-exact (~1 min); then FLUX.1-dev at full size
+      # (random weights, built once), 1024x1024, 28 steps, 8 requests one every 1.5 s, off
+      # and on in alternating rounds, one engine at a time.
+      mkdir -p "$OUT/side_lane"
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/diffusion/test_side_lane_gpu.py \
+        2>&1 | tail -15 | tee "$OUT/side_lane/gpu_pytest.txt" || true
+      flux_dir=$(flux_full "$OUT/side_lane/build.txt")
+      left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
+      timeout "$left" python3 benchmarks/bench_side_lane.py --model "$flux_dir" --steps 28 \
+        --requests 8 --interval-ms 1500 --rounds "${SIDE_LANE_ROUNDS:-2}" 2>&1 \
+        | grep -v Loading | tee "$OUT/side_lane/flux_full.txt" | tail -8 || true
       ;;
     collect-omni)
       stop_servers
