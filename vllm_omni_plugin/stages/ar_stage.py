@@ -51,6 +51,7 @@ WARMUP_PROMPT = [1, 2, 3, 4]
 # runnable and still gets every idle core, so an AR stage alone decodes at full speed (AR stage
 # time unchanged). 0 keeps vLLM's priority.
 WORKER_NICE_ENV = "OMNI_AR_WORKER_NICE"
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 CPU_DEFAULT_WORKER_NICE = 19
 
 # How often the stage checks that its vLLM engine core is alive. One that died (a device error,
@@ -68,7 +69,34 @@ def serve_engine(engine_args):
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+    usage = UsageContext.OPENAI_API_SERVER
+    vllm_config = engine_args.create_engine_config(usage)
+    start_method = engine_core_start_method(vllm_config.device_config.device_type)
+    if start_method is not None:
+        os.environ[START_METHOD_ENV] = start_method
+    return AsyncLLM.from_vllm_config(
+        vllm_config,
+        usage_context=usage,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+
+
+def engine_core_start_method(device_type: str) -> str | None:
+    """How this stage's vLLM engine core process starts, where we choose otherwise than vLLM.
+
+    vLLM forks it from the stage process on GPUs, but its CPU platform sets `spawn` (in
+    VLLM_WORKER_MULTIPROC_METHOD, whatever it held) while the engine's config is built: a fresh
+    interpreter that imports torch and vLLM again, ~7 CPU-seconds per engine. The reason is
+    OpenMP: a process forked after torch started its OpenMP worker threads inherits a pool
+    whose threads it does not have. A stage whose torch runs one thread never starts that pool,
+    so there the engine core is forked, as on a GPU; with more threads vLLM's choice stands.
+    None: leave it to vLLM."""
+    if device_type != "cpu":
+        return None
+    import torch
+
+    return "fork" if torch.get_num_threads() == 1 else None
 
 
 def worker_nice() -> int:
