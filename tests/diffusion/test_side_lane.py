@@ -397,13 +397,13 @@ def test_the_setting_from_the_deploy_file(model_dir):
 
 def test_the_default_and_where_true_is_refused(model_dir):
     auto = DiffusionEngine(DiffusionEngineConfig(model=model_dir))
-    assert auto.side_lane is None  # None on the CPU: off
+    assert auto.side_lane is None  # unset: off
     whole = DiffusionEngineConfig(
         model=model_dir, pipeline_class="SomeNewPipeline", overlap_encode_decode=True
     )
     with pytest.raises(DiffusionEngineError, match="overlap_encode_decode: .*whole pipeline"):
         DiffusionEngine(whole)
-    whole.overlap_encode_decode = None  # auto: off there, no error
+    whole.overlap_encode_decode = None  # unset: off, no error
     assert DiffusionEngine(whole).side_lane is None
 
 

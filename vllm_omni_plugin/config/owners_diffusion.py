@@ -105,8 +105,7 @@ class DiffusionOwner(Owner):
     overlap_encode_decode: bool | None = None
     """Run the text encoding of newly admitted requests and the VAE decode of finished ones on a
     side thread (on CUDA its own stream) while the other requests go on denoising, instead of
-    stalling their steps (None: on for CUDA devices, off on CPU, where both threads would share
-    the same cores). Not with cfg_parallel / ulysses_degree > 1."""
+    stalling their steps (None: off). Not with cfg_parallel / ulysses_degree > 1."""
     vae_use_slicing: bool | None = None
     """Decode the VAE one image at a time."""
     vae_use_tiling: bool | None = None

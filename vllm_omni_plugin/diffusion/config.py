@@ -43,13 +43,12 @@ class DiffusionEngineConfig:
     request_batch_max_wait_ms: float | None = None
     # Prepare (text encoding, latents) of newly admitted requests and VAE decode of finished
     # ones on a side worker thread, on CUDA with its own stream, while the engine thread goes on
-    # stepping the other requests' denoising (side_lane.py). None: on for CUDA devices, where
-    # the GPU runs the side stream's kernels in the denoising's gaps and a running request's
-    # steps no longer wait for a newcomer's encoding or another's decode; off on the CPU, where
-    # the two threads would share the same cores, so the side work would slow the steps it
-    # runs beside about as much as it saves. True is refused where it could not act: families
-    # run as a whole pipeline (no separate prepare and decode) and cfg_parallel /
-    # ulysses_degree > 1 (the follower ranks prepare in step with rank 0's plan).
+    # stepping the other requests' denoising (side_lane.py), so a running request's steps no
+    # longer wait for a newcomer's encoding or another's decode. None/False: off, every phase on
+    # the engine thread in turn (on the CPU the two threads would share the same cores: no
+    # gain there). True is refused where it could not act: families run as a whole pipeline (no
+    # separate prepare and decode) and cfg_parallel / ulysses_degree > 1 (the follower ranks
+    # prepare in step with rank 0's plan).
     overlap_encode_decode: bool | None = None
     # VAE decode one image at a time / in tiles (None: the VAE's own default).
     vae_use_slicing: bool | None = None

@@ -129,8 +129,7 @@ class DiffusionEngine:
         return self.device.type == "cuda" and not config.fp8_linear and config.lora is None
 
     def _overlap(self, config: DiffusionEngineConfig) -> bool:
-        """Whether prepare and decode run on the side lane (DiffusionEngineConfig's comment on
-        overlap_encode_decode says why the default is what it is)."""
+        """Whether prepare and decode run on the side lane (off unless asked for)."""
         asked = config.overlap_encode_decode
         if asked is False:
             return False
@@ -144,7 +143,7 @@ class DiffusionEngine:
             if asked:
                 raise DiffusionEngineError(f"overlap_encode_decode: {why_not}")
             return False
-        return asked if asked is not None else self.device.type == "cuda"
+        return bool(asked)
 
     def _caching(self) -> bool:
         return any(p != NONE for p in self.cache_bounds.policies)
