@@ -55,7 +55,7 @@ class SideJob:
     phase: str  # PREPARE | DECODE
     states: list[RequestState]
     after: Any = None  # CUDA decode: the event after the last denoising step
-    lend_to: Any = None  # CUDA prepare: the engine's stream, which reads what prepare makes
+    hand_to: Any = None  # CUDA prepare: the engine's stream, which reads what prepare makes
 
 
 class SideLane:
@@ -78,11 +78,11 @@ class SideLane:
 
     # ---- the engine thread --------------------------------------------------------------------
     def prepare(self, states: list[RequestState]) -> None:
-        self._submit(SideJob(PREPARE, list(states), lend_to=self.streams.engine_stream()))
+        self._submit(SideJob(PREPARE, list(states), hand_to=self.streams.engine_stream()))
 
     def decode(self, states: list[RequestState]) -> None:
         """Hand over requests whose last denoising step was just queued on the engine's stream."""
-        self.streams.lend(states, self.streams.side)
+        self.streams.hand_over(states, self.streams.side)
         self._submit(SideJob(DECODE, list(states), after=self.streams.engine_mark()))
 
     def collect(self) -> list[SideResult]:
@@ -166,7 +166,7 @@ class SideLane:
                 self.streams.side_waits(job.after)
                 value = run_guarded(job.states, out, job.phase, getattr(self.adapter, job.phase))
                 if job.phase == PREPARE:
-                    self.streams.lend(job.states, job.lend_to)
+                    self.streams.hand_over(job.states, job.hand_to)
                 result.ready = self.streams.side_done()
         except DeviceError as exc:
             result.device_error = exc

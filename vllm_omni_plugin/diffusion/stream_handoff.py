@@ -11,7 +11,7 @@ that allocated it. So at each handoff:
   * denoise -> decode: the engine records an event after the request's last denoising step; the
     side stream waits on it before decoding the latents.
   * memory: every tensor of a request that crosses is marked with `Tensor.record_stream` for the
-    stream it is lent to, so its block is not reused until that stream's work queued before the
+    stream it is handed to, so its block is not reused until that stream's work queued before the
     free is done (tensors prepare made and denoising reads and frees; latents denoising made and
     the decode reads).
 
@@ -85,7 +85,7 @@ class StreamHandoff:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     # ---- either thread ------------------------------------------------------------------------
-    def lend(self, states: Iterable[RequestState], stream: Any) -> None:
+    def hand_over(self, states: Iterable[RequestState], stream: Any) -> None:
         """Mark the requests' device tensors as used by `stream` (see the module docstring)."""
         if stream is None:
             return
