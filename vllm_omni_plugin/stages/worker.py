@@ -68,6 +68,21 @@ def _set_title(init: StageInit) -> None:
     setproctitle(f"omni-stage-{init.stage.stage_id} ({init.spec.kind}, {init.pipeline})")
 
 
+def release_in_forked_children(fd: int) -> None:
+    """A process forked from this one (vLLM starts its engine core so on GPUs, and on the CPU
+    where the stage's torch runs one thread: ar_stage.engine_core_start_method) would hold the
+    control socket open too, so the orchestrator would see no EOF if this stage died before it.
+    In each forked child the fd is pointed at /dev/null: the socket is released there, and the
+    number stays valid, so nothing the child closes later closes another file."""
+
+    def release() -> None:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, fd, inheritable=False)
+        os.close(null)
+
+    os.register_at_fork(after_in_child=release)
+
+
 def make_runner(init: StageInit, conn: MessageChannel):
     """The stage's loop (loop.StageLoop): the topology's `runner`, else its kind's."""
     return loop_class(init.spec)(init, conn)
@@ -81,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     watch_parent(_parent_gone, args.parent_pid)
     os.set_inheritable(args.fd, False)  # children (a vLLM EngineCore) must not hold it
+    release_in_forked_children(args.fd)
     conn = MessageChannel(Connection(args.fd))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
