@@ -46,10 +46,9 @@ def processor_for(omni_dir):
 @contextlib.contextmanager
 def start_engine(omni_dir, **overrides):
     """(event loop, AsyncLLM, store): vLLM's engine on the tiny checkpoint as the tiny deploy
-    file runs its thinker, started and with the extraction attached as the AR stage does."""
+    file runs its thinker, the extraction attached as the AR stage attaches it."""
     from vllm import AsyncEngineArgs
-
-    from vllm_omni_plugin.stages.ar_stage import serve_engine
+    from vllm.v1.engine.async_llm import AsyncLLM
 
     states = overrides.pop("thinker_states", {})
     kwargs = dict(
@@ -66,7 +65,7 @@ def start_engine(omni_dir, **overrides):
     kwargs.update(overrides)
     store = ts.attach(kwargs)
     loop = asyncio.new_event_loop()
-    llm = serve_engine(AsyncEngineArgs(**kwargs))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:
         yield loop, llm, store
     finally:
