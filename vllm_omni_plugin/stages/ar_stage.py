@@ -91,11 +91,15 @@ def engine_core_start_method(device_type: str) -> str | None:
     OpenMP: a process forked after torch started its OpenMP worker threads inherits a pool
     whose threads it does not have. A stage whose torch runs one thread never starts that pool,
     so there the engine core is forked, as on a GPU; with more threads vLLM's choice stands.
-    None: leave it to vLLM."""
+    So it does in a process that already set up torch.distributed (an engine run in-process
+    before): a forked child would inherit a process group without its threads and wait on it
+    forever. None: leave it to vLLM."""
     if device_type != "cpu":
         return None
     import torch
 
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
     return "fork" if torch.get_num_threads() == 1 else None
 
 
