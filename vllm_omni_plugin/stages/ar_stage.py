@@ -66,12 +66,17 @@ def serve_engine(engine_args):
     8192 tokens a step and up to 1024 sequences, where AsyncLLM's own default is 2048 tokens;
     the step budget also bounds one image, audio or video item's encoder tokens). The API
     server's view of a chat stage's engine (serving/text_engine.py) is built the same way."""
+    import torch
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     usage = UsageContext.OPENAI_API_SERVER
     vllm_config = engine_args.create_engine_config(usage)
-    start_method = engine_core_start_method(vllm_config.device_config.device_type)
+    start_method = engine_core_start_method(
+        vllm_config.device_config.device_type,
+        torch_threads=torch.get_num_threads(),
+        distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
+    )
     if start_method is not None:
         os.environ[START_METHOD_ENV] = start_method
     return AsyncLLM.from_vllm_config(
@@ -82,25 +87,21 @@ def serve_engine(engine_args):
     )
 
 
-def engine_core_start_method(device_type: str) -> str | None:
+def engine_core_start_method(device_type: str, torch_threads: int, distributed: bool) -> str | None:
     """How this stage's vLLM engine core process starts, where we choose otherwise than vLLM.
 
     vLLM forks it from the stage process on GPUs, but its CPU platform sets `spawn` (in
     VLLM_WORKER_MULTIPROC_METHOD, whatever it held) while the engine's config is built: a fresh
     interpreter that imports torch and vLLM again, ~7 CPU-seconds per engine. The reason is
     OpenMP: a process forked after torch started its OpenMP worker threads inherits a pool
-    whose threads it does not have. A stage whose torch runs one thread never starts that pool,
-    so there the engine core is forked, as on a GPU; with more threads vLLM's choice stands.
-    So it does in a process that already set up torch.distributed (an engine run in-process
-    before): a forked child would inherit a process group without its threads and wait on it
-    forever. None: leave it to vLLM."""
-    if device_type != "cpu":
+    whose threads it does not have. A stage whose torch runs one thread (`torch_threads`) never
+    starts that pool, so there the engine core is forked, as on a GPU; with more threads vLLM's
+    choice stands. So it does in a process that already set up torch.distributed
+    (`distributed`: an engine run in-process before): a forked child would inherit a process
+    group without its threads and wait on it forever. None: leave it to vLLM."""
+    if device_type != "cpu" or distributed:
         return None
-    import torch
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return None
-    return "fork" if torch.get_num_threads() == 1 else None
+    return "fork" if torch_threads == 1 else None
 
 
 def worker_nice() -> int:
