@@ -211,6 +211,8 @@ class TalkerStage(AsyncStageLoop):
         device = _device()
         dtype = getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))
         self.conditioner = load_conditioner(stage.model_path, device, dtype)
+        # One thread: requests' conditioning runs in arrival order, one device read each.
+        self._conditioning = ThreadPoolExecutor(1, thread_name_prefix="talker-conditioning")
         self.talker_config = self.conditioner.config.talker_config
         self.text = TextSender()
         self.engine = self.loop.run_until_complete(self._build_engine())
@@ -291,7 +293,13 @@ class TalkerStage(AsyncStageLoop):
             await _drain(chunks)
             return Result(rid, metrics={"codec_frames": 0})
         self.text.send(rid, first)
-        prefill = self.conditioner.prefill(prompt_ids, first[0], speaker, media_hidden)
+        # Off the event loop: the read of the device's result waits for this process's turn
+        # on a GPU the engines keep busy, and meanwhile the loop goes on feeding the thinker's
+        # text to the requests already speaking (every talker step waits for its text).
+        prefill = await self.loop.run_in_executor(
+            self._conditioning,
+            lambda: self.conditioner.prefill(prompt_ids, first[0], speaker, media_hidden).cpu(),
+        )
         params = frame_sampling_params(
             self.talker_config,
             rid,
@@ -311,7 +319,7 @@ class TalkerStage(AsyncStageLoop):
         feeder = asyncio.ensure_future(feed())
         frames = 0
         try:
-            prompt = {"prompt_embeds": prefill.to("cpu")}
+            prompt = {"prompt_embeds": prefill}
             async for out in self.engine.generate(prompt, params, rid):
                 self.pulse()
                 codes = self._frames(out.outputs[0].logprobs or [])
@@ -358,6 +366,7 @@ class TalkerStage(AsyncStageLoop):
         from .loop import _cancel_all
 
         await _cancel_all([t for t in [getattr(self.engine, "output_handler", None)] if t])
+        self._conditioning.shutdown(wait=False, cancel_futures=True)
         try:
             self.engine.shutdown()
         finally:

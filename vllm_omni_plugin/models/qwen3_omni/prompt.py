@@ -131,27 +131,42 @@ class TalkerConditioner:
         state at `accept_hidden_layer` of each audio/image/video position of the prompt, in
         order (those of the user turns condition the talker); needed when a user turn has
         media."""
-        ids = torch.tensor(prompt_ids, device=self.device)
+        # Every index is worked out on the host and crosses to the device before any compute
+        # is queued, so the only wait on the device is the caller's read of the result. On a
+        # GPU shared with busy engines each wait costs a time slice, and a copy from pageable
+        # host memory waits for the stream like a read does.
+        ids = torch.tensor(prompt_ids)
         user = self._user_mask(ids)
-        mm = torch.isin(ids, self.mm_ids.to(ids.device))
-        user_text = self.project_text(ids[user & ~mm])
-        user_part = torch.empty(
-            int(user.sum()), user_text.shape[-1], device=self.device, dtype=user_text.dtype
-        )
+        mm = torch.isin(ids, self.mm_ids)
         sel_mm = mm[user]
-        user_part[~sel_mm] = user_text
-        if bool(sel_mm.any()):
-            hidden = media_hidden.to(self.device, user_text.dtype)[user[mm]]
-            user_part[sel_mm] = self.talker.hidden_projection(hidden)
         a = self._assistant_start(prompt_ids)
-        head_ids = torch.tensor(prompt_ids[a : a + 3] + [first_token], device=self.device)
+        codec_ids = [speaker_id if i is None else i for i in self.codec_head_ids]
+        host = [
+            ids[user & ~mm],
+            torch.tensor(prompt_ids[a : a + 3] + [first_token]),
+            torch.tensor(codec_ids),
+            (~sel_mm).nonzero().squeeze(1),
+            sel_mm.nonzero().squeeze(1),
+        ]
+        text_ids, head_ids, codec_ids, text_rows, media_rows = torch.cat(host).to(
+            self.device
+        ).split([len(t) for t in host])
+        hidden = None
+        if len(media_rows):
+            rows = user[mm].to(media_hidden.device)
+            hidden = media_hidden[rows].to(self.device, self.tts_pad.dtype)
+
+        user_text = self.project_text(text_ids)
+        user_part = user_text.new_empty(len(sel_mm), user_text.shape[-1])
+        user_part.index_copy_(0, text_rows, user_text)
+        if hidden is not None:
+            user_part.index_copy_(0, media_rows, self.talker.hidden_projection(hidden))
         head = self.project_text(head_ids)
         text = torch.cat(
             [head[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], head[3:4]], dim=0
         )
-        codec_ids = [speaker_id if i is None else i for i in self.codec_head_ids]
-        codec = self.talker.get_input_embeddings()(torch.tensor(codec_ids, device=self.device))
-        codec = torch.cat([torch.zeros(3, codec.shape[-1], device=self.device), codec], dim=0)
+        codec = self.talker.get_input_embeddings()(codec_ids)
+        codec = torch.cat([codec.new_zeros(3, codec.shape[-1]), codec], dim=0)
         return torch.cat([user_part, text + codec.to(text.dtype)], dim=0)
 
     @torch.inference_mode()
