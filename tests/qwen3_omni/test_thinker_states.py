@@ -187,3 +187,37 @@ def test_aborted_request_leaves_nothing_held(engine, processor):
     time.sleep(0.5)
     assert store.held_bytes == 0
     assert llm.output_processor.get_num_unfinished_requests() == 0
+
+
+def test_warm_up_runs_every_step_shape_on_the_engine(engine):
+    """stages/engine_warmup.py on this engine (forced: it runs on CUDA only): each prefill
+    length within the step budget and each batch the sequence limit allows, sampled with
+    top-k/top-p, and every request finishes."""
+    from vllm import SamplingParams
+
+    from vllm_omni_plugin.stages.engine_warmup import (
+        text_prompt,
+        warm_step_shapes,
+        warmup_batches,
+        warmup_lengths,
+    )
+
+    loop, llm, _ = engine
+    vocab = llm.model_config.get_vocab_size()
+    prompt_lengths: list[int] = []
+
+    def request(length, request_id):
+        prompt = text_prompt(length, vocab)
+        prompt_lengths.append(len(prompt["prompt_token_ids"]))
+        return prompt, SamplingParams(max_tokens=2, temperature=0.7, top_k=20, top_p=0.8)
+
+    assert loop.run_until_complete(warm_step_shapes(llm, request)) == 0.0  # not on CUDA
+    assert prompt_lengths == []
+    took = loop.run_until_complete(warm_step_shapes(llm, request, force=True))
+    sched = llm.vllm_config.scheduler_config
+    lengths = warmup_lengths(sched.max_num_batched_tokens, llm.model_config.max_model_len - 2)
+    assert lengths[-1] == MAX_BATCHED_TOKENS
+    batches = warmup_batches(sched.max_num_seqs)
+    assert prompt_lengths == lengths + [4] * sum(batches)
+    assert took > 0
+    assert llm.output_processor.get_num_unfinished_requests() == 0

@@ -32,6 +32,7 @@ from ..pipelines.registry import get_pipeline
 from . import engine_metrics
 from .ar_glue import glue_for
 from .ar_text import run_text, speak_chat
+from .engine_warmup import sampler_settings, text_prompt, warm_step_shapes
 from .loop import AsyncStageLoop, _cancel_all, _log_task_failure
 from .thinker_media import ThinkerMedia
 from .token_clock import TokenClock
@@ -209,6 +210,17 @@ class ARStageRunner(AsyncStageLoop):
         params = SamplingParams(max_tokens=2, detokenize=False)
         async for _ in engine.generate({"prompt_token_ids": WARMUP_PROMPT}, params, "warmup"):
             pass
+        # Sampled as served requests are: the checkpoint's defaults under the stage's.
+        sampling = sampler_settings(
+            engine.model_config.get_diff_sampling_param(), self.glue.defaults
+        )
+        vocab = engine.model_config.get_vocab_size()
+
+        def request(length: int, request_id: str):
+            params = SamplingParams(max_tokens=2, detokenize=False, **sampling)
+            return text_prompt(length, vocab), params
+
+        await warm_step_shapes(engine, request)
 
     def info(self) -> StageInfo:
         return StageInfo(

@@ -38,6 +38,7 @@ import torch
 
 from ..common.messages import EngineSettings, Result, StageInfo, Submit
 from ..pipelines.qwen3_omni import talker_lengths
+from .engine_warmup import warm_step_shapes
 from .loop import AsyncStageLoop, RequestRefused
 
 logger = logging.getLogger("vllm_omni_plugin.stages.qwen3_omni")
@@ -224,10 +225,23 @@ class TalkerStage(AsyncStageLoop):
 
         kwargs = talker_engine_kwargs(self.init.stage, self.text.endpoint)
         engine = serve_engine(AsyncEngineArgs(**kwargs))
+        await warm_step_shapes(engine, self._warmup_request)
         nice = worker_nice()  # as an AR stage's workers (ar_stage.py says why)
         if nice > 0:
             lower_worker_priority(nice)
         return engine
+
+    def _warmup_request(self, length: int, request_id: str):
+        """A talker request of `length` prompt embeddings whose text is complete (no feed),
+        sampled as the stage samples, ending after two frames (engine_warmup.py)."""
+        from ..models.qwen3_omni.talker_runner import frame_sampling_params
+
+        width = self.conditioner.tts_pad.shape[-1]
+        embeds = 0.02 * torch.randn(length, width, generator=torch.Generator().manual_seed(length))
+        params = frame_sampling_params(
+            self.talker_config, [0], 2, **{**self.sampling, "min_tokens": 0}
+        )
+        return {"prompt_embeds": embeds.to(self.conditioner.tts_pad.dtype)}, params
 
     def info(self) -> StageInfo:
         return StageInfo(self.kind, EngineSettings(self.init.stage.talker.model_dump()))
