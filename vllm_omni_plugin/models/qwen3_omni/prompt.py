@@ -148,9 +148,9 @@ class TalkerConditioner:
             (~sel_mm).nonzero().squeeze(1),
             sel_mm.nonzero().squeeze(1),
         ]
-        text_ids, head_ids, codec_ids, text_rows, media_rows = torch.cat(host).to(
-            self.device
-        ).split([len(t) for t in host])
+        text_ids, head_ids, codec_ids, text_rows, media_rows = (
+            torch.cat(host).to(self.device).split([len(t) for t in host])
+        )
         hidden = None
         if len(media_rows):
             rows = user[mm].to(media_hidden.device)
