@@ -18,6 +18,7 @@ decode adds; on CUDA the host side of the steps, so read it beside the wall-cloc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -120,6 +121,9 @@ def run(args) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
             engine.close()
             del engine
+            # An engine is a reference cycle (its scheduler holds its hooks): collect it now, or
+            # its weights stay on the card beside the next engine's.
+            gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
     return rows

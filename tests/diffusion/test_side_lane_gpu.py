@@ -43,8 +43,11 @@ def engines(model_dir):
     on.close()
 
 
-def test_on_by_default_on_cuda(model_dir):
+def test_off_unless_set_on_cuda_too(model_dir):
     engine = cuda_engine(model_dir, None)
+    assert engine.side_lane is None
+    engine.close()
+    engine = cuda_engine(model_dir, True)
     assert engine.side_lane is not None and engine.side_lane.streams.cuda
     engine.close()
 
