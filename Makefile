@@ -6,6 +6,9 @@ export NIXL_LOG_LEVEL ?= WARN
 export UCX_NET_DEVICES ?= lo
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
+# Python writes each module's bytecode on its first import, so later processes (every stage and
+# server of the suite) load it rather than compile again; setup installs without compiling.
+unexport PYTHONDONTWRITEBYTECODE
 
 TINY_GLM ?= /tmp/vllm-omni-plugin/tiny-glm-image
 
