@@ -13,6 +13,10 @@ round: `wall_s` (first arrival to last image), `images_per_s`, `latency_s` (mean
 image) and `max_stall_ms`: the longest wait of a running request between two of its denoising
 steps (host clock, from the engine's phase log: the stall a newcomer's encoding or another's
 decode adds; on CUDA the host side of the steps, so read it beside the wall-clock columns).
+
+    # BENCHMARKS.md's table, from results files (a "run" record, then one "round" record each):
+    python benchmarks/bench_side_lane.py --report benchmarks/results/side_lane_*.jsonl \
+        --write BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -129,6 +133,56 @@ def run(args) -> list[dict]:
     return rows
 
 
+BEGIN, END = "<!-- side-lane:begin -->", "<!-- side-lane:end -->"
+
+
+def _spread(values: list[float], digits: int) -> str:
+    if not values:
+        return "-"
+    mid = round(statistics.median(values), digits)
+    if len(values) == 1:
+        return f"{mid} (n=1)"
+    return f"{mid} ({round(min(values), digits)}-{round(max(values), digits)}, n={len(values)})"
+
+
+def report(paths: list[Path]) -> str:
+    """A table per results file: each mode's rounds (median, min-max), and on over off."""
+    parts = []
+    for path in paths:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        (run,) = [r for r in records if r.get("record") == "run"]
+        rounds = [r for r in records if r.get("record") == "round"]
+        by_mode = {m: [r for r in rounds if r["mode"] == m] for m in ("off", "on")}
+        parts.append(
+            f"{run['model']}, {run['size']}x{run['size']}, {run['steps']} steps, "
+            f"{run['requests']} requests one every {run['interval_ms'] / 1000:g} s, "
+            f"max_batch_size {run['max_batch_size']}; {run['device']}, "
+            + ", ".join(f"{k} {v}" for k, v in run["versions"].items())
+            + f" ({path.name}). Command: `{run['command']}`."
+        )
+        parts.append("")
+        parts.append("| figure | off | on | on / off |")
+        parts.append("|---|---|---|---|")
+        for key, label, digits in (
+            ("images_per_s", "images per second", 3),
+            ("latency_s", "mean latency, arrival to image (s)", 2),
+            ("max_stall_ms", "longest wait between a request's steps (ms)", 1),
+        ):
+            off = [r[key] for r in by_mode["off"]]
+            on = [r[key] for r in by_mode["on"]]
+            ratio = (
+                f"{statistics.median(on) / statistics.median(off):.2f}"
+                if off and on and statistics.median(off)
+                else "-"
+            )
+            parts.append(f"| {label} | {_spread(off, digits)} | {_spread(on, digits)} | {ratio} |")
+        if run.get("note"):
+            parts.append("")
+            parts.append(f"Note: {run['note']}.")
+        parts.append("")
+    return "\n".join(parts)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a FLUX pipeline folder (default: build one, see --build)")
@@ -142,11 +196,22 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--report", type=Path, nargs="+", help="results files: print their table")
+    ap.add_argument("--write", type=Path, help="with --report: the markdown file with the markers")
     return ap
 
 
 def main() -> None:
-    run(parser().parse_args())  # prints a JSON line per mode and round as it ends
+    args = parser().parse_args()
+    if args.report:
+        text = report(args.report)
+        if args.write:
+            from fair_report import write_into
+
+            write_into(args.write, text, BEGIN, END)
+        print(text)
+        return
+    run(args)  # prints a JSON line per mode and round as it ends
 
 
 if __name__ == "__main__":
