@@ -32,7 +32,11 @@ from vllm_omni_plugin.stages.videos_encode import encode_mp4
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 PROMPT = "a red cat"
-MAX_ROUNDTRIP_DIFF = 1.0
+# Job 1's frames are denoised alone or in one batch with job 2 (same size and length), as the
+# four jobs happen to arrive; the batch's float32 rounding differs from the reference's alone,
+# a pixel a unit off moves x264's choices around it, and under load the mean difference of the
+# decoded videos reached 1.02 (0 when it ran alone). Another seed's video is 25.6 away.
+MAX_ROUNDTRIP_DIFF = 2.0
 MAX_LUMA_DIFF = 4.0
 LUMA = np.array([0.299, 0.587, 0.114])
 JOBS = [  # (size, num_frames, seed): 4 jobs at once, two sizes, two lengths
