@@ -196,6 +196,7 @@ def test_warm_up_runs_every_step_shape_on_the_engine(engine):
     from vllm import SamplingParams
 
     from vllm_omni_plugin.stages.engine_warmup import (
+        BATCH_PROMPT,
         text_prompt,
         warm_step_shapes,
         warmup_batches,
@@ -218,6 +219,6 @@ def test_warm_up_runs_every_step_shape_on_the_engine(engine):
     lengths = warmup_lengths(sched.max_num_batched_tokens, llm.model_config.max_model_len - 2)
     assert lengths[-1] == MAX_BATCHED_TOKENS
     batches = warmup_batches(sched.max_num_seqs)
-    assert prompt_lengths == lengths + [4] * sum(batches)
+    assert prompt_lengths == lengths + [BATCH_PROMPT] * sum(batches)
     assert took > 0
     assert llm.output_processor.get_num_unfinished_requests() == 0

@@ -50,8 +50,8 @@ RequestFactory = Callable[[int, str], tuple[Any, Any]]
 
 def warmup_lengths(max_step_tokens: int, max_prompt: int) -> list[int]:
     """Prompt lengths whose prefill alone in a step meets every fused-MoE config key within the
-    step budget, each at a count that is a multiple of 16 (or even) and at one that is not; then
-    the budget itself, the longest prefill step."""
+    step budget, at the key and one past it (with an even top-k, `tokens x top-k` once a
+    multiple of 16 and once not); then the budget itself, the longest prefill step."""
     limit = min(max_step_tokens, max_prompt)
     lengths = {n for key in MOE_CONFIG_KEYS for n in (key, key + 1) if 2 <= n <= limit}
     lengths.add(limit)
