@@ -358,3 +358,23 @@ def test_compiled_predictor_layers_equal_their_torch_ops(llm):
     for row in rows:
         assert row["hidden_max_abs_diff"] < 1e-4, row
         assert row["greedy_codes_equal"], row
+
+
+def test_talker_stage_warm_up_requests_run_on_the_engine(llm, conditioner, talker_config):
+    """The talker stage's warm-up requests (stages/engine_warmup.py runs them on CUDA): prompt
+    embeddings of the asked length with the text given whole, sampled as the stage samples
+    (a stage `min_tokens` does not hold them), each ends after at most two frames."""
+    from types import SimpleNamespace
+
+    from vllm_omni_plugin.stages.qwen3_omni import TalkerStage
+
+    stage = SimpleNamespace(
+        conditioner=conditioner,
+        talker_config=talker_config,
+        sampling={"temperature": 0.9, "top_k": 50, "min_tokens": 128},
+    )
+    requests = [TalkerStage._warmup_request(stage, n, f"warm-{n}") for n in (3, 17, 40)]
+    assert [r[0]["prompt_embeds"].shape[0] for r in requests] == [3, 17, 40]
+    outs = llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+    for out in outs:
+        assert out.finished and 1 <= len(out.outputs[0].token_ids) <= 2
