@@ -323,7 +323,7 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     served = report.tables(
         report.load(
             [
-                results / "omni_speech_h100_2026-12-06.jsonl",
+                results / "omni_speech_h100_2026-12-07_warmed.jsonl",
                 results / "omni_speech_h200_2026-12-04_incumbent.jsonl",
             ]
         )
