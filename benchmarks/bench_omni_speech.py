@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fair import omni_env, total_gib, used_gib  # noqa: E402
 from bench_gpu_glm import PeakMemory, Server, _keep_log_lines, _versions  # noqa: E402
 from incumbent import (  # noqa: E402
+    QWEN3_OMNI_80GB_FIT,
+    QWEN3_OMNI_80GB_SHARES,
     QWEN3_OMNI_TALKER_EXTRA_TOKENS,
     installed_stage_fields,
     qwen3_omni_one_gpu_deploy,
@@ -98,15 +100,34 @@ def ours_reserved(overrides: dict, stage_config: str = STAGE_CONFIG) -> dict:
     }
 
 
-def write_incumbent(out: Path, omni_path: str | None, src: Path | None, frames: int) -> dict:
+# GPUs below this much memory (GiB) get the incumbent's 80 GB fit (--omni-fit auto).
+FIT_80GB_BELOW_GIB = 100
+
+
+def incumbent_fit(choice: str, gpu_gib: float | None) -> str:
+    """`h200` or `80gb`: `auto` picks by the GPU's memory (h200 when it is unknown)."""
+    if choice != "auto":
+        return choice
+    return "80gb" if gpu_gib is not None and gpu_gib < FIT_80GB_BELOW_GIB else "h200"
+
+
+def write_incumbent(
+    out: Path, omni_path: str | None, src: Path | None, frames: int, fit: str = "h200"
+) -> dict:
     """vLLM-Omni's qwen3_omni_moe.yaml (installed under `omni_path`, or `src`) moved to one GPU
-    and capped (incumbent.qwen3_omni_one_gpu_deploy), validated, written to OUT."""
+    and capped (incumbent.qwen3_omni_one_gpu_deploy), for an H200 or (`fit` "80gb") an 80 GB
+    GPU, validated, written to OUT."""
     import yaml
 
     if src is None:
         src = Path(omni_path or "") / "vllm_omni" / "deploy" / "qwen3_omni_moe.yaml"
     shipped = yaml.safe_load(src.read_text())
-    cfg, changes = qwen3_omni_one_gpu_deploy(shipped, frames)
+    if fit == "80gb":
+        cfg, changes = qwen3_omni_one_gpu_deploy(
+            shipped, frames, QWEN3_OMNI_80GB_SHARES, QWEN3_OMNI_80GB_FIT
+        )
+    else:
+        cfg, changes = qwen3_omni_one_gpu_deploy(shipped, frames)
     fields = installed_stage_fields(omni_path)
     problems = validate_deploy(cfg, fields)
     if problems:
@@ -118,6 +139,7 @@ def write_incumbent(out: Path, omni_path: str | None, src: Path | None, frames: 
         "deploy": str(path),
         "source": str(src),
         "changes": [c.__dict__ for c in changes],
+        "fit": fit,
         "validated_against": "installed vLLM-Omni" if fields else "KNOWN_STAGE_FIELDS",
         "reserved": {"shares": reserved_share(cfg)},
     }
@@ -297,7 +319,8 @@ def phase_run(args) -> None:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     incumbent = {}
     if "omni" in systems:
-        incumbent = write_incumbent(args.out, args.omni_path, args.omni_deploy, args.frames)
+        fit = incumbent_fit(args.omni_fit, total_gib())
+        incumbent = write_incumbent(args.out, args.omni_path, args.omni_deploy, args.frames, fit)
         (args.out / "incumbent_qwen3_omni.json").write_text(json.dumps(incumbent, indent=1))
     import torch
 
@@ -361,7 +384,8 @@ def build_record(
 
 
 def phase_deploy(args) -> None:
-    info = write_incumbent(args.out, args.omni_path, args.omni_deploy, args.frames)
+    fit = incumbent_fit(args.omni_fit, total_gib())
+    info = write_incumbent(args.out, args.omni_path, args.omni_deploy, args.frames, fit)
     print(json.dumps(info, indent=1))
 
 
@@ -404,6 +428,12 @@ def main() -> None:
     parser.add_argument("--stage-overrides", default=None, help="ours: more overrides (JSON)")
     parser.add_argument("--omni-path", default=os.environ.get("OMNI_PYTHONPATH", "/tmp/vomni"))
     parser.add_argument("--omni-deploy", type=Path, default=None, help="shipped yaml to start from")
+    parser.add_argument(
+        "--omni-fit",
+        choices=["auto", "h200", "80gb"],
+        default="auto",
+        help="vLLM-Omni's memory settings: for an H200 or an 80 GB GPU (auto: by the GPU's memory)",
+    )
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--budget-s", type=float, default=None, help="seconds this call may use")
     parser.add_argument("--first-run-s", type=float, default=300, help="estimate, first run")

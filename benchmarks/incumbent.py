@@ -48,13 +48,20 @@ KNOWN_STAGE_FIELDS = frozenset(
         "trust_remote_code",
         "enable_prefix_caching",
         "enable_chunked_prefill",  # vLLM engine arg (Qwen3-Omni's Code2Wav stage)
+        "max_model_len",  # vLLM engine arg (Qwen3-Omni's thinker on one 80 GB GPU)
         "async_scheduling",
         "input_connectors",
     }
 )
 # vLLM engine args the AR stage takes through engine_extras on purpose (not StageDeployConfig).
 ENGINE_PASSTHROUGH = frozenset(
-    {"logits_processors", "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill"}
+    {
+        "logits_processors",
+        "trust_remote_code",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+        "max_model_len",  # Qwen3-Omni on one 80 GB GPU (QWEN3_OMNI_80GB_FIT)
+    }
 )
 
 
@@ -148,6 +155,15 @@ def qwen_image_argv(model: str, tuned: bool, batch: int) -> tuple[list[str], lis
 # of weights in 0.2 (~28 GiB); Code2Wav keeps its shipped 0.1 (~14 GiB, more than the 8 GB it
 # ships with). 0.9 in all.
 QWEN3_OMNI_ONE_GPU_SHARES = {0: 0.6, 1: 0.2, 2: 0.1}
+# The same on one 80 GB GPU (H100), as our qwen3_omni_1gpu's 80 GB settings: the thinker's ~59 GiB
+# of weights leave ~4 GiB of its 0.79 for activations and KV cache, enough for 4096-token
+# sequences and steps (shipped: the model's 65536 positions, steps of 32768, whose profile run
+# alone would not fit); the talker's steps the same; Code2Wav's share 0.05 (~4 GiB).
+QWEN3_OMNI_80GB_SHARES = {0: 0.79, 1: 0.105, 2: 0.05}
+QWEN3_OMNI_80GB_FIT = {
+    0: {"max_model_len": 4096, "max_num_batched_tokens": 4096},
+    1: {"max_num_batched_tokens": 4096},
+}
 QWEN3_OMNI_TALKER = 1
 # vLLM-Omni 0.26's talker voiced max_tokens - 1 frames (243,285 samples = 127 x 1920 - 555 for
 # max_tokens 128, every answer of the first H200 round): one more token gives both sides N frames.
@@ -155,14 +171,20 @@ QWEN3_OMNI_TALKER_EXTRA_TOKENS = 1
 
 
 def qwen3_omni_one_gpu_deploy(
-    src: dict, frames: int, shares: dict[int, float] | None = None
+    src: dict,
+    frames: int,
+    shares: dict[int, float] | None = None,
+    fit: dict[int, dict[str, Any]] | None = None,
 ) -> tuple[dict, list[Change]]:
     """vLLM-Omni's qwen3_omni_moe.yaml (`src`, as loaded) on GPU 0: every stage's `devices` "0",
     the memory `shares` (default QWEN3_OMNI_ONE_GPU_SHARES), and the talker's
     `default_sampling_params.max_tokens` = `frames` + QWEN3_OMNI_TALKER_EXTRA_TOKENS (`frames`
     codec frames of 80 ms: the fixed audio length both systems get). The thinker's length comes with each
     request (`max_tokens` + `ignore_eos`, which vLLM-Omni applies to its thinker stage); the
-    `platforms:` sections (NPU, ROCm, XPU) and everything else stay as shipped."""
+    `platforms:` sections (NPU, ROCm, XPU) and everything else stay as shipped.
+
+    `fit` ({stage id: {field: value}}, after the shares) sets what a GPU smaller than the
+    H200 needs for the three engines to fit (QWEN3_OMNI_80GB_FIT), each a Change."""
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
     shares = QWEN3_OMNI_ONE_GPU_SHARES if shares is None else shares
@@ -181,6 +203,13 @@ def qwen3_omni_one_gpu_deploy(
                        share, why)
             )  # fmt: skip
             stage["gpu_memory_utilization"] = share
+    for sid, fields in (fit or {}).items():
+        stage = _stage(cfg, sid)
+        for key, value in fields.items():
+            if stage.get(key) != value:
+                changes.append(Change(f"stage {sid} {key}", stage.get(key), value,
+                                      "the three engines fit one GPU of this size"))  # fmt: skip
+                stage[key] = value
     talker = _stage(cfg, QWEN3_OMNI_TALKER)
     params = talker.setdefault("default_sampling_params", {})
     tokens = frames + QWEN3_OMNI_TALKER_EXTRA_TOKENS

@@ -41,6 +41,8 @@
 #                                           SYSTEMS ROUNDS ROUND_OFFSET SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
 #                                           SPEECH_INPUT (text, audio: a 10 s spoken question, video: 30 frames)
 #                                           SPEECH_THEN ("audio:1,8 video:1": more inputs on the same server)
+#                                           OMNI_FIT (auto, h200, 80gb: vLLM-Omni's memory settings; auto
+#                                           picks 80gb below 100 GiB of GPU memory)
 #                                           (OMNI_STAGE_CONFIG=qwen3_omni_tiny + a tiny OMNI_FULL: a CPU dry run)
 #   scripts/gpu_check.sh omni-parity        the tiny Qwen3-Omni served here (bf16) vs transformers on this GPU
 #   scripts/gpu_check.sh collect-omni       $SPEECH_OUT's results.jsonl, table.md and logs.tgz into $OUT/omni_speech
@@ -298,7 +300,7 @@ while [ $# -gt 0 ]; do
           --thinker-tokens "${THINKER_TOKENS:-64}" --frames "${FRAMES:-128}" \
           --input "${SPEECH_INPUT:-text}" \
           $(for t in ${SPEECH_THEN:-}; do printf -- '--then %s ' "$t"; done) \
-          --budget-s "$((left - 15))" --first-run-s "${FIRST_RUN_S:-300}" --omni-path /tmp/vomni \
+          --budget-s "$((left - 15))" --first-run-s "${FIRST_RUN_S:-300}" --omni-path /tmp/vomni --omni-fit "${OMNI_FIT:-auto}" \
           --stage-config "${OMNI_STAGE_CONFIG:-qwen3_omni_1gpu}" \
           ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} \
           2>&1 | tee -a "$SPEECH_OUT/bench.log" || true

@@ -58,6 +58,28 @@ def test_incumbent_deploy_on_one_gpu_is_written_valid_and_otherwise_as_shipped(t
     assert any("sums to 1.60" in p for p in incumbent.validate_deploy(crowded))
 
 
+def test_incumbent_fit_for_80gb_changes_only_memory_and_lengths(tmp_path):
+    info = bench.write_incumbent(tmp_path, None, SHIPPED, frames=128, fit="80gb")
+    written = yaml.safe_load(Path(info["deploy"]).read_text())
+    assert info["fit"] == "80gb" and incumbent.validate_deploy(written) == []
+    shares = [s["gpu_memory_utilization"] for s in written["stages"]]
+    assert shares == [0.79, 0.105, 0.05]
+    thinker, talker, _ = written["stages"]
+    assert (thinker["max_model_len"], thinker["max_num_batched_tokens"]) == (4096, 4096)
+    assert talker["max_num_batched_tokens"] == 4096
+    assert {c["where"] for c in info["changes"]} == {
+        "stage 0 gpu_memory_utilization", "stage 1 devices", "stage 1 gpu_memory_utilization",
+        "stage 2 devices", "stage 2 gpu_memory_utilization", "stage 1 max_tokens",
+        "stage 0 max_model_len", "stage 0 max_num_batched_tokens",
+        "stage 1 max_num_batched_tokens",
+    }  # fmt: skip
+    # The H200's form by default and wherever the GPU's memory is unknown.
+    assert bench.incumbent_fit("auto", 79.6) == "80gb"
+    assert bench.incumbent_fit("auto", 139.8) == "h200"
+    assert bench.incumbent_fit("auto", None) == "h200"
+    assert bench.incumbent_fit("h200", 79.6) == "h200"
+
+
 def test_ours_caps_the_talker_through_stage_overrides():
     over = bench.ours_overrides(128, '{"1": {"default_sampling_params": {"temperature": 0}}}')
     fixed = {"max_tokens": 128, "min_tokens": 128, "temperature": 0}
