@@ -431,6 +431,7 @@ def run(args) -> int:
             finished = False
             break
     text = table(read_records(args.out / "results.jsonl"))
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text + "\n")
     print(text)
     if finished:
