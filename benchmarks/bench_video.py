@@ -187,6 +187,7 @@ def mp4_frames(mp4: bytes) -> int:
     with av.open(io.BytesIO(mp4)) as container:
         return container.streams.video[0].frames
 
+
 def video_body(args, i: int, steps: int) -> dict:
     return {
         "model": str(args.model),
@@ -304,10 +305,31 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
 
 
 # ---- diffusers: WanPipeline in this process ----------------------------------------------------
+def wait_gpu_idle(timeout_s: float = 90.0) -> None:
+    """Until no process holds GPU memory (a stopped server's engine can take seconds to let go);
+    returns at once without nvidia-smi (a CPU run)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if out.returncode != 0 or not out.stdout.strip():
+            return
+        time.sleep(1)
+    print(f"GPU still held after {timeout_s:.0f} s; going on", flush=True)
+
+
 def run_diffusers(args, budget: Budget) -> bool:
     need = budget.start_s("diffusers") + budget.level_s("diffusers", 1)
     if not budget.fits(need, "diffusers (load + batch 1)"):
         return False
+    wait_gpu_idle()
     import torch
     from diffusers import WanPipeline
 
@@ -460,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--poll-s", type=float, default=0.5)
     p.add_argument("--budget-s", type=float, default=None, help="seconds this call may use")
-    p.add_argument("--first-start-s", type=float, default=240.0)
-    p.add_argument("--first-job-s", type=float, default=150.0)
+    # Estimates before anything was measured, for TI2V-5B at 1280x704, 121 frames, 50 steps on
+    # an H100: ~0.55 PFLOP per transformer pass (27,280 tokens) x 2 (CFG) x 50 steps.
+    p.add_argument("--first-start-s", type=float, default=180.0)
+    p.add_argument("--first-job-s", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",") if x]
