@@ -49,6 +49,22 @@ def test_t2v_a14b_full_sizes_are_the_published_ones():
     assert c["transformer"]["in_channels"] == AutoencoderKLWan().config.z_dim == 16
 
 
+def test_dit_floor_uses_the_builders_wan_configs():
+    """benchmarks/dit_floor_families.py repeats the transformer configs (it imports nothing of
+    the plugin at load time): they must stay the builder's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dit_floor_families as floor
+
+    for theirs, ours in (
+        (floor.WAN_TI2V_5B, full_wan.TI2V_DIT),
+        (floor.WAN_A14B, full_wan.A14B_DIT),
+    ):
+        assert {k: v for k, v in theirs.items() if k != "rope_max_seq_len"} == ours
+
+
 def test_num_layers_cuts_depth_only():
     c = full_wan.full_configs(num_layers=2)
     assert c["transformer"]["num_layers"] == c["text_encoder"].num_layers == 2
