@@ -9,12 +9,13 @@ the same request.
 The model is a full-size random-weight Wan2.2 TI2V-5B (`vllm-omni-plugin make-tiny-model
 wan-ti2v DIR --size full`, vllm_omni_plugin/testing/full_wan.py) or any WanPipeline folder.
 
-ours: the server starts fresh, sends one warm-up job (full size and frames, `--warmup-steps`
-steps: the same shapes, so compiles and graphs are done before timing), then for each level C
-of `--levels`, max(`--jobs`, C) jobs with at most C in flight (each new job created as soon as
-one finishes). A job's seconds run from its create request to the first poll (every
-`--poll-s`) that finds it `completed`; the MP4 is then downloaded (timed apart) and its frame
-count checked. Each job records its size, frames and steps as the server reports them.
+ours: the server starts fresh (its job store a folder of OUT, removed when it stops), sends one
+warm-up job (full size and frames, `--warmup-steps` steps: the same shapes, so compiles and
+graphs are done before timing), then for each level C of `--levels`, max(`--jobs`, C) jobs with
+at most C in flight (each new job created as soon as one finishes). A job's seconds run from its
+create request to the first poll (every `--poll-s`) that finds it `completed`; the MP4 is then
+downloaded (timed apart) and its frame count checked. Each job records its size, frames and
+steps as the server reports them.
 
 diffusers: WanPipeline.from_pretrained in this process (bf16 on the GPU, float32 on a CPU), one
 warm-up call with `--warmup-steps`, then `--jobs` calls one at a time (batch 1): same prompt,
@@ -43,6 +44,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -252,6 +254,29 @@ async def level_jobs(client, args, level: int) -> tuple[list[dict], float]:
     return jobs, loaded.wall_s
 
 
+def ours_deploy(args, store: Path) -> Path:
+    """`--stage-config` with its job store in `store` (this run's, not the user's cache). A
+    section of a file that names a `base_config` replaces the base's whole section: the file
+    repeats every resolved `videos` setting."""
+    import yaml
+
+    from vllm_omni_plugin.config.resolve import load_deploy_config
+
+    videos = load_deploy_config(args.stage_config).videos.model_dump(mode="json")
+    base = Path(args.stage_config).expanduser()
+    text = yaml.safe_dump(
+        {
+            "base_config": str(base.resolve()) if base.exists() else args.stage_config,
+            "videos": {**videos, "store_dir": str(store.resolve())},
+        },
+        sort_keys=False,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"ours_{Path(args.stage_config).stem}.yaml"
+    path.write_text(text)
+    return path
+
+
 def run_ours(args, budget: Budget, pending: list[int]) -> bool:
     """Serve, warm up, run the pending levels; False when the budget stopped it."""
     import httpx
@@ -259,12 +284,12 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
     need = budget.start_s("ours") + budget.level_s("ours", pending[0])
     if not budget.fits(need, f"ours (start + c{pending[0]})"):
         return False
-    argv = [str(args.model), "--stage-config", args.stage_config]
+    stamp = time.strftime("%H%M%S")
+    store = args.out / f"video_store_{stamp}"
+    argv = [str(args.model), "--stage-config", str(ours_deploy(args, store))]
     if args.stage_overrides:
         argv += ["--stage-overrides", args.stage_overrides]
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / f"ours_{time.strftime('%H%M%S')}.log"
-    server = Server(argv, log)
+    server = Server(argv, args.out / f"ours_{stamp}.log")
     finished = True
     try:
         with PeakMemory() as mem:
@@ -301,6 +326,7 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
             finished = asyncio.run(drive())
     finally:
         server.stop()
+        shutil.rmtree(store, ignore_errors=True)
     return finished
 
 
