@@ -25,13 +25,15 @@ and after, frames returned as numpy (no MP4 encoding: the served time includes i
 Each finished (system, level) appends one JSON line to OUT/results.jsonl, with the device, the
 versions of vllm, torch and diffusers, the command and each job's seconds; a (system, level)
 already there for the same size, frames and steps is not run again, so the same command
-continues where a run cut short stopped. With `--budget-s`, work starts only if its estimate
-fits what is left (a server start and warm-up as last measured, else `--first-start-s`; a job
-as last measured, else `--first-job-s`); the run then prints `STOPPED: ...`, or `ALL_DONE` once
-every (system, level) is recorded. The table (median, min-max, n, and each row's median over
+continues where a run cut short stopped. With `--budget-s`, a server start (or diffusers' load)
+and each job start only if their estimates fit what is left (a start and warm-up as last
+measured, else `--first-start-s`; a job as the slowest of its level so far, else as last
+measured, else `--first-job-s`); a level the budget cut short is recorded with the jobs that
+finished (`partial`) and not run again, so every call makes progress. The run prints
+`STOPPED: ...`, or `ALL_DONE` once every (system, level) is recorded. The table (median, min-max, n, and each row's median over
 diffusers' median) is printed at the end and written to OUT/table.md.
 
-CPU dry run on the tiny checkpoint (the build ~6 s, the run ~25 s on 2 cores)::
+CPU dry run on the tiny checkpoint (the build ~6 s, the run ~20 s on 2 cores)::
 
     vllm-omni-plugin make-tiny-model wan-ti2v /tmp/wan-ti2v-tiny
     python benchmarks/bench_video.py --model /tmp/wan-ti2v-tiny --out /tmp/wan-video-dry \\
@@ -54,7 +56,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu_glm import PeakMemory, Server, _versions  # noqa: E402
-from load_gen import closed_loop  # noqa: E402
 
 PROMPTS = [
     "a red fox running through fresh snow, slow motion",
@@ -165,11 +166,23 @@ class Budget:
             return self.args.first_start_s
         return 1.1 * (ready + warm)
 
-    def level_s(self, system: str, level: int) -> float:
-        """A level's estimate: its jobs at the latest measured seconds per job (any level:
-        a job at concurrency C takes about C times one alone, and C of them run at once)."""
+    def job_s(self, system: str, level: int, seen: list[float] = ()) -> float:
+        """One more job at concurrency `level`: the slowest seen in this level, else the latest
+        measured seconds per job (a job among C at once takes about C times one alone), else
+        `--first-job-s` times C."""
+        if seen:
+            return 1.1 * max(seen)
         per_job = self.latest(system, "wall_s_per_job") or self.args.first_job_s
-        return 1.1 * per_job * max(self.args.jobs, level)
+        return 1.1 * per_job * level
+
+    def room_for(self, need: float) -> bool:
+        left = self.left()
+        return left is None or need <= left
+
+    def stop(self, what: str) -> bool:
+        left = self.left()
+        print(f"STOPPED: {what} did not fit the {left or 0:.0f} s left", flush=True)
+        return False
 
     def fits(self, need: float, what: str) -> bool:
         left = self.left()
@@ -239,19 +252,24 @@ async def run_job(client, args, i: int, steps: int) -> dict:
     }
 
 
-async def level_jobs(client, args, level: int) -> tuple[list[dict], float]:
-    jobs: list[dict] = []
+async def level_jobs(client, args, level: int, budget: Budget) -> tuple[list[dict], float]:
+    """max(--jobs, level) jobs, at most `level` in flight; a job starts only while the budget
+    has room for it (the jobs that finished are returned)."""
+    total, jobs, started = max(args.jobs, level), [], []
 
-    async def send(i: int) -> dict:
-        result = await run_job(client, args, i, args.steps)
-        jobs.append(result)
-        print(f"ours c{level}: job {i} {result['s']:.2f} s", flush=True)
-        return result
+    async def worker() -> None:
+        while len(started) < total:
+            if not budget.room_for(budget.job_s("ours", level, [j["s"] for j in jobs])):
+                return
+            i = len(started)
+            started.append(i)
+            result = await run_job(client, args, i, args.steps)
+            jobs.append(result)
+            print(f"ours c{level}: job {i} {result['s']:.2f} s", flush=True)
 
-    loaded = await closed_loop(send, max(args.jobs, level), level)
-    if len(jobs) != max(args.jobs, level):
-        raise RuntimeError(f"c{level}: {len(jobs)} of {max(args.jobs, level)} jobs finished")
-    return jobs, loaded.wall_s
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(min(level, total))])
+    return jobs, time.perf_counter() - t0
 
 
 def ours_deploy(args, store: Path) -> Path:
@@ -281,8 +299,8 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
     """Serve, warm up, run the pending levels; False when the budget stopped it."""
     import httpx
 
-    need = budget.start_s("ours") + budget.level_s("ours", pending[0])
-    if not budget.fits(need, f"ours (start + c{pending[0]})"):
+    need = budget.start_s("ours") + budget.job_s("ours", pending[0])
+    if not budget.fits(need, f"ours (start + a job at c{pending[0]})"):
         return False
     stamp = time.strftime("%H%M%S")
     store = args.out / f"video_store_{stamp}"
@@ -303,9 +321,11 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
                     warmup = time.perf_counter() - t0
                     print(f"ours: warm-up {warmup:.1f} s", flush=True)
                     for level in pending:
-                        if not budget.fits(budget.level_s("ours", level), f"ours c{level}"):
+                        if not budget.fits(budget.job_s("ours", level), f"ours c{level}"):
                             return False
-                        jobs, wall = await level_jobs(client, args, level)
+                        jobs, wall = await level_jobs(client, args, level, budget)
+                        if not jobs:
+                            return budget.stop(f"a job at ours c{level}")
                         record = {
                             "system": "ours",
                             "level": level,
@@ -317,10 +337,13 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
                             "wall_s_per_job": round(wall / len(jobs), 2),
                             **summarize([j["s"] for j in jobs]),
                             "jobs": jobs,
+                            "partial": len(jobs) < max(args.jobs, level),
                             "peak_gib": mem.peak_gib,
                         }
                         budget.records.append(record)
                         write_record(args, record)
+                        if record["partial"]:
+                            return budget.stop(f"the rest of ours c{level}")
                     return True
 
             finished = asyncio.run(drive())
@@ -352,8 +375,8 @@ def wait_gpu_idle(timeout_s: float = 90.0) -> None:
 
 
 def run_diffusers(args, budget: Budget) -> bool:
-    need = budget.start_s("diffusers") + budget.level_s("diffusers", 1)
-    if not budget.fits(need, "diffusers (load + batch 1)"):
+    need = budget.start_s("diffusers") + budget.job_s("diffusers", 1)
+    if not budget.fits(need, "diffusers (load + a job)"):
         return False
     wait_gpu_idle()
     import torch
@@ -395,10 +418,10 @@ def run_diffusers(args, budget: Budget) -> bool:
         print(f"diffusers: loaded in {loaded:.1f} s", flush=True)
         warmup = call(len(PROMPTS) - 1, args.warmup_steps)
         print(f"diffusers: warm-up {warmup:.1f} s", flush=True)
-        if not budget.fits(budget.level_s("diffusers", 1), "diffusers batch 1"):
-            return False
-        jobs = []
+        jobs: list[dict] = []
         for i in range(args.jobs):
+            if not budget.room_for(budget.job_s("diffusers", 1, [j["s"] for j in jobs])):
+                break
             took = call(i, args.steps)
             print(f"diffusers: job {i} {took:.2f} s", flush=True)
             jobs.append(
@@ -410,6 +433,8 @@ def run_diffusers(args, budget: Budget) -> bool:
                     "seed": SEED0 + i,
                 }
             )
+    if not jobs:
+        return budget.stop("a diffusers job")
     seconds = [j["s"] for j in jobs]
     record = {
         "system": "diffusers",
@@ -422,10 +447,13 @@ def run_diffusers(args, budget: Budget) -> bool:
         "wall_s_per_job": round(sum(seconds) / len(seconds), 2),
         **summarize(seconds),
         "jobs": jobs,
+        "partial": len(jobs) < args.jobs,
         "peak_gib": mem.peak_gib,
     }
     budget.records.append(record)
     write_record(args, record)
+    if record["partial"]:
+        return budget.stop("the rest of the diffusers jobs")
     return True
 
 
@@ -453,7 +481,7 @@ def table(records: list[dict]) -> str:
             ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "-"
             lines.append(
                 f"| {r['system']} | {r['level']} | {r['median_s']:.2f} | "
-                f"{r['min_s']:.2f}-{r['max_s']:.2f} | {r['n']} | {r['wall_s_per_job']:.2f} | "
+                f"{r['min_s']:.2f}-{r['max_s']:.2f} | {r['n']}{' (partial)' if r.get('partial') else ''} | {r['wall_s_per_job']:.2f} | "
                 f"{ratio} |"
             )
         lines.append("")
