@@ -30,14 +30,24 @@ and each job start only if their estimates fit what is left (a start and warm-up
 measured, else `--first-start-s`; a job as the slowest of its level so far, else as last
 measured, else `--first-job-s`); a level the budget cut short is recorded with the jobs that
 finished (`partial`) and not run again, so every call makes progress. The run prints
-`STOPPED: ...`, or `ALL_DONE` once every (system, level) is recorded. The table (median, min-max, n, and each row's median over
-diffusers' median) is printed at the end and written to OUT/table.md.
+`STOPPED: ...`, or `ALL_DONE` once every (system, level) is recorded. The table (median,
+min-max, n, and each row's median over diffusers' median) is printed at the end and written to
+OUT/table.md.
 
 CPU dry run on the tiny checkpoint (the build ~6 s, the run ~20 s on 2 cores)::
 
     vllm-omni-plugin make-tiny-model wan-ti2v /tmp/wan-ti2v-tiny
     python benchmarks/bench_video.py --model /tmp/wan-ti2v-tiny --out /tmp/wan-video-dry \\
-        --stage-config wan_ti2v_tiny --size 64x64 --frames 9 --steps 4 --jobs 2 --warmup-steps 1 --poll-s 0.05
+        --stage-config wan_ti2v_tiny --size 64x64 --frames 9 --steps 4 --jobs 2 --warmup-steps 1 \\
+        --poll-s 0.05
+
+and of the full-size code path (every width as published, one layer per stack: 2.2B parameters,
+built in ~40 s; the run ~65 s, both systems in float32)::
+
+    vllm-omni-plugin make-tiny-model wan-ti2v /dev/shm/wan-full-1 --size full --num-layers 1
+    python benchmarks/bench_video.py --model /dev/shm/wan-full-1 --out /tmp/wan-video-full-1 \\
+        --stage-config wan_ti2v_tiny --size 64x64 --frames 5 --steps 2 --jobs 1 --levels 1 \\
+        --warmup-steps 1
 """
 
 from __future__ import annotations

@@ -68,6 +68,8 @@
 #                                           of CALL_LIMIT_S; records kept in $OUT/wan_video, so the same command continues
 #                                           where it stopped (prints STOPPED: ... or ALL_DONE). WAN_SIZE WAN_FRAMES WAN_STEPS
 #                                           WAN_JOBS WAN_LEVELS WAN_SYSTEMS WAN_STAGE_CONFIG STAGE_OVERRIDES (ours)
+#                                           (WAN_STAGE_CONFIG=wan_ti2v_tiny + a tiny WAN_FULL holding .complete + WAN_SIZE=64x64
+#                                           WAN_FRAMES=9 WAN_STEPS=4: a CPU dry run)
 #   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
 #                                           timed alone at the served shape) for FLUX.1-dev, Qwen-Image, GLM-Image's
 #                                           DiT, Wan2.2 TI2V-5B and T2V-A14B in one call: ~3 min, no weights, no vLLM;
