@@ -489,10 +489,10 @@ def table(records: list[dict]) -> str:
         ]
         for r in sorted(rows, key=lambda r: (SYSTEMS.index(r["system"]), r["level"])):
             ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "-"
+            n = f"{r['n']} (partial)" if r.get("partial") else str(r["n"])
             lines.append(
                 f"| {r['system']} | {r['level']} | {r['median_s']:.2f} | "
-                f"{r['min_s']:.2f}-{r['max_s']:.2f} | {r['n']}{' (partial)' if r.get('partial') else ''} | {r['wall_s_per_job']:.2f} | "
-                f"{ratio} |"
+                f"{r['min_s']:.2f}-{r['max_s']:.2f} | {n} | {r['wall_s_per_job']:.2f} | {ratio} |"
             )
         lines.append("")
     return "\n".join(lines)
