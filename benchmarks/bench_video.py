@@ -29,7 +29,8 @@ continues where a run cut short stopped. With `--budget-s`, a server start (or d
 and each job start only if their estimates fit what is left (a start and warm-up as last
 measured, else `--first-start-s`; a job as the slowest of its level so far, else as last
 measured, else `--first-job-s`); a level the budget cut short is recorded with the jobs that
-finished (`partial`) and not run again, so every call makes progress. The run prints
+finished (`partial`) and not run again, so every call makes progress; one that failed is
+recorded with its `error` and not run again either (remove its line to retry). The run prints
 `STOPPED: ...`, or `ALL_DONE` once every (system, level) is recorded. The table (median,
 min-max, n, and each row's median over diffusers' median) is printed at the end and written to
 OUT/table.md.
@@ -225,24 +226,28 @@ def video_body(args, i: int, steps: int) -> dict:
     }
 
 
+def checked(response):
+    """The response, or an error naming the route, the status and the server's message."""
+    if response.is_success:
+        return response
+    request = response.request
+    raise RuntimeError(
+        f"{request.method} {request.url.path}: {response.status_code} {response.text[:1000]}"
+    )
+
+
 async def run_job(client, args, i: int, steps: int) -> dict:
     """Create a job, poll it until completed, download and check its MP4."""
     t0 = time.perf_counter()
-    created = await client.post("/v1/videos", json=video_body(args, i, steps))
-    created.raise_for_status()
-    job = created.json()
+    job = checked(await client.post("/v1/videos", json=video_body(args, i, steps))).json()
     while job["status"] not in ("completed", "failed"):
         await asyncio.sleep(args.poll_s)
-        polled = await client.get(f"/v1/videos/{job['id']}")
-        polled.raise_for_status()
-        job = polled.json()
+        job = checked(await client.get(f"/v1/videos/{job['id']}")).json()
     took = time.perf_counter() - t0
     if job["status"] != "completed":
         raise RuntimeError(f"job {job['id']} failed: {job.get('error')}")
     t1 = time.perf_counter()
-    content = await client.get(f"/v1/videos/{job['id']}/content")
-    content.raise_for_status()
-    mp4 = content.content
+    mp4 = checked(await client.get(f"/v1/videos/{job['id']}/content")).content
     download = time.perf_counter() - t1
     frames = mp4_frames(mp4)
     if frames != args.frames:
@@ -478,7 +483,10 @@ def table(records: list[dict]) -> str:
     for shape in sorted({k[:3] for k in latest}):
         size, frames, steps = shape
         rows = [r for k, r in latest.items() if k[:3] == shape]
-        ref = next((r for r in rows if r["system"] == "diffusers" and r["level"] == 1), None)
+        ref = next(
+            (r for r in rows if (r["system"], r["level"]) == ("diffusers", 1) and "error" not in r),
+            None,
+        )
         device = rows[0].get("device", "?")
         lines += [
             f"Wan2.2 video jobs, {size}, {frames} frames, {steps} steps, guidance "
@@ -488,6 +496,10 @@ def table(records: list[dict]) -> str:
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in sorted(rows, key=lambda r: (SYSTEMS.index(r["system"]), r["level"])):
+            if "error" in r:
+                error = r["error"].splitlines()[0][:80].replace("|", "/")
+                lines.append(f"| {r['system']} | {r['level']} | failed: {error} | | | | |")
+                continue
             ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "-"
             n = f"{r['n']} (partial)" if r.get("partial") else str(r["n"])
             lines.append(
@@ -512,7 +524,17 @@ def run(args) -> int:
         if not pending:
             print(f"{system}: already recorded", flush=True)
             continue
-        ok = run_ours(args, budget, pending) if system == "ours" else run_diffusers(args, budget)
+        try:
+            ok = (
+                run_ours(args, budget, pending) if system == "ours" else run_diffusers(args, budget)
+            )
+        except Exception as exc:  # recorded, so that the next call moves on to the rest
+            recorded = {(r["system"], r["level"]) for r in budget.records if same_request(r, args)}
+            level = next(lvl for lvl in pending if (system, lvl) not in recorded)
+            message = f"{type(exc).__name__}: {exc}"
+            print(f"{system} c{level} failed: {message}", flush=True)
+            write_record(args, {"system": system, "level": level, "error": message[-4000:]})
+            continue
         if not ok:
             finished = False
             break
