@@ -7,7 +7,9 @@ so the 12-20B models cost nothing to build here. Sizes:
 
 - FLUX.1-dev, Qwen-Image, GLM-Image's DiT: the configs the full-size random builders write
   (`make-tiny-model ... --size full`, vllm_omni_plugin/testing/full_*.py).
-- Wan2.2: no full-size builder exists; the published transformer configs are below. T2V-A14B's
+- Wan2.2: the transformer configs of the full-size builder (vllm_omni_plugin/testing/full_wan.py,
+  which says where they come from), repeated below (tests/test_full_wan.py keeps them equal) so
+  that this module imports nothing of the plugin at load time. T2V-A14B's
   two experts (high- and low-noise) are one architecture, diffusers' WanTransformer3DModel
   defaults (40 layers, 40 heads x 128, FFN 13824, 16 channels); a step runs one of them.
   TI2V-5B: 30 layers, 24 heads x 128, FFN 14336, 48 channels, with its VAE's 16x spatial and

@@ -61,6 +61,15 @@
 #   scripts/gpu_check.sh side-lane          prepare/decode beside the denoising (overlap_encode_decode): tiny FLUX
 #                                           on vs off pixel-exact with CUDA graphs, then full-size FLUX (built once
 #                                           in $FLUX_FULL) off vs on in alternating rounds; $OUT/side_lane
+#   scripts/gpu_check.sh wan-video          bench_video.py: Wan2.2 TI2V-5B at full size (random weights, ~23 GB, built once in
+#                                           $WAN_FULL, default /dev/shm/wan-ti2v-full), seconds per video job: ours on
+#                                           /v1/videos (wan2_2_ti2v) at concurrency 1 and 2 vs diffusers' WanPipeline at
+#                                           batch 1, same request (1280x704, 121 frames, 50 steps), bounded by what is left
+#                                           of CALL_LIMIT_S; records kept in $OUT/wan_video, so the same command continues
+#                                           where it stopped (prints STOPPED: ... or ALL_DONE). WAN_SIZE WAN_FRAMES WAN_STEPS
+#                                           WAN_JOBS WAN_LEVELS WAN_SYSTEMS WAN_STAGE_CONFIG STAGE_OVERRIDES (ours)
+#                                           (WAN_STAGE_CONFIG=wan_ti2v_tiny + a tiny WAN_FULL holding .complete + WAN_SIZE=64x64
+#                                           WAN_FRAMES=9 WAN_STEPS=4: a CPU dry run)
 #   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
 #                                           timed alone at the served shape) for FLUX.1-dev, Qwen-Image, GLM-Image's
 #                                           DiT, Wan2.2 TI2V-5B and T2V-A14B in one call: ~3 min, no weights, no vLLM;
@@ -141,6 +150,20 @@ flux_full() {
     python3 -c "from pathlib import Path; from vllm_omni_plugin.testing.full_flux import build; build(Path('$dir'), 0)" >&2
     touch "$dir/.complete"
     echo "flux-full: built in $(( $(date +%s) - t0 )) s" >>"$1"
+  fi
+  echo "$dir"
+}
+# Wan2.2 TI2V-5B at full size (random bf16 weights, ~23 GB) in $WAN_FULL, built once; prints
+# its folder, the build's time appended to the file $1. A folder built elsewhere is used as is
+# once it holds a .complete file.
+wan_full() {
+  local dir=${WAN_FULL:-/dev/shm/wan-ti2v-full} t0
+  if [ ! -f "$dir/.complete" ]; then
+    rm -rf "$dir"
+    t0=$(date +%s)
+    vllm-omni-plugin make-tiny-model wan-ti2v "$dir" --size full >&2
+    touch "$dir/.complete"
+    echo "wan-full: built in $(( $(date +%s) - t0 )) s" >>"$1"
   fi
   echo "$dir"
 }
@@ -374,6 +397,25 @@ while [ $# -gt 0 ]; do
       timeout "$left" python3 benchmarks/bench_side_lane.py --model "$flux_dir" --steps 28 \
         --requests 8 --interval-ms 1500 --rounds "${SIDE_LANE_ROUNDS:-2}" 2>&1 \
         | grep -v Loading | tee "$OUT/side_lane/flux_full.txt" | tail -8 || true
+      ;;
+    wan-video)
+      # Seconds per video job at full size: our server (fresh each call, one short warm-up job)
+      # at concurrency 1 then 2, then diffusers in the bench's process; each (system, level)
+      # is recorded as it finishes and never run twice, so later calls continue the run.
+      mkdir -p "$OUT/wan_video"
+      wan_dir=$(wan_full "$OUT/wan_video/build.txt")
+      left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
+      if [ "$left" -lt 120 ]; then
+        echo "wan-video: ${left} s left in this call, not starting; run it again"
+      else
+        timeout "$left" python3 benchmarks/bench_video.py --model "$wan_dir" --out "$OUT/wan_video" \
+          --stage-config "${WAN_STAGE_CONFIG:-wan2_2_ti2v}" --size "${WAN_SIZE:-1280x704}" \
+          --frames "${WAN_FRAMES:-121}" --steps "${WAN_STEPS:-50}" --jobs "${WAN_JOBS:-2}" \
+          --levels "${WAN_LEVELS:-1,2}" --systems "${WAN_SYSTEMS:-ours,diffusers}" \
+          ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} --budget-s "$((left - 15))" \
+          2>&1 | grep -v Loading | tee -a "$OUT/wan_video/bench.log" | tail -30 || true
+      fi
+      stop_servers
       ;;
     collect-omni)
       stop_servers

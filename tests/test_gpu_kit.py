@@ -3,11 +3,14 @@ download, with PIP_NO_INDEX / PIP_FIND_LINKS pointing at wheels this test writes
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 RESOLVER = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kit" / "resolve_kit.py"
 
@@ -92,3 +95,46 @@ def test_dit_floor_mode_reaches_the_benchmark_with_flags_it_accepts(tmp_path):
     log = (out / "dit_floor.log").read_text()
     assert "timing needs a CUDA device" in log, log
     assert "unrecognized arguments" not in log and "unknown families" not in log
+
+
+@pytest.mark.slow
+def test_wan_video_mode_runs_the_bench_on_a_ready_checkpoint(tmp_path):
+    """`gpu_check.sh wan-video` on the tiny TI2V checkpoint (marked built), diffusers only on this
+    CPU: the phase's flags reach bench_video.py, which records a run and says it is done; a
+    second call finds the record and runs nothing again."""
+    from vllm_omni_plugin.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model("wan-ti2v", tmp_path / "wan-ti2v")
+    (model / ".complete").touch()
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        WAN_FULL=str(model),
+        WAN_STAGE_CONFIG="wan_ti2v_tiny",
+        WAN_SIZE="64x32",
+        WAN_FRAMES="5",
+        WAN_STEPS="2",
+        WAN_JOBS="1",
+        WAN_SYSTEMS="diffusers",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    for _ in range(2):
+        run = subprocess.run(
+            ["bash", str(GPU_CHECK), "wan-video"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        log = (out / "wan_video" / "bench.log").read_text()
+        assert "unrecognized arguments" not in log and "Traceback" not in log, log
+        assert log.rstrip().endswith("ALL_DONE"), log
+    assert "diffusers: already recorded" in log
+    (record,) = [
+        json.loads(x) for x in (out / "wan_video" / "results.jsonl").read_text().split("\n") if x
+    ]
+    assert (record["system"], record["level"], record["n"]) == ("diffusers", 1, 1)
+    assert (record["size"], record["frames"], record["steps"]) == ("64x32", 5, 2)
+    assert not (out / "wan_video" / "build.txt").exists()  # the ready folder was not rebuilt

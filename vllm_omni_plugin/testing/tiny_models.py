@@ -37,12 +37,15 @@ _BUILDERS = {
 KINDS = tuple(_BUILDERS)
 
 
-# kind -> module with `build(out_dir, seed, num_layers=None)`: the published sizes.
+# kind -> module with `build(out_dir, seed, num_layers=None)` ("module:function" names another
+# function of that signature): the published sizes.
 _FULL_BUILDERS = {
     "glm-image": "vllm_omni_plugin.testing.full_glm_image",
     "qwen3-omni": "vllm_omni_plugin.testing.full_qwen3_omni",
     "qwen-image": "vllm_omni_plugin.testing.full_qwen_image",
     "flux": "vllm_omni_plugin.testing.full_flux",
+    "wan-ti2v": "vllm_omni_plugin.testing.full_wan",  # Wan2.2 TI2V-5B
+    "wan": "vllm_omni_plugin.testing.full_wan:build_t2v_a14b",  # Wan2.2 T2V-A14B
 }
 FULL_KINDS = tuple(_FULL_BUILDERS)
 
@@ -74,8 +77,9 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if size == "full":
-        module = importlib.import_module(_FULL_BUILDERS[kind])
-        path = Path(module.build(out, seed, num_layers=num_layers))
+        module_name, _, function = _FULL_BUILDERS[kind].partition(":")
+        builder = getattr(importlib.import_module(module_name), function or "build")
+        path = Path(builder(out, seed, num_layers=num_layers))
     else:
         module = importlib.import_module(_BUILDERS[kind])
         path = Path(module.build(out, seed))
