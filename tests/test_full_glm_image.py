@@ -179,7 +179,8 @@ def _cli_here(capsys, *args: str) -> tuple[int, str, str]:
 def test_cli_rejects_full_for_other_kinds(tmp_path):
     done = _cli("qwen-image-edit", str(tmp_path / "q"), "--size", "full")
     assert done.returncode == 2
-    assert "glm-image, qwen3-omni, qwen-image, flux only" in done.stderr
+    assert "glm-image, qwen3-omni, qwen-image, flux, wan-ti2v, wan only" in done.stderr
+    assert "not 'qwen-image-edit'" in done.stderr
     done = _cli("glm-image", str(tmp_path / "g"), "--num-layers", "1")
     assert done.returncode == 2
     assert "--size full only" in done.stderr
