@@ -76,6 +76,7 @@ LONGEST_UNITS = {
     "tests/diffusion/test_compile_cache.py": 44,
     "tests/test_full_glm_image.py": 43,
     "tests/test_full_qwen_flux.py": 42,
+    "tests/test_full_wan.py": 59,
     "tests/qwen3_omni/test_thinker_states_preemption.py": 40,
     "tests/serving/test_videos.py": 40,
     "tests/serving/test_edit_families_serve.py": 39,
