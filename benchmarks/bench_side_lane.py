@@ -5,11 +5,13 @@ on the engine thread (`off`) and on the side lane (`on`), in alternating rounds.
     .venv/bin/python benchmarks/bench_side_lane.py --build tiny --size 64 --steps 8 \
         --device cpu --dtype float32 --interval-ms 30
     # One GPU: FLUX.1-dev size with random bf16 weights, 1024x1024, a request every 2 s:
-    python benchmarks/bench_side_lane.py --build full --work /data/bench-side-lane
+    python benchmarks/bench_side_lane.py --build full --work /data/bench-side-lane \
+        --out side_lane.jsonl
 
 Requests arrive open-loop, one every `--interval-ms` (the driver adds those due before each
 engine step), `--requests` in all, each `--steps` steps at `--size`. One JSON line per mode and
-round: `wall_s` (first arrival to last image), `images_per_s`, `latency_s` (mean arrival to
+round (printed, and appended to `--out` after its "run" record of the machine, versions, command
+and settings, so a run cut short keeps its finished rounds): `wall_s` (first arrival to last image), `images_per_s`, `latency_s` (mean arrival to
 image) and `max_stall_ms`: the longest wait of a running request between two of its denoising
 steps (host clock, from the engine's phase log: the stall a newcomer's encoding or another's
 decode adds; on CUDA the host side of the steps, so read it beside the wall-clock columns).
@@ -22,11 +24,15 @@ decode adds; on CUDA the host side of the steps, so read it beside the wall-cloc
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
+import shlex
 import statistics
+import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -103,6 +109,37 @@ def timed_run(engine: DiffusionEngine, args, tag: str, cuda: bool) -> dict:
     }
 
 
+def run_record(args, model: str, cuda: bool) -> dict:
+    """The results file's first line: what ran, where, with which versions and settings."""
+    versions = {}
+    for package in ("vllm", "torch", "diffusers"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "bench": "side_lane",
+        "record": "run",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "versions": versions,
+        "model": model if args.model else f"FLUX, {args.build} size, random weights (built)",
+        "command": shlex.join(["bench_side_lane.py", *sys.argv[1:]]),
+        "size": args.size,
+        "steps": args.steps,
+        "requests": args.requests,
+        "interval_ms": args.interval_ms,
+        "max_batch_size": args.max_batch_size,
+        "dtype": args.dtype,
+    }
+
+
+def _append(path: Path | None, record: dict) -> None:
+    if path is not None:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def run(args) -> list[dict]:
     model = args.model
     if model is None:
@@ -113,6 +150,7 @@ def run(args) -> list[dict]:
         if not (Path(model) / "model_index.json").is_file():
             build_tiny_model("flux", model, seed=0, size=args.build)
     cuda = args.device.startswith("cuda")
+    _append(args.out, run_record(args, model, cuda))
     rows = []
     # One engine at a time (two full-size FLUX engines do not fit an 80 GB card), started
     # afresh for each round: its compile, capture and first-call costs stay out of the round.
@@ -121,8 +159,12 @@ def run(args) -> list[dict]:
             engine = engine_for(args, model, mode == "on")
             engine.generate([request(f"warm-{mode}-{r}-{i}", i, args) for i in range(2)])
             row = timed_run(engine, args, f"{mode}-{r}", cuda)
-            rows.append({"mode": mode, "round": r, **row, "device": args.device})
+            rows.append(
+                {"bench": "side_lane", "record": "round", "mode": mode, "round": r, **row}
+                | {"device": args.device}
+            )
             print(json.dumps(rows[-1]), flush=True)
+            _append(args.out, rows[-1])
             engine.close()
             del engine
             # An engine is a reference cycle (its scheduler holds its hooks): collect it now, or
@@ -196,6 +238,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", type=Path, help="results file (jsonl) the run and its rounds go to")
     ap.add_argument("--report", type=Path, nargs="+", help="results files: print their table")
     ap.add_argument("--write", type=Path, help="with --report: the markdown file with the markers")
     return ap
@@ -211,6 +254,8 @@ def main() -> None:
             write_into(args.write, text, BEGIN, END)
         print(text)
         return
+    if args.out is not None and args.out.exists():
+        raise SystemExit(f"{args.out} exists: a results file holds one run")
     run(args)  # prints a JSON line per mode and round as it ends
 
 

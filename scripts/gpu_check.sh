@@ -395,7 +395,8 @@ while [ $# -gt 0 ]; do
       flux_dir=$(flux_full "$OUT/side_lane/build.txt")
       left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
       timeout "$left" python3 benchmarks/bench_side_lane.py --model "$flux_dir" --steps 28 \
-        --requests 8 --interval-ms 1500 --rounds "${SIDE_LANE_ROUNDS:-2}" 2>&1 \
+        --requests 8 --interval-ms 1500 --rounds "${SIDE_LANE_ROUNDS:-2}" \
+        --out "$OUT/side_lane/results_$(date +%Y%m%d_%H%M%S).jsonl" 2>&1 \
         | grep -v Loading | tee "$OUT/side_lane/flux_full.txt" | tail -8 || true
       ;;
     wan-video)

@@ -31,11 +31,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # go to a runtime folder of this test session, never the user's; removed when the session ends.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
-# What torch.compile caches (tests that compile the talker's code predictor) stays in the
-# session too: a cache left by another run never decides a result.
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["XDG_RUNTIME_DIR"], "inductor")
-# vLLM's own cache (its AOT-compiled graphs, model-class inspections), not the user's ~/.cache.
-os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ["XDG_RUNTIME_DIR"], "vllm-cache")
+# What torch.compile caches (tests that compile the talker's code predictor) and vLLM's own
+# cache (its AOT-compiled graphs, model-class inspections) stay in the session too, not the
+# user's ~/.cache: a cache left by another run never decides a result. The session's xdist
+# workers share one such folder, made by the controller before it starts them (they inherit its
+# environment): vLLM inspects a model class it has not cached in a subprocess of its own (~8
+# CPU-s), which then runs once per class in the session rather than once per class and worker.
+SHARED_CACHE_ENV = "OMNI_TEST_SESSION_CACHE"
+if not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(SHARED_CACHE_ENV)):
+    os.environ[SHARED_CACHE_ENV] = tempfile.mkdtemp(prefix="omni-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[SHARED_CACHE_ENV], ignore_errors=True)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ[SHARED_CACHE_ENV], "inductor")
+os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[SHARED_CACHE_ENV], "vllm-cache")
 
 # Under pytest-xdist (`make test`: -n 2) each module is a unit of work (its module-scoped
 # servers start once), except that the Ray modules are one unit: one Ray cluster at a time.

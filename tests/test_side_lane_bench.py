@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -57,3 +59,25 @@ def test_report_gives_each_mode_s_spread_and_on_over_off(tmp_path):
     write_into(doc, text, bench_side_lane.BEGIN, bench_side_lane.END)
     assert "old" not in doc.read_text() and "| 2.00 |" in doc.read_text()
     assert doc.read_text().startswith("head\n") and doc.read_text().endswith("tail\n")
+
+
+def test_a_run_writes_the_file_its_report_reads(tiny_models, tmp_path, monkeypatch):
+    """The bench on the CPU (tiny FLUX, one round of each mode) writes the run record and each
+    round to `--out` as the round ends; the report reads that file as it is."""
+    out = tmp_path / "side_lane.jsonl"
+    argv = [
+        "bench_side_lane.py", "--model", str(tiny_models("flux")), "--size", "64",
+        "--steps", "2", "--requests", "2", "--interval-ms", "10", "--rounds", "1",
+        "--device", "cpu", "--dtype", "float32", "--out", str(out),
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_side_lane.main()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["record"] for r in records] == ["run", "round", "round"]
+    assert records[0]["command"].startswith("bench_side_lane.py --model ")
+    assert records[0]["device"] == "cpu" and "torch" in records[0]["versions"]
+    assert {r["mode"] for r in records[1:]} == {"off", "on"}
+    assert all(r["images_per_s"] > 0 for r in records[1:])
+    assert "| images per second |" in bench_side_lane.report([out])
+    with pytest.raises(SystemExit, match="holds one run"):
+        bench_side_lane.main()  # the same file again: refused, not appended to
