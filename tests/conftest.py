@@ -31,6 +31,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # go to a runtime folder of this test session, never the user's; removed when the session ends.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="omni-test-run-")
 atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
+# vLLM names its engines' ZMQ ipc sockets in the temp folder and leaves them there when the
+# engine's process is killed (a stopped `vllm serve` leaves three): they go with the session.
+os.environ["VLLM_RPC_BASE_PATH"] = os.environ["XDG_RUNTIME_DIR"]
 # What torch.compile caches (tests that compile the talker's code predictor) and vLLM's own
 # cache (its AOT-compiled graphs, model-class inspections) stay in the session too, not the
 # user's ~/.cache: a cache left by another run never decides a result. The session's xdist
