@@ -163,10 +163,24 @@ def floor_table(floors: list[dict]) -> list[str]:
         within = "-" if goal is None else ("yes" if s["floor_ms"] <= goal else "no")
         if analytic_within:
             within += f" ({analytic_within})"
+        # Every timed run of this family on the same machine: the latest's floor, with the
+        # range the runs span beside it.
+        same = [
+            (r, f)
+            for r in floors
+            if r.get("timed") and r["machine"] == run["machine"]
+            for f in r["families"]
+            if f["family"] == name
+        ]
+        spread = ""
+        if len(same) > 1:
+            values = [f["sums"]["floor_ms"] for _, f in same]
+            spread = f"; {min(values):.1f}-{max(values):.1f} over {len(values)} runs"
+        files = ", ".join(sorted({r["file"] for r, _ in same}, reverse=True))
         out.append(
             f"| {family.title} | {_shape(family)} | {rows} | {tflop} | **{s['floor_ms']:.1f}** "
-            f"({run['machine']}) | {_f(s.get('sequence_graph_ms'))} | {analytic} | {clock_txt} "
-            f"| {goal_txt} | {within} | {run['file']} |"
+            f"({run['machine']}{spread}) | {_f(s.get('sequence_graph_ms'))} | {analytic} "
+            f"| {clock_txt} | {goal_txt} | {within} | {files} |"
         )
     return out
 

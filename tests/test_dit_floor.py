@@ -214,3 +214,27 @@ def test_a_timed_floor_sits_beside_the_served_figures(found, tmp_path):
     )
     glm = next(ln for ln in text.splitlines() if ln.startswith("| GLM-Image DiT | 1024x1024"))
     assert "| not measured |" in glm and "| <= 110 ms | - |" in glm
+
+
+def test_several_timed_runs_on_one_machine_give_the_latest_floor_and_their_range(found, tmp_path):
+    """Two timed floor files of one machine: the row shows the later run's floor, the range the
+    two span and both files; the served figures are set against the later floor."""
+    import dit_floor_report
+
+    f = _found(found, "flux")
+    files = []
+    for day, op_ms in (("06", 0.25), ("07", 0.2)):
+        timings = {
+            op: {"median_ms": op_ms, "min_ms": op_ms, "reps": 4} for op, _ in grouped(f["ops"])
+        }
+        rec = dit_floor.family_record(f, ("H100", (989.4e12, 3.35e12)), timings, None)
+        run = {"bench": "dit_floor", "machine": "NVIDIA H100 80GB HBM3", "timed": True,
+               "date": f"2026-12-{day} 10:00 UTC", "peak": {"device": "H100"}, "families": [rec]}  # fmt: skip
+        files.append(tmp_path / f"dit_floor_h100_2026-12-{day}.json")
+        files[-1].write_text(json.dumps(run))
+    floors, served = dit_floor_report.load(files)
+    text = dit_floor_report.report(floors, served)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| FLUX.1-dev | 1024x1024"))
+    late, early = 0.2 * len(f["ops"]), 0.25 * len(f["ops"])
+    assert f"**{late:.1f}** (NVIDIA H100 80GB HBM3; {late:.1f}-{early:.1f} over 2 runs)" in row
+    assert row.endswith("| dit_floor_h100_2026-12-07.json, dit_floor_h100_2026-12-06.json |")
