@@ -10,11 +10,12 @@ on the engine thread (`off`) and on the side lane (`on`), in alternating rounds.
 
 Requests arrive open-loop, one every `--interval-ms` (the driver adds those due before each
 engine step), `--requests` in all, each `--steps` steps at `--size`. One JSON line per mode and
-round (printed, and appended to `--out` after its "run" record of the machine, versions, command
-and settings, so a run cut short keeps its finished rounds): `wall_s` (first arrival to last image), `images_per_s`, `latency_s` (mean arrival to
-image) and `max_stall_ms`: the longest wait of a running request between two of its denoising
-steps (host clock, from the engine's phase log: the stall a newcomer's encoding or another's
-decode adds; on CUDA the host side of the steps, so read it beside the wall-clock columns).
+round, printed and appended to `--out` (after the file's "run" record: machine, versions,
+command, settings), so a run cut short keeps the rounds it finished: `wall_s` (first arrival to
+last image), `images_per_s`, `latency_s` (mean arrival to image) and `max_stall_ms`: the
+longest wait of a running request between two of its denoising steps (host clock, from the
+engine's phase log: the stall a newcomer's encoding or another's decode adds; on CUDA the host
+side of the steps, so read it beside the wall-clock columns).
 
     # BENCHMARKS.md's table, from results files (a "run" record, then one "round" record each):
     python benchmarks/bench_side_lane.py --report benchmarks/results/side_lane_*.jsonl \
@@ -160,7 +161,8 @@ def run(args) -> list[dict]:
             engine.generate([request(f"warm-{mode}-{r}-{i}", i, args) for i in range(2)])
             row = timed_run(engine, args, f"{mode}-{r}", cuda)
             rows.append(
-                {"bench": "side_lane", "record": "round", "mode": mode, "round": r, **row}
+                {"bench": "side_lane", "record": "round", "mode": mode, "round": r}
+                | row
                 | {"device": args.device}
             )
             print(json.dumps(rows[-1]), flush=True)
