@@ -162,7 +162,10 @@ QWEN3_OMNI_ONE_GPU_SHARES = {0: 0.6, 1: 0.2, 2: 0.1}
 QWEN3_OMNI_80GB_SHARES = {0: 0.79, 1: 0.105, 2: 0.05}
 QWEN3_OMNI_80GB_FIT = {
     0: {"max_model_len": 4096, "max_num_batched_tokens": 4096},
-    1: {"max_num_batched_tokens": 4096},
+    # the talker's KV at its shipped 65536 tokens does not fit its 0.105 share of 80 GB
+    # (1.25 GiB needed, 1.15 GiB left on an H100, 2026-12-07); a talker prompt is the thinker's
+    # prompt plus the frames, so the thinker's 4096 bounds it
+    1: {"max_model_len": 4096, "max_num_batched_tokens": 4096},
 }
 QWEN3_OMNI_TALKER = 1
 # vLLM-Omni 0.26's talker voiced max_tokens - 1 frames (243,285 samples = 127 x 1920 - 555 for

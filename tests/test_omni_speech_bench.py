@@ -66,12 +66,12 @@ def test_incumbent_fit_for_80gb_changes_only_memory_and_lengths(tmp_path):
     assert shares == [0.79, 0.105, 0.05]
     thinker, talker, _ = written["stages"]
     assert (thinker["max_model_len"], thinker["max_num_batched_tokens"]) == (4096, 4096)
-    assert talker["max_num_batched_tokens"] == 4096
+    assert (talker["max_model_len"], talker["max_num_batched_tokens"]) == (4096, 4096)
     assert {c["where"] for c in info["changes"]} == {
         "stage 0 gpu_memory_utilization", "stage 1 devices", "stage 1 gpu_memory_utilization",
         "stage 2 devices", "stage 2 gpu_memory_utilization", "stage 1 max_tokens",
         "stage 0 max_model_len", "stage 0 max_num_batched_tokens",
-        "stage 1 max_num_batched_tokens",
+        "stage 1 max_model_len", "stage 1 max_num_batched_tokens",
     }  # fmt: skip
     # The H200's form by default and wherever the GPU's memory is unknown.
     assert bench.incumbent_fit("auto", 79.6) == "80gb"
