@@ -347,6 +347,7 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
             [
                 results / "omni_speech_h100_2026-12-07_warmed.jsonl",
                 results / "omni_speech_h200_2026-12-04_incumbent.jsonl",
+                results / "omni_speech_h100_2026-12-07_media.jsonl",
             ]
         )
     )

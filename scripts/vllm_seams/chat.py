@@ -87,3 +87,25 @@ def check_chat_seams(r: Report) -> None:
             params(route).positional == ["request", "raw_request"],
             "chat: vLLM's create_chat_completion route no longer takes (request, raw_request)",
         )
+    # text_engine.TextEngine: a front end built with `_api_process_count` above 1 gets vLLM's
+    # processor-only multimodal cache (processed items kept, each sent in full).
+    args = _fn(r, "vllm.engine.arg_utils", "EngineArgs", "chat")
+    if isinstance(args, ast.ClassDef):
+        r.check(
+            "_api_process_count" in class_fields(args), "chat: EngineArgs lost _api_process_count"
+        )
+    factory = next(
+        (
+            text
+            for text in map(r.src.read, ("vllm/multimodal/cache/factories.py",
+                                         "vllm/multimodal/registry.py"))  # fmt: skip
+            if text and "def processor_cache_from_config" in text
+        ),
+        "",
+    )
+    r.check(
+        "is_ipc_supported = parallel_config._api_process_count == 1" in factory
+        and '"processor_only"' in factory,
+        "chat: the multimodal processor cache no longer turns processor-only when "
+        "_api_process_count is above 1",
+    )

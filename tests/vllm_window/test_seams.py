@@ -333,3 +333,16 @@ def test_talker_async_output_seams_moved_fail(files):
     assert any("no longer hands _sample's logprobs" in p for p in problems), problems
     problems = _moved(files, runner, "output.logprobs = logprobs_lists", "output.logprobs = None")
     assert any("get_output no longer returns the logprobs" in p for p in problems), problems
+
+
+def test_processor_only_cache_seam_moved_fails(files):
+    """The chat stage's front end gets vLLM's processor-only multimodal cache by declaring
+    itself one of several API servers (serving/text_engine.py)."""
+    factories = "vllm/multimodal/cache/factories.py"
+    problems = _moved(
+        files,
+        factories,
+        "is_ipc_supported = parallel_config._api_process_count == 1",
+        "is_ipc_supported = parallel_config.data_parallel_size == 1",
+    )
+    assert any("no longer turns processor-only" in p for p in problems), problems

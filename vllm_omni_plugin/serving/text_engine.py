@@ -24,6 +24,8 @@ from ..orchestrator import StageUnavailableError
 logger = logging.getLogger("vllm_omni_plugin.serving")
 
 GENERATE_TASKS = ("generate",)
+# ParallelConfig._api_process_count above 1: vLLM's processor-only multimodal cache.
+FRONT_END_WITHOUT_MIRROR = 2
 
 
 class _Collector:
@@ -88,10 +90,12 @@ class TextEngine:
         self.stage_id = stage_id
         stage_cfg = orchestrator.cfg.stage(stage_id)
         kwargs = stage_cfg.engine_kwargs()
-        # The stage's own engine keeps its multimodal processor cache. This front end sends it
-        # every item in full: a sender-side cache here would assume items the stage's engine
-        # core may no longer hold (after a restart).
-        kwargs["mm_processor_cache_gb"] = 0
+        # vLLM's multimodal processor cache (`mm_processor_cache_gb`), in the form vLLM gives it
+        # when several API servers share one engine core: processed items are kept here, so a
+        # repeated image, clip or video is not processed again, and each is still sent in full.
+        # vLLM's single-server form sends a repeat by key alone, trusting the engine core's
+        # mirror of this cache; the stage's engine core may have restarted since and hold none.
+        kwargs["_api_process_count"] = FRONT_END_WITHOUT_MIRROR
         # The stage's default_sampling_params are the defaults vLLM's own handlers apply.
         overrides = generation_config_overrides(stage_cfg.sampling)
         if overrides:

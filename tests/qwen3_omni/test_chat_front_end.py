@@ -1,0 +1,74 @@
+"""The chat stage's front end in the API server (serving/text_engine.py) keeps vLLM's
+multimodal processor cache in its processor-only form: a repeated video is processed once, and
+each engine request still carries the processed item in full, so a stage engine core that
+restarted (and holds nothing) can serve it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from types import SimpleNamespace
+
+import numpy as np
+
+from tests.qwen3_omni.thinker_states_common import processor_for
+
+
+def _mp4() -> bytes:
+    """Four frames of 64 x 64 moving gradients at 2 frames per second, MPEG-4 in MP4."""
+    import av
+
+    ys, xs = np.mgrid[0:64, 0:64]
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        for k in range(4):
+            rgb = np.stack([(xs + 8 * k) % 256, (ys + 4 * k) % 256, (xs + ys) % 256], -1)
+            frame = av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def _video_chat() -> list[dict]:
+    url = "data:video/mp4;base64," + base64.b64encode(_mp4()).decode()
+    part = {"type": "video_url", "video_url": {"url": url}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": "What moves?"}]}]
+
+
+def test_a_repeated_video_is_processed_once_and_sent_in_full(omni_dir):
+    from vllm import SamplingParams
+    from vllm.renderers import ChatParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    from vllm_omni_plugin.config.resolve import load_deploy_config
+    from vllm_omni_plugin.serving.text_engine import TextEngine
+
+    cfg = load_deploy_config("qwen3_omni_tiny", model=str(omni_dir), platform="cpu")
+    with processor_for(omni_dir):  # the tiny thinker's processor without torchvision
+        engine = TextEngine(SimpleNamespace(cfg=cfg), 0)
+        try:
+            cache = engine.renderer.mm_processor_cache
+            decoder = MsgpackDecoder(EngineCoreRequest)
+            requests = []
+            for i in range(2):
+                _, (prompt,) = asyncio.run(
+                    engine.renderer.render_chat_async([_video_chat()], ChatParams())
+                )
+                frames = engine.encode_request(prompt, SamplingParams(max_tokens=1), f"r{i}")
+                requests.append(decoder.decode(frames))
+            hits, total = cache.make_stats()
+        finally:
+            engine.shutdown()
+    assert (hits, total) == (1, 2)  # the second request's video came from the cache
+    first, second = (r.mm_features for r in requests)
+    assert len(first) == len(second) == 1
+    assert first[0].identifier == second[0].identifier
+    # Both carry the processed frames, equal: none is sent by key alone.
+    assert first[0].data is not None and second[0].data is not None
+    a, b = first[0].data.get_data(), second[0].data.get_data()
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
