@@ -94,15 +94,10 @@ def check_chat_seams(r: Report) -> None:
         r.check(
             "_api_process_count" in class_fields(args), "chat: EngineArgs lost _api_process_count"
         )
-    factory = next(
-        (
-            text
-            for text in map(r.src.read, ("vllm/multimodal/cache/factories.py",
-                                         "vllm/multimodal/registry.py"))  # fmt: skip
-            if text and "def processor_cache_from_config" in text
-        ),
-        "",
-    )
+    # The factory's module: multimodal/cache/factories.py from 0.31, multimodal/registry.py before.
+    homes = ("vllm/multimodal/cache/factories.py", "vllm/multimodal/registry.py")
+    texts = [r.src.read(home) or "" for home in homes]
+    factory = next((t for t in texts if "def processor_cache_from_config" in t), "")
     r.check(
         "is_ipc_supported = parallel_config._api_process_count == 1" in factory
         and '"processor_only"' in factory,
