@@ -72,3 +72,15 @@ def test_a_repeated_video_is_processed_once_and_sent_in_full(omni_dir):
     assert first[0].data is not None and second[0].data is not None
     a, b = first[0].data.get_data(), second[0].data.get_data()
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_with_fault_tolerance_the_front_end_keeps_no_cache():
+    """vLLM's fault tolerance takes a single API server: the front end then turns its cache off
+    rather than build a config vLLM refuses; otherwise the stage's own setting stands."""
+    from vllm_omni_plugin.serving.text_engine import FRONT_END_WITHOUT_MIRROR, front_end_args
+
+    stage = {"model": "m", "mm_processor_cache_gb": 2}
+    assert front_end_args(stage) == {**stage, "_api_process_count": FRONT_END_WITHOUT_MIRROR}
+    tolerant = {**stage, "enable_fault_tolerance": True}
+    assert front_end_args(tolerant) == {**tolerant, "mm_processor_cache_gb": 0}
+    assert stage == {"model": "m", "mm_processor_cache_gb": 2}  # the stage's own are untouched

@@ -28,6 +28,23 @@ GENERATE_TASKS = ("generate",)
 FRONT_END_WITHOUT_MIRROR = 2
 
 
+def front_end_args(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The chat stage's engine arguments as this front end builds its config from them.
+
+    vLLM's multimodal processor cache (`mm_processor_cache_gb`) is kept in the form vLLM gives it
+    when several API servers share one engine core: processed items are kept here, so a
+    repeated image, clip or video is not processed again, and each is still sent in full.
+    vLLM's single-server form sends a repeat by key alone, trusting the engine core's mirror of
+    this cache; the stage's engine core may have restarted since and hold none. vLLM's fault
+    tolerance refuses more than one API server: with it on, this front end keeps no cache."""
+    kwargs = dict(engine_kwargs)
+    if kwargs.get("enable_fault_tolerance"):
+        kwargs["mm_processor_cache_gb"] = 0
+    else:
+        kwargs["_api_process_count"] = FRONT_END_WITHOUT_MIRROR
+    return kwargs
+
+
 class _Collector:
     """One request's outputs between the stage's reader and vLLM's handler. Bounded: at most
     one output waits; a newer one is merged into it with vLLM's own `RequestOutput.add` (what
@@ -89,13 +106,7 @@ class TextEngine:
         self.orchestrator = orchestrator
         self.stage_id = stage_id
         stage_cfg = orchestrator.cfg.stage(stage_id)
-        kwargs = stage_cfg.engine_kwargs()
-        # vLLM's multimodal processor cache (`mm_processor_cache_gb`), in the form vLLM gives it
-        # when several API servers share one engine core: processed items are kept here, so a
-        # repeated image, clip or video is not processed again, and each is still sent in full.
-        # vLLM's single-server form sends a repeat by key alone, trusting the engine core's
-        # mirror of this cache; the stage's engine core may have restarted since and hold none.
-        kwargs["_api_process_count"] = FRONT_END_WITHOUT_MIRROR
+        kwargs = front_end_args(stage_cfg.engine_kwargs())
         # The stage's default_sampling_params are the defaults vLLM's own handlers apply.
         overrides = generation_config_overrides(stage_cfg.sampling)
         if overrides:
