@@ -1,21 +1,25 @@
 """Wan2.2 video generation on one GPU, seconds per video job: vllm-omni-plugin serving
-`/v1/videos` (`vllm serve MODEL --stage-config wan2_2_ti2v`) beside diffusers' WanPipeline on
-the same request.
+`/v1/videos` (`vllm serve MODEL --stage-config wan2_2_ti2v`) beside vLLM-Omni 0.26 serving the
+same route (`vllm serve MODEL --omni --deploy-config` its own `deploy/wan2_2_ti2v.yaml`, as
+shipped) and diffusers' WanPipeline, on the same request.
 
     python benchmarks/bench_video.py --model DIR --out OUT [--size 1280x704 --frames 121
-        --steps 50 --jobs 2 --levels 1,2 --systems ours,diffusers --budget-s 540]
+        --steps 50 --jobs 2 --levels 1,2 --systems ours,omni,diffusers --budget-s 540
+        --omni-path /tmp/vomni]
     python benchmarks/bench_video.py report OUT/results.jsonl   # the table again
 
 The model is a full-size random-weight Wan2.2 TI2V-5B (`vllm-omni-plugin make-tiny-model
 wan-ti2v DIR --size full`, vllm_omni_plugin/testing/full_wan.py) or any WanPipeline folder.
 
-ours: the server starts fresh (its job store a folder of OUT, removed when it stops), sends one
-warm-up job (full size and frames, `--warmup-steps` steps: the same shapes, so compiles and
-graphs are done before timing), then for each level C of `--levels`, max(`--jobs`, C) jobs with
-at most C in flight (each new job created as soon as one finishes). A job's seconds run from its
-create request to the first poll (every `--poll-s`) that finds it `completed`; the MP4 is then
-downloaded (timed apart) and its frame count checked. Each job records its size, frames and
-steps as the server reports them.
+ours and omni (vLLM-Omni, installed in `--omni-path`): the server starts fresh (ours: its job
+store a folder of OUT, removed when it stops), gets one warm-up job (full size and frames,
+`--warmup-steps` steps: the same shapes, so compiles and graphs are done before timing), then for
+each level C of `--levels`, max(`--jobs`, C) jobs with at most C in flight (each new job created
+as soon as one finishes). Both get the same create request, as a form (the official client's
+way; vLLM-Omni's route takes forms only). A job's seconds run from its create request to the
+first poll (every `--poll-s`) that finds it `completed`; the MP4 is then downloaded (timed apart)
+and its frame count checked. Each job records its size, frames and steps as the server reports
+them.
 
 diffusers: WanPipeline.from_pretrained in this process (bf16 on the GPU, float32 on a CPU), one
 warm-up call with `--warmup-steps`, then `--jobs` calls one at a time (batch 1): same prompt,
@@ -56,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -66,6 +71,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_fair import omni_env  # noqa: E402
 from bench_gpu_glm import PeakMemory, Server, _versions  # noqa: E402
 
 PROMPTS = [
@@ -76,7 +82,10 @@ PROMPTS = [
 ]
 SEED0 = 1000
 GUIDANCE = 5.0  # TI2V-5B's card and wan2_2_ti2v.yaml's default
-SYSTEMS = ("ours", "diffusers")
+SYSTEMS = ("ours", "omni", "diffusers")
+SERVED = ("ours", "omni")
+# vLLM-Omni's own deploy file for Wan2.2 TI2V-5B, under its package.
+OMNI_WAN_DEPLOY = Path("vllm_omni") / "deploy" / "wan2_2_ti2v.yaml"
 
 
 # ---- shared ------------------------------------------------------------------------------------
@@ -214,15 +223,16 @@ def mp4_frames(mp4: bytes) -> int:
         return container.streams.video[0].frames
 
 
-def video_body(args, i: int, steps: int) -> dict:
+def video_form(args, i: int, steps: int) -> dict[str, str]:
+    """The create request's fields, as the form's text values."""
     return {
         "model": str(args.model),
         "prompt": PROMPTS[i % len(PROMPTS)],
         "size": args.size,
-        "num_frames": args.frames,
-        "num_inference_steps": steps,
-        "guidance_scale": args.guidance,
-        "seed": SEED0 + i,
+        "num_frames": str(args.frames),
+        "num_inference_steps": str(steps),
+        "guidance_scale": str(args.guidance),
+        "seed": str(SEED0 + i),
     }
 
 
@@ -239,7 +249,7 @@ def checked(response):
 async def run_job(client, args, i: int, steps: int) -> dict:
     """Create a job, poll it until completed, download and check its MP4."""
     t0 = time.perf_counter()
-    job = checked(await client.post("/v1/videos", json=video_body(args, i, steps))).json()
+    job = checked(await client.post("/v1/videos", data=video_form(args, i, steps))).json()
     while job["status"] not in ("completed", "failed"):
         await asyncio.sleep(args.poll_s)
         job = checked(await client.get(f"/v1/videos/{job['id']}")).json()
@@ -267,20 +277,22 @@ async def run_job(client, args, i: int, steps: int) -> dict:
     }
 
 
-async def level_jobs(client, args, level: int, budget: Budget) -> tuple[list[dict], float]:
+async def level_jobs(
+    client, args, system: str, level: int, budget: Budget
+) -> tuple[list[dict], float]:
     """max(--jobs, level) jobs, at most `level` in flight; a job starts only while the budget
     has room for it (the jobs that finished are returned)."""
     total, jobs, started = max(args.jobs, level), [], []
 
     async def worker() -> None:
         while len(started) < total:
-            if not budget.room_for(budget.job_s("ours", level, [j["s"] for j in jobs])):
+            if not budget.room_for(budget.job_s(system, level, [j["s"] for j in jobs])):
                 return
             i = len(started)
             started.append(i)
             result = await run_job(client, args, i, args.steps)
             jobs.append(result)
-            print(f"ours c{level}: job {i} {result['s']:.2f} s", flush=True)
+            print(f"{system} c{level}: job {i} {result['s']:.2f} s", flush=True)
 
     t0 = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(min(level, total))])
@@ -310,42 +322,63 @@ def ours_deploy(args, store: Path) -> Path:
     return path
 
 
-def run_ours(args, budget: Budget, pending: list[int]) -> bool:
+def omni_deploy(args) -> Path:
+    """vLLM-Omni's shipped Wan2.2 TI2V-5B deploy file, in the vLLM-Omni at `--omni-path`."""
+    path = Path(args.omni_path) / OMNI_WAN_DEPLOY
+    if not path.is_file():
+        raise FileNotFoundError(f"no {OMNI_WAN_DEPLOY} under --omni-path {args.omni_path}")
+    return path
+
+
+def served(args, system: str, store: Path) -> tuple[list[str], dict[str, str], dict]:
+    """`vllm serve` argv, extra env, and what the record says of the system's configuration."""
+    if system == "ours":
+        argv = [str(args.model), "--stage-config", str(ours_deploy(args, store))]
+        if args.stage_overrides:
+            argv += ["--stage-overrides", args.stage_overrides]
+        return (
+            argv,
+            {},
+            {"stage_config": args.stage_config, "stage_overrides": args.stage_overrides},
+        )
+    deploy = omni_deploy(args)
+    argv = [str(args.model), "--omni", "--deploy-config", str(deploy)]
+    return argv, omni_env(args), {"deploy_config": str(deploy), "changes": []}
+
+
+def run_served(args, system: str, budget: Budget, pending: list[int]) -> bool:
     """Serve, warm up, run the pending levels; False when the budget stopped it."""
     import httpx
 
-    need = budget.start_s("ours") + budget.job_s("ours", pending[0])
-    if not budget.fits(need, f"ours (start + a job at c{pending[0]})"):
+    need = budget.start_s(system) + budget.job_s(system, pending[0])
+    if not budget.fits(need, f"{system} (start + a job at c{pending[0]})"):
         return False
     stamp = time.strftime("%H%M%S")
     store = args.out / f"video_store_{stamp}"
-    argv = [str(args.model), "--stage-config", str(ours_deploy(args, store))]
-    if args.stage_overrides:
-        argv += ["--stage-overrides", args.stage_overrides]
-    server = Server(argv, args.out / f"ours_{stamp}.log")
+    argv, env, config = served(args, system, store)
+    server = Server(argv, args.out / f"{system}_{stamp}.log", env)
     finished = True
     try:
         with PeakMemory() as mem:
             ready = server.wait_ready(args.start_timeout)
-            print(f"ours: ready in {ready:.1f} s", flush=True)
+            print(f"{system}: ready in {ready:.1f} s", flush=True)
 
             async def drive() -> bool:
                 async with httpx.AsyncClient(base_url=server.url, timeout=7200) as client:
                     t0 = time.perf_counter()
                     await run_job(client, args, len(PROMPTS) - 1, args.warmup_steps)
                     warmup = time.perf_counter() - t0
-                    print(f"ours: warm-up {warmup:.1f} s", flush=True)
+                    print(f"{system}: warm-up {warmup:.1f} s", flush=True)
                     for level in pending:
-                        if not budget.fits(budget.job_s("ours", level), f"ours c{level}"):
+                        if not budget.fits(budget.job_s(system, level), f"{system} c{level}"):
                             return False
-                        jobs, wall = await level_jobs(client, args, level, budget)
+                        jobs, wall = await level_jobs(client, args, system, level, budget)
                         if not jobs:
-                            return budget.stop(f"a job at ours c{level}")
+                            return budget.stop(f"a job at {system} c{level}")
                         record = {
-                            "system": "ours",
+                            "system": system,
                             "level": level,
-                            "stage_config": args.stage_config,
-                            "stage_overrides": args.stage_overrides,
+                            **config,
                             "ready_s": round(ready, 1),
                             "warmup_s": round(warmup, 1),
                             "wall_s": round(wall, 2),
@@ -358,7 +391,7 @@ def run_ours(args, budget: Budget, pending: list[int]) -> bool:
                         budget.records.append(record)
                         write_record(args, record)
                         if record["partial"]:
-                            return budget.stop(f"the rest of ours c{level}")
+                            return budget.stop(f"the rest of {system} c{level}")
                     return True
 
             finished = asyncio.run(drive())
@@ -519,14 +552,16 @@ def run(args) -> int:
     done = {(r["system"], r["level"]) for r in records if same_request(r, args)}
     finished = True
     for system in args.systems:
-        levels = args.levels if system == "ours" else [1]
+        levels = args.levels if system in SERVED else [1]
         pending = [level for level in levels if (system, level) not in done]
         if not pending:
             print(f"{system}: already recorded", flush=True)
             continue
         try:
             ok = (
-                run_ours(args, budget, pending) if system == "ours" else run_diffusers(args, budget)
+                run_served(args, system, budget, pending)
+                if system in SERVED
+                else run_diffusers(args, budget)
             )
         except Exception as exc:  # recorded, so that the next call moves on to the rest
             recorded = {(r["system"], r["level"]) for r in budget.records if same_request(r, args)}
@@ -563,8 +598,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--guidance", type=float, default=GUIDANCE)
     p.add_argument("--jobs", type=int, default=2, help="jobs per level (at least the level)")
-    p.add_argument("--levels", default="1,2", help="concurrency levels of ours")
+    p.add_argument("--levels", default="1,2", help="concurrency levels of the servers")
     p.add_argument("--systems", default="ours,diffusers")
+    p.add_argument(
+        "--omni-path",
+        default=os.environ.get("OMNI_PYTHONPATH", "/tmp/vomni"),
+        help="the folder vLLM-Omni is installed in (system omni)",
+    )
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--poll-s", type=float, default=0.5)
     p.add_argument("--budget-s", type=float, default=None, help="seconds this call may use")

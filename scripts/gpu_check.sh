@@ -63,7 +63,8 @@
 #                                           in $FLUX_FULL) off vs on in alternating rounds; $OUT/side_lane
 #   scripts/gpu_check.sh wan-video          bench_video.py: Wan2.2 TI2V-5B at full size (random weights, ~23 GB, built once in
 #                                           $WAN_FULL, default /dev/shm/wan-ti2v-full), seconds per video job: ours on
-#                                           /v1/videos (wan2_2_ti2v) at concurrency 1 and 2 vs diffusers' WanPipeline at
+#                                           /v1/videos (wan2_2_ti2v) at concurrency 1 and 2 vs vLLM-Omni 0.26 (its shipped
+#                                           wan2_2_ti2v.yaml) at the same levels vs diffusers' WanPipeline at
 #                                           batch 1, same request (1280x704, 121 frames, 50 steps), bounded by what is left
 #                                           of CALL_LIMIT_S; records kept in $OUT/wan_video, so the same command continues
 #                                           where it stopped (prints STOPPED: ... or ALL_DONE). WAN_SIZE WAN_FRAMES WAN_STEPS
@@ -400,8 +401,8 @@ while [ $# -gt 0 ]; do
         | grep -v Loading | tee "$OUT/side_lane/flux_full.txt" | tail -8 || true
       ;;
     wan-video)
-      # Seconds per video job at full size: our server (fresh each call, one short warm-up job)
-      # at concurrency 1 then 2, then diffusers in the bench's process; each (system, level)
+      # Seconds per video job at full size: our server, then vLLM-Omni's (each fresh in its call,
+      # one short warm-up job) at concurrency 1 then 2, then diffusers in the bench's process; each (system, level)
       # is recorded as it finishes and never run twice, so later calls continue the run.
       mkdir -p "$OUT/wan_video"
       wan_dir=$(wan_full "$OUT/wan_video/build.txt")
@@ -412,7 +413,7 @@ while [ $# -gt 0 ]; do
         timeout "$left" python3 benchmarks/bench_video.py --model "$wan_dir" --out "$OUT/wan_video" \
           --stage-config "${WAN_STAGE_CONFIG:-wan2_2_ti2v}" --size "${WAN_SIZE:-1280x704}" \
           --frames "${WAN_FRAMES:-121}" --steps "${WAN_STEPS:-50}" --jobs "${WAN_JOBS:-2}" \
-          --levels "${WAN_LEVELS:-1,2}" --systems "${WAN_SYSTEMS:-ours,diffusers}" \
+          --levels "${WAN_LEVELS:-1,2}" --systems "${WAN_SYSTEMS:-ours,omni,diffusers}" \
           ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} --budget-s "$((left - 15))" \
           2>&1 | grep -v Loading | tee -a "$OUT/wan_video/bench.log" | tail -30 || true
       fi

@@ -65,3 +65,27 @@ def test_bench_video_records_both_systems_and_continues(tiny_models, tmp_path):
     short = bench(model, out, "--steps", "4", "--budget-s", "5", "--first-start-s", "60")
     assert "STOPPED: ours" in short.stdout and "ALL_DONE" not in short.stdout
     assert len((out / "results.jsonl").read_text().splitlines()) == 3
+
+
+def test_vllm_omni_serves_its_own_deploy_file_as_shipped(tmp_path):
+    """The omni system: `vllm serve MODEL --omni --deploy-config` vLLM-Omni's own
+    deploy/wan2_2_ti2v.yaml from `--omni-path`, with that folder first on the server's path and
+    nothing changed; an `--omni-path` without it is named before any server starts."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_video
+
+    omni = tmp_path / "vomni"
+    deploy = omni / bench_video.OMNI_WAN_DEPLOY
+    deploy.parent.mkdir(parents=True)
+    deploy.write_text("stages: []\n")
+    args = SimpleNamespace(model=tmp_path / "wan", omni_path=str(omni))
+    argv, env, config = bench_video.served(args, "omni", tmp_path / "store")
+    assert argv == [str(tmp_path / "wan"), "--omni", "--deploy-config", str(deploy)]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(omni)
+    assert config == {"deploy_config": str(deploy), "changes": []}
+    with pytest.raises(FileNotFoundError, match="--omni-path"):
+        bench_video.served(
+            SimpleNamespace(model=args.model, omni_path=str(tmp_path / "none")), "omni", tmp_path
+        )
