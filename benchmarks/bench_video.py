@@ -1,7 +1,8 @@
 """Wan2.2 video generation on one GPU, seconds per video job: vllm-omni-plugin serving
 `/v1/videos` (`vllm serve MODEL --stage-config wan2_2_ti2v`) beside vLLM-Omni 0.26 serving the
 same route (`vllm serve MODEL --omni --deploy-config` its own `deploy/wan2_2_ti2v.yaml`, as
-shipped) and diffusers' WanPipeline, on the same request.
+shipped; `--omni-deploy ''` for a model it ships no file for) and diffusers' WanPipeline, on the
+same request.
 
     python benchmarks/bench_video.py --model DIR --out OUT [--size 1280x704 --frames 121
         --steps 50 --jobs 2 --levels 1,2 --systems ours,omni,diffusers --budget-s 540
@@ -84,8 +85,8 @@ SEED0 = 1000
 GUIDANCE = 5.0  # TI2V-5B's card and wan2_2_ti2v.yaml's default
 SYSTEMS = ("ours", "omni", "diffusers")
 SERVED = ("ours", "omni")
-# vLLM-Omni's own deploy file for Wan2.2 TI2V-5B, under its package.
-OMNI_WAN_DEPLOY = Path("vllm_omni") / "deploy" / "wan2_2_ti2v.yaml"
+# vLLM-Omni's own deploy files, under its package (it ships one for Wan2.2 TI2V-5B).
+OMNI_DEPLOY_DIR = Path("vllm_omni") / "deploy"
 
 
 # ---- shared ------------------------------------------------------------------------------------
@@ -322,11 +323,15 @@ def ours_deploy(args, store: Path) -> Path:
     return path
 
 
-def omni_deploy(args) -> Path:
-    """vLLM-Omni's shipped Wan2.2 TI2V-5B deploy file, in the vLLM-Omni at `--omni-path`."""
-    path = Path(args.omni_path) / OMNI_WAN_DEPLOY
+def omni_deploy(args) -> Path | None:
+    """vLLM-Omni's shipped deploy file `--omni-deploy` in the vLLM-Omni at `--omni-path`; None
+    when it is empty (vLLM-Omni's own defaults for the model: it ships no file for the A14B)."""
+    if not args.omni_deploy:
+        return None
+    path = Path(args.omni_path) / OMNI_DEPLOY_DIR / args.omni_deploy
     if not path.is_file():
-        raise FileNotFoundError(f"no {OMNI_WAN_DEPLOY} under --omni-path {args.omni_path}")
+        raise FileNotFoundError(f"no {OMNI_DEPLOY_DIR / args.omni_deploy} under --omni-path "
+                                f"{args.omni_path}")  # fmt: skip
     return path
 
 
@@ -342,8 +347,11 @@ def served(args, system: str, store: Path) -> tuple[list[str], dict[str, str], d
             {"stage_config": args.stage_config, "stage_overrides": args.stage_overrides},
         )
     deploy = omni_deploy(args)
-    argv = [str(args.model), "--omni", "--deploy-config", str(deploy)]
-    return argv, omni_env(args), {"deploy_config": str(deploy), "changes": []}
+    argv = [str(args.model), "--omni"]
+    if deploy is not None:
+        argv += ["--deploy-config", str(deploy)]
+    config = {"deploy_config": str(deploy) if deploy else "vLLM-Omni's defaults", "changes": []}
+    return argv, omni_env(args), config
 
 
 def run_served(args, system: str, budget: Budget, pending: list[int]) -> bool:
@@ -604,6 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         "--omni-path",
         default=os.environ.get("OMNI_PYTHONPATH", "/tmp/vomni"),
         help="the folder vLLM-Omni is installed in (system omni)",
+    )
+    p.add_argument(
+        "--omni-deploy",
+        default="wan2_2_ti2v.yaml",
+        help="vLLM-Omni's shipped deploy file for the model ('' for its defaults)",
     )
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--poll-s", type=float, default=0.5)

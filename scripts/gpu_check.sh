@@ -68,7 +68,9 @@
 #                                           batch 1, same request (1280x704, 121 frames, 50 steps), bounded by what is left
 #                                           of CALL_LIMIT_S; records kept in $OUT/wan_video, so the same command continues
 #                                           where it stopped (prints STOPPED: ... or ALL_DONE). WAN_SIZE WAN_FRAMES WAN_STEPS
-#                                           WAN_JOBS WAN_LEVELS WAN_SYSTEMS WAN_STAGE_CONFIG STAGE_OVERRIDES (ours)
+#                                           WAN_JOBS WAN_LEVELS WAN_SYSTEMS WAN_STAGE_CONFIG STAGE_OVERRIDES (ours);
+#                                           WAN_VARIANT=a14b: T2V-A14B instead (~68 GB in $WAN_FULL, default
+#                                           /dev/shm/wan-a14b-full; wan2_2, 832x480, 81 frames, 40 steps), $OUT/wan_video_a14b
 #                                           (WAN_STAGE_CONFIG=wan_ti2v_tiny + a tiny WAN_FULL holding .complete + WAN_SIZE=64x64
 #                                           WAN_FRAMES=9 WAN_STEPS=4: a CPU dry run)
 #   scripts/gpu_check.sh dit-floor          dit_floor.py: each diffusion family's step floor (its GEMMs and attention
@@ -158,11 +160,13 @@ flux_full() {
 # its folder, the build's time appended to the file $1. A folder built elsewhere is used as is
 # once it holds a .complete file.
 wan_full() {
-  local dir=${WAN_FULL:-/dev/shm/wan-ti2v-full} t0
+  # $2: the builder's family, wan-ti2v (TI2V-5B, ~23 GB) or wan (T2V-A14B, ~68 GB)
+  local kind=${2:-wan-ti2v} dir t0
+  if [ "$kind" = wan ]; then dir=${WAN_FULL:-/dev/shm/wan-a14b-full}; else dir=${WAN_FULL:-/dev/shm/wan-ti2v-full}; fi
   if [ ! -f "$dir/.complete" ]; then
     rm -rf "$dir"
     t0=$(date +%s)
-    vllm-omni-plugin make-tiny-model wan-ti2v "$dir" --size full >&2
+    vllm-omni-plugin make-tiny-model "$kind" "$dir" --size full >&2
     touch "$dir/.complete"
     echo "wan-full: built in $(( $(date +%s) - t0 )) s" >>"$1"
   fi
@@ -404,18 +408,28 @@ while [ $# -gt 0 ]; do
       # Seconds per video job at full size: our server, then vLLM-Omni's (each fresh in its call,
       # one short warm-up job) at concurrency 1 then 2, then diffusers in the bench's process; each (system, level)
       # is recorded as it finishes and never run twice, so later calls continue the run.
-      mkdir -p "$OUT/wan_video"
-      wan_dir=$(wan_full "$OUT/wan_video/build.txt")
+      # WAN_VARIANT=a14b: T2V-A14B as its card and wan2_2.yaml serve it (832x480, 81 frames,
+      # 40 steps, guidance 4.0); vLLM-Omni ships no deploy file for it and runs its defaults.
+      if [ "${WAN_VARIANT:-ti2v}" = a14b ]; then
+        wan_kind=wan wan_out="$OUT/wan_video_a14b" wan_cfg=wan2_2 wan_size=832x480
+        wan_frames=81 wan_steps=40 wan_guidance=4.0 wan_omni_deploy=""
+      else
+        wan_kind=wan-ti2v wan_out="$OUT/wan_video" wan_cfg=wan2_2_ti2v wan_size=1280x704
+        wan_frames=121 wan_steps=50 wan_guidance=5.0 wan_omni_deploy=wan2_2_ti2v.yaml
+      fi
+      mkdir -p "$wan_out"
+      wan_dir=$(wan_full "$wan_out/build.txt" "$wan_kind")
       left=$(( CALL_LIMIT_S - ($(date +%s) - CALL_T0) - 20 ))
       if [ "$left" -lt 120 ]; then
         echo "wan-video: ${left} s left in this call, not starting; run it again"
       else
-        timeout "$left" python3 benchmarks/bench_video.py --model "$wan_dir" --out "$OUT/wan_video" \
-          --stage-config "${WAN_STAGE_CONFIG:-wan2_2_ti2v}" --size "${WAN_SIZE:-1280x704}" \
-          --frames "${WAN_FRAMES:-121}" --steps "${WAN_STEPS:-50}" --jobs "${WAN_JOBS:-2}" \
-          --levels "${WAN_LEVELS:-1,2}" --systems "${WAN_SYSTEMS:-ours,omni,diffusers}" \
+        timeout "$left" python3 benchmarks/bench_video.py --model "$wan_dir" --out "$wan_out" \
+          --stage-config "${WAN_STAGE_CONFIG:-$wan_cfg}" --size "${WAN_SIZE:-$wan_size}" \
+          --frames "${WAN_FRAMES:-$wan_frames}" --steps "${WAN_STEPS:-$wan_steps}" \
+          --guidance "$wan_guidance" --jobs "${WAN_JOBS:-2}" --levels "${WAN_LEVELS:-1,2}" \
+          --systems "${WAN_SYSTEMS:-ours,omni,diffusers}" --omni-deploy "$wan_omni_deploy" \
           ${STAGE_OVERRIDES:+--stage-overrides "$STAGE_OVERRIDES"} --budget-s "$((left - 15))" \
-          2>&1 | grep -v Loading | tee -a "$OUT/wan_video/bench.log" | tail -30 || true
+          2>&1 | grep -v Loading | tee -a "$wan_out/bench.log" | tail -30 || true
       fi
       stop_servers
       ;;

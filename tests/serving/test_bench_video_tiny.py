@@ -70,22 +70,26 @@ def test_bench_video_records_both_systems_and_continues(tiny_models, tmp_path):
 def test_vllm_omni_serves_its_own_deploy_file_as_shipped(tmp_path):
     """The omni system: `vllm serve MODEL --omni --deploy-config` vLLM-Omni's own
     deploy/wan2_2_ti2v.yaml from `--omni-path`, with that folder first on the server's path and
-    nothing changed; an `--omni-path` without it is named before any server starts."""
+    nothing changed, or its defaults where it ships no file; an `--omni-path` without the file is
+    named before any server starts."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_video
 
     omni = tmp_path / "vomni"
-    deploy = omni / bench_video.OMNI_WAN_DEPLOY
+    deploy = omni / bench_video.OMNI_DEPLOY_DIR / "wan2_2_ti2v.yaml"
     deploy.parent.mkdir(parents=True)
     deploy.write_text("stages: []\n")
-    args = SimpleNamespace(model=tmp_path / "wan", omni_path=str(omni))
+    model = tmp_path / "wan"
+    args = SimpleNamespace(model=model, omni_path=str(omni), omni_deploy="wan2_2_ti2v.yaml")
     argv, env, config = bench_video.served(args, "omni", tmp_path / "store")
-    assert argv == [str(tmp_path / "wan"), "--omni", "--deploy-config", str(deploy)]
+    assert argv == [str(model), "--omni", "--deploy-config", str(deploy)]
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(omni)
     assert config == {"deploy_config": str(deploy), "changes": []}
+    # No shipped file (the A14B): vLLM-Omni's own defaults for the model.
+    args.omni_deploy = ""
+    assert bench_video.served(args, "omni", tmp_path)[0] == [str(model), "--omni"]
+    args.omni_path, args.omni_deploy = str(tmp_path / "none"), "wan2_2_ti2v.yaml"
     with pytest.raises(FileNotFoundError, match="--omni-path"):
-        bench_video.served(
-            SimpleNamespace(model=args.model, omni_path=str(tmp_path / "none")), "omni", tmp_path
-        )
+        bench_video.served(args, "omni", tmp_path)
