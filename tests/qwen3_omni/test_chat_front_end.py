@@ -84,3 +84,30 @@ def test_with_fault_tolerance_the_front_end_keeps_no_cache():
     tolerant = {**stage, "enable_fault_tolerance": True}
     assert front_end_args(tolerant) == {**tolerant, "mm_processor_cache_gb": 0}
     assert stage == {"model": "m", "mm_processor_cache_gb": 2}  # the stage's own are untouched
+
+
+def test_the_chat_stage_engine_keeps_no_mirror_of_the_front_end_cache(omni_dir):
+    """vLLM's own cache factories on both configs of the tiny thinker: the front end keeps the
+    processor-only cache; the stage's engine core, which only ever receives items in full,
+    builds no receiver cache (vLLM's default single-server form would build one)."""
+    from vllm import AsyncEngineArgs
+    from vllm.multimodal.cache import (
+        MultiModalProcessorOnlyCache,
+        engine_receiver_cache_from_config,
+        processor_cache_from_config,
+    )
+
+    from vllm_omni_plugin.config.resolve import load_deploy_config
+    from vllm_omni_plugin.serving.text_engine import front_end_args
+    from vllm_omni_plugin.stages.ar_stage import chat_stage_engine_args
+
+    cfg = load_deploy_config("qwen3_omni_tiny", model=str(omni_dir), platform="cpu")
+    stage = cfg.stage(cfg.topology.chat_stage).engine_kwargs()
+
+    def config(kwargs):
+        return AsyncEngineArgs(**kwargs).create_engine_config()
+
+    assert engine_receiver_cache_from_config(config(stage)) is not None  # vLLM's default
+    front = processor_cache_from_config(config(front_end_args(stage)))
+    assert isinstance(front, MultiModalProcessorOnlyCache)
+    assert engine_receiver_cache_from_config(config(chat_stage_engine_args(stage))) is None

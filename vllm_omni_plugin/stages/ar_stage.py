@@ -39,6 +39,16 @@ from .token_clock import TokenClock
 
 logger = logging.getLogger("vllm_omni_plugin.stages.ar")
 
+
+def chat_stage_engine_args(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A chat stage's engine arguments: its requests arrive processed by the API server's front
+    end (serving/text_engine.py), every multimodal item in full. vLLM's engine core would keep a
+    mirror of the front end's processor cache, storing each item to resolve repeats sent by key
+    alone; none is ever sent so, so the engine keeps no cache (up to `mm_processor_cache_gb` of
+    host memory otherwise)."""
+    return {**engine_kwargs, "mm_processor_cache_gb": 0}
+
+
 # vLLM on CPU: a first request with a 1-token prompt can kill the worker (SIGILL) under
 # --enforce-eager; a short warm-up request with a longer prompt avoids it.
 WARMUP_PROMPT = [1, 2, 3, 4]
@@ -180,6 +190,7 @@ class ARStageRunner(AsyncStageLoop):
         # A pipeline's chat stage (Qwen3-Omni's thinker) needs no pipeline glue of its own.
         chat = get_pipeline(init.pipeline).chat_stage == self.stage_id
         self.glue = glue_for(init.pipeline, init.stage, chat_only=chat)
+        self.chat_stage = chat
         # The thinker's hidden states per request (models/thinker_states), when the stage config
         # opts in (`additional_config: {omni_thinker_states: {}}`); keyed by the request id.
         self.thinker_states: thinker_states.ThinkerStatesStore | None = None
@@ -189,6 +200,8 @@ class ARStageRunner(AsyncStageLoop):
         from vllm import AsyncEngineArgs
 
         kwargs = self.init.stage.engine_kwargs()
+        if self.chat_stage:
+            kwargs = chat_stage_engine_args(kwargs)
         if kwargs.get("tokenizer"):
             kwargs["tokenizer"] = self.glue.engine_tokenizer(kwargs["tokenizer"])
         self.thinker_states = thinker_states.attach(kwargs)  # None unless opted in
