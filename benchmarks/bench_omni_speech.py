@@ -24,7 +24,8 @@ latest run of that system in OUT plus 10%, else `--first-run-s`) fits what is le
 in OUT/results.jsonl are not repeated, so the same command continues in the next call.
 
 `--input audio|video` asks every speech request a media question instead (omni_speech_client's
-`user_content`: a 10 s `input_audio` part, or a 30-frame `video_url` part); its runs are recorded
+`user_content`: a 10 s `input_audio` part, or a 30-frame `video_url` part; `audio-new` and
+`video-new` send media the server has not seen with each request); its runs are recorded
 with `input` and continue only runs of the same input. `--then audio:1,8 --then video:1` measures
 more inputs on the same server after the first (one record each, written as each finishes: a
 server start is most of a run's time on a fresh GPU machine).

@@ -18,6 +18,10 @@ The question (`--input`): `text` (PROMPTS), `audio` (a 10 s spoken-question stan
 `input_audio` WAV part, 16 kHz, then a text part) or `video` (a 30-frame question: a `video_url`
 MP4 data URL, 320 x 240 at 2 frames per second, then a text part). Random weights answer noise as
 well as speech; the media's cost (encoder, positions, hidden states) is what these measure.
+`audio` and `video` send the same recording or clip with every request, so a server that keeps
+processed media processes it once; `audio-new` and `video-new` send one the server has not seen
+with every request (the noise or the gradients shifted by a process-wide counter), which also
+measures processing the media. Each request's content is built before its clock starts.
 
 One text request (`modalities=["text"]`, streamed, same length): the thinker's tokens per second,
 overall (`tokens / wall_s`) and while decoding (`(tokens - 1) / (last - first token)`).
@@ -31,6 +35,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import itertools
 import statistics
 import time
 import wave
@@ -54,18 +59,21 @@ PROMPTS = [
 ]
 
 
-INPUTS = ("text", "audio", "video")
+INPUTS = ("text", "audio", "video", "audio-new", "video-new")
 AUDIO_QUESTION_S = 10.0
+# Variants of the media questions no request of this process has sent yet (`*-new` inputs).
+_UNSEEN = itertools.count(1)
 VIDEO_QUESTION_FRAMES = 30
 
 
-@functools.cache
-def audio_question_wav() -> bytes:
-    """AUDIO_QUESTION_S of a gliding tone with noise, 16-bit mono WAV at 16 kHz."""
+@functools.lru_cache(maxsize=2)
+def audio_question_wav(variant: int = 0) -> bytes:
+    """AUDIO_QUESTION_S of a gliding tone with noise (seeded by `variant`), 16-bit mono WAV at
+    16 kHz."""
     rate = 16000
     t = np.arange(int(AUDIO_QUESTION_S * rate)) / rate
     wave_ = 0.3 * np.sin(2 * np.pi * (200 + 30 * t) * t)
-    wave_ += 0.05 * np.random.default_rng(0).standard_normal(t.shape)
+    wave_ += 0.05 * np.random.default_rng(variant).standard_normal(t.shape)
     out = io.BytesIO()
     with wave.open(out, "wb") as w:
         w.setnchannels(1)
@@ -75,9 +83,10 @@ def audio_question_wav() -> bytes:
     return out.getvalue()
 
 
-@functools.cache
-def video_question_mp4() -> bytes:
-    """VIDEO_QUESTION_FRAMES frames of 320 x 240 moving gradients, MPEG-4 at 2 fps."""
+@functools.lru_cache(maxsize=2)
+def video_question_mp4(variant: int = 0) -> bytes:
+    """VIDEO_QUESTION_FRAMES frames of 320 x 240 moving gradients (offset by `variant`), MPEG-4
+    at 2 fps."""
     import av
 
     ys, xs = np.mgrid[0:240, 0:320]
@@ -86,7 +95,8 @@ def video_question_mp4() -> bytes:
         stream = container.add_stream("mpeg4", rate=2)
         stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
         for k in range(VIDEO_QUESTION_FRAMES):
-            rgb = np.stack([(xs + 8 * k) % 256, (ys + 4 * k) % 256, (xs + ys) % 256], -1)
+            shift = 8 * k + 37 * variant
+            rgb = np.stack([(xs + shift) % 256, (ys + 4 * k) % 256, (xs + ys + variant) % 256], -1)
             frame = av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
@@ -94,19 +104,22 @@ def video_question_mp4() -> bytes:
 
 
 def user_content(i: int, media: str = "text") -> str | list[dict]:
-    """The user turn of request `i`: PROMPTS[i] alone, or a media part and a question."""
+    """The user turn of request `i`: PROMPTS[i] alone, or a media part and a question (`*-new`:
+    media no earlier call of this process gave)."""
     if media == "text":
         return PROMPTS[i % len(PROMPTS)]
-    if media == "audio":
-        data = base64.b64encode(audio_question_wav()).decode()
+    if media not in INPUTS:
+        raise ValueError(f"input {media!r}: one of {INPUTS}")
+    kind, _, new = media.partition("-")
+    variant = next(_UNSEEN) if new else 0
+    if kind == "audio":
+        data = base64.b64encode(audio_question_wav(variant)).decode()
         part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
         question = "Answer the question in the recording."
-    elif media == "video":
-        url = "data:video/mp4;base64," + base64.b64encode(video_question_mp4()).decode()
+    else:
+        url = "data:video/mp4;base64," + base64.b64encode(video_question_mp4(variant)).decode()
         part = {"type": "video_url", "video_url": {"url": url}}
         question = "What happens in this video?"
-    else:
-        raise ValueError(f"input {media!r}: one of {INPUTS}")
     return [part, {"type": "text", "text": question}]
 
 
@@ -169,13 +182,14 @@ async def speech_request(
 ) -> dict:
     """One streamed speech answer to request i's question (`user_content`); the timing record
     (module docstring)."""
+    content = user_content(i, media)
     t0 = time.perf_counter()
     first = last = None
     nbytes, transcript = 0, []
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": user_content(i, media)}],
+            messages=[{"role": "user", "content": content}],
             modalities=["text", "audio"],
             audio={"voice": voice, "format": "pcm16"},
             stream=True,

@@ -173,6 +173,10 @@ def table(rows: list[dict]) -> str:
 QUESTIONS = {
     "audio": "a 10 s spoken question (an `input_audio` part) and a line of text",
     "video": "a 30-frame video question (a `video_url` MP4, 320 x 240) and a line of text",
+    "audio-new": "a 10 s spoken question the server has not heard before (a new recording "
+    "with each request) and a line of text",
+    "video-new": "a 30-frame video question the server has not seen before (a new clip with "
+    "each request) and a line of text",
 }
 
 

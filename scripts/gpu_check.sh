@@ -40,6 +40,7 @@
 #                                           $SPEECH_OUT are kept, so the same command continues where it stopped.
 #                                           SYSTEMS ROUNDS ROUND_OFFSET SINGLES SPEECH_CONCURRENCY THINKER_TOKENS FRAMES
 #                                           SPEECH_INPUT (text, audio: a 10 s spoken question, video: 30 frames)
+#                                           (audio-new, video-new: media the server has not seen, each request)
 #                                           SPEECH_THEN ("audio:1,8 video:1": more inputs on the same server)
 #                                           OMNI_FIT (auto, h200, 80gb: vLLM-Omni's memory settings; auto
 #                                           picks 80gb below 100 GiB of GPU memory)

@@ -206,7 +206,7 @@ def test_report_medians_ratios_and_goals(tmp_path):
 
 def test_media_questions_are_bounded_valid_media_and_runs_keep_apart_by_input(tmp_path):
     """The audio question is 10 s of 16 kHz WAV, the video question 30 frames of 320 x 240 (read
-    back by the server's own bound checks); runs of one input kind never count as done for
+    back by the server's own bound checks), the same each request or new each request; runs of one input kind never count as done for
     another, and the report gives each measured kind its own table."""
     import io
     import wave
@@ -223,6 +223,16 @@ def test_media_questions_are_bounded_valid_media_and_runs_keep_apart_by_input(tm
     assert url.startswith("data:video/mp4;base64,")
     assert container_video(base64.b64decode(url.split(",", 1)[1])) == (30, 320, 240)
     assert client.user_content(2, "text") == client.PROMPTS[2]
+    # `*-new`: a recording or clip no earlier request sent, of the same size; the plain kinds
+    # repeat theirs.
+    assert client.user_content(1, "video") == [video, _]
+    fresh = [client.user_content(0, "video-new")[0]["video_url"]["url"] for _ in range(2)]
+    assert len({url, *fresh}) == 3
+    assert container_video(base64.b64decode(fresh[1].split(",", 1)[1])) == (30, 320, 240)
+    heard = [client.user_content(0, "audio-new")[0]["input_audio"]["data"] for _ in range(2)]
+    assert len({audio["input_audio"]["data"], *heard}) == 3
+    with wave.open(io.BytesIO(base64.b64decode(heard[0]))) as w:
+        assert (w.getframerate(), w.getnframes()) == (16000, 160000)
     with pytest.raises(ValueError, match="input 'speech'"):
         client.user_content(0, "speech")
 
