@@ -5,6 +5,9 @@ system's runs (rounds) with the spread (min-max, n), then ours / theirs and the 
     python benchmarks/omni_speech_report.py OUT/results.jsonl [MORE.jsonl ...]          # print
     python benchmarks/omni_speech_report.py OUT/results.jsonl --write BENCHMARKS.md     # replace
         # the block between `<!-- omni-speech:begin -->` and `<!-- omni-speech:end -->`
+    python benchmarks/omni_speech_report.py B.jsonl --write BENCHMARKS.md --block NAME
+        # another block, between `<!-- omni-speech NAME:begin -->` and its end (runs that must
+        # not share medians with the first block's, e.g. after a change to the server)
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fair_report import _stat, write_into  # noqa: E402
 
 BEGIN, END = "<!-- omni-speech:begin -->", "<!-- omni-speech:end -->"
+
+
+def markers(block: str | None = None) -> tuple[str, str]:
+    """The BENCHMARKS.md markers of the main block, or of the block called `block`."""
+    if block is None:
+        return BEGIN, END
+    return f"<!-- omni-speech {block}:begin -->", f"<!-- omni-speech {block}:end -->"
+
+
 LABELS = {"ours": "vllm-omni-plugin", "omni": "vLLM-Omni 0.26"}
 
 
@@ -181,23 +193,26 @@ QUESTIONS = {
 
 
 def tables(rows: list[dict]) -> str:
-    """The text-question table, then one per media question kind that was measured."""
-    out = [table([r for r in rows if r.get("input", "text") == "text"])]
+    """The text-question table (unless only media questions were measured), then one per
+    media question kind that was measured."""
+    text = [r for r in rows if r.get("input", "text") == "text"]
+    out = [table(text)] if text or not rows else []
     for kind, what in QUESTIONS.items():
         mine = [r for r in rows if r.get("input") == kind]
         if mine:
             out.append(f"\nSpeech answers to {what}:\n\n" + table(mine))
-    return "".join(out)
+    return "".join(out).lstrip("\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--write", type=Path, default=None, help="markdown file with the markers")
+    parser.add_argument("--block", default=None, help="the name of another block to write")
     args = parser.parse_args()
     text = tables(load(args.results))
     if args.write:
-        write_into(args.write, text, BEGIN, END)
+        write_into(args.write, text, *markers(args.block))
     else:
         print(text)
 

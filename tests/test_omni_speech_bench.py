@@ -363,3 +363,8 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     )
     assert "vllm-omni-plugin on NVIDIA H100 80GB HBM3, vLLM-Omni 0.26 on NVIDIA H200" in served
     assert _block(doc, report.BEGIN, report.END) == served.strip()
+    # Runs after the front end's processed-media cache: a block of their own, not pooled with
+    # the rounds before it.
+    cached = report.tables(report.load([results / "omni_speech_h100_2026-12-07_media_cache.jsonl"]))
+    assert "a new clip with each request" in cached and "Not measured yet" not in cached
+    assert _block(doc, *report.markers("media-cache")) == cached.strip()
