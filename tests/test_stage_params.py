@@ -9,6 +9,7 @@ import pytest
 
 from vllm_omni_plugin.common.link_messages import ToStage, decode_link
 from vllm_omni_plugin.common.messages import (
+    ChatPrompt,
     Code2WavParams,
     GenerationParams,
     Submit,
@@ -21,7 +22,8 @@ from vllm_omni_plugin.common.messages import (
 SPEECH = GenerationParams(
     "Say hi",
     seed=5,
-    chat_request=[b"\x91\x01"],
+    chat_request=[b"\x91\x01", b"media" * 1000],
+    chat_prompt=ChatPrompt([1, 2, 3], [(2, 4, 6, 0.5)]),
     voice="ethan",
     speech_sampling={"temperature": 0, "seed": 7},
     input_images=[b"png"],
@@ -29,9 +31,13 @@ SPEECH = GenerationParams(
 
 
 def test_the_talker_gets_its_speech_fields_only():
+    """Of the chat request only its prompt ids and visual grids: the processed media (here the
+    second buffer) go to the chat stage alone."""
     params = stage_params("talker", SPEECH)
-    assert params == TalkerParams([b"\x91\x01"], "ethan", {"temperature": 0, "seed": 7})
-    assert set(msgspec.structs.asdict(params)) == {"chat_request", "voice", "speech_sampling"}
+    prompt = ChatPrompt([1, 2, 3], [(2, 4, 6, 0.5)])
+    assert params == TalkerParams(prompt, "ethan", {"temperature": 0, "seed": 7})
+    assert set(msgspec.structs.asdict(params)) == {"chat_prompt", "voice", "speech_sampling"}
+    assert len(encode(Submit("r", params))) < 1000 < 5000 < len(encode(Submit("r", SPEECH)))
 
 
 def test_code2wav_gets_nothing_of_the_request():

@@ -111,3 +111,39 @@ def test_the_chat_stage_engine_keeps_no_mirror_of_the_front_end_cache(omni_dir):
     front = processor_cache_from_config(config(front_end_args(stage)))
     assert isinstance(front, MultiModalProcessorOnlyCache)
     assert engine_receiver_cache_from_config(config(chat_stage_engine_args(stage))) is None
+
+
+def test_the_talker_reads_ids_and_grids_and_never_the_media(omni_dir):
+    """A speech request's talker gets the chat stage's prompt ids and each visual item's patch
+    grid and frame timing, taken from vLLM's processed request in the API server; the processed
+    frames (tens of MB for a short clip) cross to the chat stage only."""
+    from vllm import SamplingParams
+    from vllm.renderers import ChatParams
+
+    from vllm_omni_plugin.common.messages import GenerationParams, Submit, encode, stage_params
+    from vllm_omni_plugin.config.resolve import load_deploy_config
+    from vllm_omni_plugin.serving.speech import chat_prompt
+    from vllm_omni_plugin.serving.text_engine import TextEngine, encode_engine_request
+
+    cfg = load_deploy_config("qwen3_omni_tiny", model=str(omni_dir), platform="cpu")
+    with processor_for(omni_dir):
+        engine = TextEngine(SimpleNamespace(cfg=cfg), 0)
+        try:
+            _, (prompt,) = asyncio.run(
+                engine.renderer.render_chat_async([_video_chat()], ChatParams())
+            )
+            request = engine.engine_request(prompt, SamplingParams(max_tokens=1), "r")
+        finally:
+            engine.shutdown()
+    got = chat_prompt(request)
+    (video,) = request.mm_features
+    data = video.data.get_data()
+    assert got.token_ids == list(request.prompt_token_ids)
+    t, h, w = data["video_grid_thw"].reshape(-1).tolist()
+    seconds = float(data["second_per_grid_ts"].reshape(-1)[0])
+    assert got.visual_grids == [(t, h, w, seconds)] and seconds > 0
+    params = GenerationParams("", chat_request=encode_engine_request(request), chat_prompt=got)
+    to_talker = len(encode(Submit("r", stage_params("talker", params))))
+    to_thinker = len(encode(Submit("r", stage_params("ar", params))))
+    assert to_talker < 4 * len(got.token_ids) + 1000
+    assert to_thinker > data["pixel_values_videos"].numel() * 4

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from vllm_omni_plugin.common.channel import MessageChannel
-from vllm_omni_plugin.common.messages import Inspect, Pulse, Result, decode_from_stage
+from vllm_omni_plugin.common.messages import Inspect, Pulse, Result, decode_from_stage, encode
 from vllm_omni_plugin.orchestrator.frames import FrameReader, FrameWriter, encode_frame
 
 
@@ -68,6 +68,8 @@ def test_writer_never_blocks_on_a_peer_that_is_not_reading():
 
     got = asyncio.run(send_all())
     assert [m.request_id for m in got] == ["a", "big", "b"] and got[1].output == big.output
+    frame = encode_frame(big)  # encoded in place behind its length, as send_bytes frames it
+    assert frame[4:] == encode(big) and int.from_bytes(frame[:4], "big") == len(frame) - 4
     ours.close()
     receiver.close()
 

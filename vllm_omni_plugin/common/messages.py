@@ -141,6 +141,16 @@ class Ready(msgspec.Struct, tag=True):
 
 
 # ---- requests ------------------------------------------------------------------------------
+class ChatPrompt(msgspec.Struct, frozen=True):
+    """What the talker reads of a speech request's chat prompt, taken in the API server from the
+    chat stage's processed request: its token ids, and each image's and video's patch grid in
+    prompt order as (t, h, w, seconds one temporal grid step spans; 1.0 for an image). The
+    media themselves go only to the chat stage (`chat_request`)."""
+
+    token_ids: list[int] = []
+    visual_grids: list[tuple[int, int, int, float]] = []
+
+
 class GenerationParams(msgspec.Struct, frozen=True, tag="generation"):
     """One validated request's generation parameters, as the AR and diffusion stages receive
     them (the talker and Code2Wav receive only their part: `stage_params`)."""
@@ -186,8 +196,10 @@ class GenerationParams(msgspec.Struct, frozen=True, tag="generation"):
     # `audio_output`): the chat stage's vLLM EngineCoreRequest, rendered and processed by vLLM in
     # the API server and encoded as in GenerateText (its sampling params' output kind is DELTA:
     # the chat stage sends each text piece to the API server as a TextOutput, the transcript),
-    # and the checkpoint's speaker to answer as. Empty / None for every other request.
+    # what the talker reads of its prompt (ChatPrompt), and the checkpoint's speaker to answer
+    # as. Empty / None for every other request.
     chat_request: list[bytes] = []
+    chat_prompt: ChatPrompt | None = None
     voice: str | None = None
     # The talker's sampling for this speech request (serving/speech_request.SPEECH_SAMPLING),
     # over its stage's defaults.
@@ -196,9 +208,9 @@ class GenerationParams(msgspec.Struct, frozen=True, tag="generation"):
 
 class TalkerParams(msgspec.Struct, frozen=True, tag="talker"):
     """What a talker stage reads of a speech request (GenerationParams' fields of the same
-    names): the chat stage's request, the speaker, the request's frame sampling."""
+    names): the chat prompt's ids and visual grids, the speaker, the request's frame sampling."""
 
-    chat_request: list[bytes] = []
+    chat_prompt: ChatPrompt | None = None
     voice: str | None = None
     speech_sampling: dict[str, float | int] = {}
 
@@ -213,7 +225,7 @@ StageParams = GenerationParams | TalkerParams | Code2WavParams
 def stage_params(kind: str, params: GenerationParams) -> StageParams:
     """The part of a request's parameters a stage of `kind` reads (what its Submit carries)."""
     if kind == "talker":
-        return TalkerParams(params.chat_request, params.voice, params.speech_sampling)
+        return TalkerParams(params.chat_prompt, params.voice, params.speech_sampling)
     if kind == "code2wav":
         return Code2WavParams()
     return params
@@ -425,6 +437,12 @@ DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
 def encode(msg: msgspec.Struct) -> bytes:
     """msgpack bytes of one message (TypeError for a value the schema does not know)."""
     return _encoder.encode(msg)
+
+
+def encode_into(msg: msgspec.Struct, buffer: bytearray, offset: int) -> None:
+    """`encode(msg)` written into `buffer` from `offset` on (resized to fit): no copy of the
+    encoded bytes, where a chat request's processed media make tens of MB."""
+    _encoder.encode_into(msg, buffer, offset)
 
 
 def decode_to_stage(data: bytes | memoryview) -> ToStageMessage:

@@ -21,7 +21,7 @@ import asyncio
 import os
 import struct
 
-from ..common.messages import FromStageMessage, ToStageMessage, decode_from_stage, encode
+from ..common.messages import FromStageMessage, ToStageMessage, decode_from_stage, encode_into
 
 READ_CHUNK = 1 << 20
 # Unsent bytes a stage may fall behind by before sends to it fail (BrokenPipeError -> 503):
@@ -29,12 +29,16 @@ READ_CHUNK = 1 << 20
 MAX_UNSENT_BYTES = 256 << 20
 
 
-def encode_frame(msg: ToStageMessage) -> bytes:
-    """`msg` framed as `Connection.send_bytes` frames it (what the stage's channel reads)."""
-    data = encode(msg)
-    if len(data) > 0x7FFFFFFF:
-        return struct.pack("!iQ", -1, len(data)) + data
-    return struct.pack("!i", len(data)) + data
+def encode_frame(msg: ToStageMessage) -> bytearray:
+    """`msg` framed as `Connection.send_bytes` frames it (what the stage's channel reads),
+    encoded in place behind its length."""
+    frame = bytearray(4)
+    encode_into(msg, frame, 4)
+    size = len(frame) - 4
+    if size > 0x7FFFFFFF:
+        return bytearray(struct.pack("!iQ", -1, size)) + memoryview(frame)[4:]
+    struct.pack_into("!i", frame, 0, size)
+    return frame
 
 
 class FrameWriter:

@@ -22,18 +22,44 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..common.messages import ChatPrompt
 from .audio_encode import encode_audio, to_pcm16
 from .errors import APIError, unavailable
 from .speech_events import AudioDelta, SpeechDone, SpeechSource, TranscriptDelta
 from .speech_metrics import SpeechTimer
 from .speech_request import SpeechRequest, check_speech_request
 from .speech_shapes import DONE, ChunkWriter, completion_body, error_chunk
+from .text_engine import encode_engine_request
 
 logger = logging.getLogger("vllm_omni_plugin.serving")
 
 
 class ClientGone(Exception):
     pass
+
+
+def chat_prompt(request: Any) -> ChatPrompt:
+    """What the talker reads of the chat stage's EngineCoreRequest: the prompt's ids and the
+    patch grid of each image and video (vLLM's processed items, in prompt order), the input of
+    the talker's 3-D positions (models/qwen3_omni/positions.py). ValueError (a 400) for a
+    visual item without its grid or a video without its frame timing."""
+    grids = []
+    for feature in sorted(request.mm_features or [], key=lambda f: f.mm_position.offset):
+        if feature.modality not in ("image", "video"):
+            continue
+        data = feature.data.get_data() if feature.data is not None else {}
+        grid = data.get(f"{feature.modality}_grid_thw")
+        if grid is None:
+            raise ValueError(f"the chat request's {feature.modality} has no patch grid")
+        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
+        # The processor's `video_second_per_grid`, which vLLM's Qwen-Omni processors keep as
+        # `second_per_grid_ts`; images have none (their grid has one time step).
+        seconds = data.get("second_per_grid_ts", data.get("video_second_per_grid"))
+        if seconds is None and feature.modality == "video":
+            raise ValueError("the chat request's video has no frame timing")
+        seconds = float(seconds.reshape(-1)[0]) if seconds is not None else 1.0
+        grids.append((t, h, w, seconds))
+    return ChatPrompt(list(request.prompt_token_ids or []), grids)
 
 
 class SpeechService:
@@ -81,7 +107,7 @@ class SpeechService:
         _conversation, engine_inputs = rendered
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            engine_request, prompt_text = self._engine_request(
+            engine_request, prompt, prompt_text = self._engine_request(
                 chat, request, engine_inputs[0], request_id
             )
         except (ValueError, APIError) as exc:  # vLLM's request validation (InputProcessor), ours
@@ -93,7 +119,7 @@ class SpeechService:
         model = request.model or self.text.model_config.served_model_name
         assert self.source is not None
         events = self.source.speak(
-            request_id, engine_request, prompt_text, speech.voice, speech.sampling
+            request_id, engine_request, prompt, prompt_text, speech.voice, speech.sampling
         )
         if speech.stream:
             options = getattr(request, "stream_options", None)
@@ -113,9 +139,10 @@ class SpeechService:
 
     def _engine_request(
         self, chat: Any, request: Any, engine_input: Any, request_id: str
-    ) -> tuple[list[bytes], str | None]:
-        """vLLM's sampling parameters for the request (as vLLM's chat handler makes them) and
-        the chat stage's EngineCoreRequest, encoded."""
+    ) -> tuple[list[bytes], ChatPrompt, str | None]:
+        """The chat stage's EngineCoreRequest for the request, with vLLM's sampling parameters
+        as vLLM's chat handler makes them, encoded; what the talker reads of it; the prompt's
+        text."""
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
         from vllm.renderers.inputs.preprocess import extract_prompt_components
         from vllm.sampling_params import RequestOutputKind
@@ -143,7 +170,8 @@ class SpeechService:
         params = request.to_sampling_params(max_tokens, chat.default_sampling_params)
         # The transcript streams as the chat stage writes it, whatever the answer's own mode.
         params.output_kind = RequestOutputKind.DELTA
-        return self.text.encode_request(engine_input, params, request_id), prompt_text
+        engine_request = self.text.engine_request(engine_input, params, request_id)
+        return encode_engine_request(engine_request), chat_prompt(engine_request), prompt_text
 
     async def _collect(
         self, events: AsyncIterator[Any], speech: SpeechRequest, rid: str, model: str, raw: Any

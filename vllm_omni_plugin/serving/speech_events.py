@@ -14,6 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..common.messages import ChatPrompt
+
 
 @dataclass
 class TranscriptDelta:
@@ -42,11 +44,12 @@ class SpeechSource(Protocol):
         self,
         request_id: str,
         engine_request: list[bytes],
+        prompt: ChatPrompt,
         prompt_text: str | None,
         voice: str,
         sampling: dict[str, float | int],
     ) -> AsyncIterator[SpeechEvent]:
         """Run one request (vLLM's EngineCoreRequest for the chat stage, encoded as in
-        common.messages.GenerateText) through the pipeline, speaking as `voice` with the
-        talker's `sampling` settings for it."""
+        common.messages.GenerateText, and what the talker reads of it) through the pipeline,
+        speaking as `voice` with the talker's `sampling` settings for it."""
         ...

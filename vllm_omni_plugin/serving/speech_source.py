@@ -1,7 +1,7 @@
 """The pipeline as a SpeechSource (speech_events.py): one chat request through every stage.
 
 The request enters as GenerationParams with `chat_request` (vLLM's EngineCoreRequest for the
-chat stage) and `voice`. The chat stage sends its text as TextOutput messages (the transcript,
+chat stage), `chat_prompt` (what the talker reads of it) and `voice`. The chat stage sends its text as TextOutput messages (the transcript,
 relayed to this request's progress listener as they come) while its hidden states go on to the
 later stages; the last stage's waveform comes back through the orchestrator's streamed edge to
 the API server (`Orchestrator.stream`: its chunks in order, then the PipelineResult). Leaving the
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..common.messages import GenerationParams
+from ..common.messages import ChatPrompt, GenerationParams
 from ..common.text_messages import TextOutput
 from .speech_events import AudioDelta, SpeechDone, SpeechEvent, TranscriptDelta
 
@@ -80,6 +80,7 @@ class PipelineSpeechSource:
         self,
         request_id: str,
         engine_request: list[bytes],
+        prompt: ChatPrompt,
         prompt_text: str | None,
         voice: str,
         sampling: dict[str, float | int],
@@ -87,6 +88,7 @@ class PipelineSpeechSource:
         params = GenerationParams(
             prompt=prompt_text or "",
             chat_request=engine_request,
+            chat_prompt=prompt,
             voice=voice,
             speech_sampling=sampling,
             stream=True,

@@ -28,6 +28,14 @@ GENERATE_TASKS = ("generate",)
 FRONT_END_WITHOUT_MIRROR = 2
 
 
+def encode_engine_request(request: Any) -> list[bytes]:
+    """vLLM's msgpack frames of an EngineCoreRequest (its engine core's wire form): the message,
+    then one buffer per large tensor of its multimodal features."""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    return [bytes(b) for b in MsgpackEncoder().encode(request)]
+
+
 def front_end_args(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The chat stage's engine arguments as this front end builds its config from them.
 
@@ -125,6 +133,12 @@ class TextEngine:
         self.renderer.shutdown()
 
     def encode_request(
+        self, prompt: Any, params: Any, request_id: str, **kwargs: Any
+    ) -> list[bytes]:
+        """`engine_request`, encoded with vLLM's msgpack encoder (its engine core's wire form)."""
+        return encode_engine_request(self.engine_request(prompt, params, request_id, **kwargs))
+
+    def engine_request(
         self,
         prompt: Any,
         params: Any,
@@ -135,12 +149,10 @@ class TextEngine:
         priority: int = 0,
         reasoning_ended: bool | None = None,
         reasoning_parser_kwargs: dict[str, Any] | None = None,
-    ) -> list[bytes]:
+    ) -> Any:
         """vLLM's EngineCoreRequest for a rendered prompt, as AsyncLLM.add_request makes it in
-        vLLM's front end, encoded with vLLM's msgpack encoder (its engine core's wire form).
-        Raises vLLM's own ValueErrors for invalid requests (a 400 in vLLM's server)."""
-        from vllm.v1.serial_utils import MsgpackEncoder
-
+        vLLM's front end. Raises vLLM's own ValueErrors for invalid requests (a 400 in vLLM's
+        server)."""
         request = self.input_processor.process_inputs(
             request_id,
             prompt,
@@ -156,7 +168,7 @@ class TextEngine:
             request.reasoning_ended = reasoning_ended
         if reasoning_parser_kwargs is not None:
             request.reasoning_parser_kwargs = reasoning_parser_kwargs
-        return [bytes(b) for b in MsgpackEncoder().encode(request)]
+        return request
 
     async def generate(
         self,

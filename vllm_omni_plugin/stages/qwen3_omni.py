@@ -269,16 +269,15 @@ class TalkerStage(AsyncStageLoop):
 
     async def run_request(self, msg: Submit) -> Result:
         from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine import EngineCoreRequest
-        from vllm.v1.serial_utils import MsgpackDecoder
 
+        from ..models.qwen3_omni.positions import VisualGrid
         from ..models.qwen3_omni.talker_runner import frame_sampling_params
 
         rid = msg.request_id
-        if not msg.params.chat_request or len(msg.stream_inputs) != 1:
-            raise RequestRefused("the talker takes a chat request on a streamed edge")
-        request = MsgpackDecoder(EngineCoreRequest).decode(msg.params.chat_request)
-        prompt_ids = list(request.prompt_token_ids or [])
+        prompt = msg.params.chat_prompt
+        if prompt is None or len(msg.stream_inputs) != 1:
+            raise RequestRefused("the talker takes a chat prompt on a streamed edge")
+        prompt_ids = prompt.token_ids
         speakers = {k.lower(): v for k, v in self.talker_config.speaker_id.items()}
         speaker = speakers.get((msg.params.voice or "").lower())
         if speaker is None:
@@ -289,7 +288,7 @@ class TalkerStage(AsyncStageLoop):
         except ValueError as exc:
             raise RequestRefused(str(exc), "messages") from None
         positions = None  # 1-D
-        grids = visual_grids(request.mm_features or [])
+        grids = [VisualGrid(*grid) for grid in prompt.visual_grids]
         if grids:
             try:
                 positions = self.conditioner.positions(prompt_ids, grids)
@@ -385,29 +384,6 @@ class TalkerStage(AsyncStageLoop):
             self.engine.shutdown()
         finally:
             self.text.close()
-
-
-def visual_grids(features: list) -> list:
-    """The patch grid of each image and video of a chat request (vLLM's processed items, in
-    prompt order): what the talker's 3-D positions read (models/qwen3_omni/positions.py)."""
-    from ..models.qwen3_omni.positions import VisualGrid
-
-    grids = []
-    for feature in sorted(features, key=lambda f: f.mm_position.offset):
-        if feature.modality not in ("image", "video"):
-            continue
-        if feature.data is None:
-            raise RequestRefused(f"the chat request's {feature.modality} arrived without data")
-        data = feature.data.get_data()
-        t, h, w = (int(v) for v in data[f"{feature.modality}_grid_thw"].reshape(-1).tolist())
-        # The processor's `video_second_per_grid`, which vLLM's Qwen-Omni processors keep as
-        # `second_per_grid_ts`; images have none (their grid has one time step).
-        seconds = data.get("second_per_grid_ts", data.get("video_second_per_grid"))
-        if seconds is None and feature.modality == "video":
-            raise RequestRefused("the chat request's video arrived without its frame timing")
-        seconds = float(seconds.reshape(-1)[0]) if seconds is not None else 1.0
-        grids.append(VisualGrid(t, h, w, seconds))
-    return grids
 
 
 async def _next_ids(chunks) -> list[int]:
