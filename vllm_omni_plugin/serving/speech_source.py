@@ -1,11 +1,12 @@
 """The pipeline as a SpeechSource (speech_events.py): one chat request through every stage.
 
 The request enters as GenerationParams with `chat_request` (vLLM's EngineCoreRequest for the
-chat stage), `chat_prompt` (what the talker reads of it) and `voice`. The chat stage sends its text as TextOutput messages (the transcript,
-relayed to this request's progress listener as they come) while its hidden states go on to the
-later stages; the last stage's waveform comes back through the orchestrator's streamed edge to
-the API server (`Orchestrator.stream`: its chunks in order, then the PipelineResult). Leaving the
-iteration early closes that stream, which cancels the request in every stage.
+chat stage), `chat_prompt` (what the talker reads of it) and `voice`. The chat stage sends its
+text as TextOutput messages (the transcript, relayed to this request's progress listener as they
+come) while its hidden states go on to the later stages; the last stage's waveform comes back
+through the orchestrator's streamed edge to the API server (`Orchestrator.stream`: its chunks in
+order, then the PipelineResult). Leaving the iteration early closes that stream, which cancels
+the request in every stage.
 
 The transcript is paced to the audio, as an audio transcript is: a text piece is sent once the
 talker has read all its tokens for the audio already sent (codec frame k reads the thinker's
