@@ -60,7 +60,11 @@ def _cmdline(p: psutil.Process) -> str:
 def dit_ranks(srv) -> tuple[psutil.Process | None, list[psutil.Process]]:
     """(the DiT stage process, its follower ranks); (None, []) while the stage is respawning."""
     stage = next(
-        (p for p in psutil.Process(srv.proc.pid).children() if "omni-stage-1" in _cmdline(p)),
+        (
+            p
+            for p in psutil.Process(srv.proc.pid).children(recursive=True)
+            if "omni-stage-1" in _cmdline(p)
+        ),
         None,
     )
     if stage is None:

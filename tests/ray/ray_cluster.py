@@ -237,7 +237,9 @@ def replica_actor_pid(ns: str, stage: int | None = None) -> int:
         found = [
             pid
             for pid in found
-            if any(title in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
+            if any(
+                title in " ".join(c.cmdline()) for c in psutil.Process(pid).children(recursive=True)
+            )
         ]
     assert len(found) == 1, found
     return found[0]

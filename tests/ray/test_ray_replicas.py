@@ -94,7 +94,11 @@ def test_killing_a_replica_loses_no_request(cluster, reference):
     before = replica_rows(_metrics(ray, url), "omni_replica_requests_completed_total")
     victim = next(i for i, (node, _) in before.items() if node == ray.node_ip)
     pid = replica_actor_pid(ray.node_ns)
-    stage_pids = [p.pid for p in psutil.Process(pid).children()]  # its omni-stage-0 process
+    stage_pids = [
+        p.pid
+        for p in psutil.Process(pid).children(recursive=True)
+        if "omni-stage-0" in " ".join(p.cmdline())
+    ]
     assert len(stage_pids) == 1, stage_pids
 
     # The victim's stage process is paused before the load arrives, so the requests routed to

@@ -181,7 +181,7 @@ def stage_processes(cluster: TwoNodeRay, stage: int) -> list[int]:
     return [
         c.pid
         for ns in (cluster.head_ns, cluster.node_ns)
-        for c in psutil.Process(replica_actor_pid(ns, stage)).children()
+        for c in psutil.Process(replica_actor_pid(ns, stage)).children(recursive=True)
         if title in " ".join(c.cmdline())
     ]
 
@@ -237,7 +237,9 @@ def test_a_killed_talker_replica_fails_only_its_own_streams(omni):
     )
     actor = replica_actor_pid(cluster.node_ns, TALKER)
     (stage_proc,) = [
-        p.pid for p in psutil.Process(actor).children() if "omni-stage-1" in " ".join(p.cmdline())
+        p.pid
+        for p in psutil.Process(actor).children(recursive=True)
+        if "omni-stage-1" in " ".join(p.cmdline())
     ]
 
     done_before = completed(before)

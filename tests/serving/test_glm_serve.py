@@ -97,7 +97,7 @@ def post(server, prompt: str = "a lighthouse at dusk", timeout: float = 120) -> 
 def dit_stage(server) -> psutil.Process:
     return next(
         p
-        for p in psutil.Process(server.proc.pid).children()
+        for p in psutil.Process(server.proc.pid).children(recursive=True)
         if "omni-stage-1" in " ".join(p.cmdline())
     )
 
@@ -327,7 +327,7 @@ def test_dead_vllm_engine_takes_the_ar_stage_down_and_it_comes_back(glm):
     # fail every request; it exits within seconds, requests get 503, and it is restarted.
     ar = next(
         p
-        for p in psutil.Process(glm.proc.pid).children()
+        for p in psutil.Process(glm.proc.pid).children(recursive=True)
         if "omni-stage-0" in " ".join(p.cmdline())
     )
     next(p for p in ar.children(recursive=True) if "EngineCore" in p.name()).kill()
@@ -343,7 +343,9 @@ def test_sigterm_stops_stages_concurrently(glm):
     # Both stages frozen: each one's stop waits out its polite 5 s and its SIGTERM's 2 s before
     # SIGKILL. One after the other that is over 14 s; together about 7 s.
     stages = [
-        p for p in psutil.Process(glm.proc.pid).children() if "omni-stage-" in " ".join(p.cmdline())
+        p
+        for p in psutil.Process(glm.proc.pid).children(recursive=True)
+        if "omni-stage-" in " ".join(p.cmdline())
     ]
     assert len(stages) == 2
     everything = glm.descendants()

@@ -80,7 +80,7 @@ def metric(server, name: str) -> float:
 def stage_process(server) -> psutil.Process:
     return next(
         p
-        for p in psutil.Process(server.proc.pid).children()
+        for p in psutil.Process(server.proc.pid).children(recursive=True)
         if "omni-stage-0" in " ".join(p.cmdline())
     )
 

@@ -4,13 +4,16 @@ Start-up and shutdown are synchronous (they run in executor threads); once the s
 its replies are read and its messages written on the caller's event loop without ever blocking
 it (`start_reading`, see frames.py for why), and the asyncio side lives in stage_client.py.
 
-* The child is `python -m vllm_omni_plugin.stages.worker` with `omni-stage-<id>` in its argv
-  (and as its process title), in a new session: killing the process group also takes down
-  anything the stage started (a vLLM EngineCore, its workers), so nothing is orphaned.
+* The child runs `vllm_omni_plugin.stages.worker`, titled `omni-stage-<id>`, in a new session:
+  killing the process group also takes down anything the stage started (a vLLM EngineCore,
+  its workers), so nothing is orphaned. It is forked from the stages' fork server, which
+  imported torch and vLLM once (stage_fork.py), or where that cannot be, started as
+  `python -m vllm_omni_plugin.stages.worker`.
 * Control messages (common/messages.py, msgpack in multiprocessing.connection framing) go over
-  a socket pair. When this process dies, the child reads EOF and exits; and it watches this
-  process (common/parent_watch.py, whatever it is busy with, start-up included), so a SIGKILLed
-  API server does not leave stages behind either.
+  a socket pair. When this process dies, the child reads EOF and exits; and it watches its
+  parent, this process or the fork server that ends with it (common/parent_watch.py, whatever
+  it is busy with, start-up included), so a SIGKILLed API server does not leave stages behind
+  either.
 * stdout/stderr are pumped into our stderr (prefixed) and a ring buffer whose tail goes into
   start-up errors.
 """
@@ -38,6 +41,7 @@ from ..config.stage_init import StageInit
 from .errors import StageConfigError, StageStartupError
 from .frames import FrameReader, FrameWriter, encode_frame
 from .node_protocol import AUTHKEY_ENV
+from .stage_fork import ForkedProcess, fork_stage
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -68,7 +72,8 @@ def forwarded_env() -> dict[str, str]:
 
 
 def stage_env(stage: Any) -> dict[str, str]:
-    """The child's environment: ours, then the stage's `devices` and `env` from its config."""
+    """The child's environment: ours, then the stage's `devices` and `env` from its config
+    (None: ours alone, which the stages' fork server starts with)."""
     env = dict(os.environ)
     # The node registry's secret stays in the processes that speak the node protocol (the API
     # server, a headless node): a stage never uses it, and vLLM warns about the unknown VLLM_*
@@ -95,7 +100,7 @@ class StageProcess:
         self.kind: str = init.spec.kind
         self._on_message = on_message
         self._on_exit = on_exit
-        self.proc: subprocess.Popen | None = None
+        self.proc: ForkedProcess | subprocess.Popen | None = None
         self.conn: MessageChannel | None = None
         self.info: StageInfo | None = None
         self.edge_address: str | None = None  # its Ready's (stages/edge_streams.py)
@@ -138,18 +143,20 @@ class StageProcess:
 
     def _spawn(self) -> None:
         parent_sock, child_sock = socket.socketpair()
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm_omni_plugin.stages.worker",
-            f"--fd={child_sock.fileno()}",
-            f"--parent-pid={os.getpid()}",  # the stage exits when this process dies
-            self.name,
-        ]
+        env = stage_env(self.init.stage)
         try:
-            self.proc = subprocess.Popen(
-                cmd,
-                env=stage_env(self.init.stage),
+            self.proc = fork_stage(
+                [self.name], env, stage_env(None), self.name, child_sock.fileno()
+            ) or subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm_omni_plugin.stages.worker",
+                    f"--fd={child_sock.fileno()}",
+                    f"--parent-pid={os.getpid()}",  # the stage exits when this process dies
+                    self.name,
+                ],
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -1,0 +1,89 @@
+"""Stages forked from the fork server (orchestrator/stage_fork.py, stages/fork_server.py).
+
+Real parts: the fork server process with its imports, forked `stages.worker` processes, and
+their control sockets. A worker whose first message is not StartStage exits with status 1 and
+says why on its log pipe, which lets these tests see a forked stage's whole life without
+loading a model; the served tests start real stages through the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from multiprocessing.connection import Connection
+
+import psutil
+import pytest
+
+from vllm_omni_plugin.common.channel import server_channel
+from vllm_omni_plugin.common.messages import Shutdown
+from vllm_omni_plugin.orchestrator import stage_fork
+from vllm_omni_plugin.orchestrator.stage_process import stage_env
+
+BASE = {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1", "VLLM_OMNI_X": "a"}
+
+
+@pytest.mark.parametrize(
+    ("change", "forked"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "1"}, True),  # read when CUDA starts, in the stage
+        ({"VLLM_OMNI_X": "b", "OMNI_Y": "1"}, True),  # the plugin's own, read when used
+        ({"PYTEST_CURRENT_TEST": "t"}, True),  # nothing the server imported reads it
+        ({"PYTHONPATH": "/elsewhere"}, False),  # read by the interpreter at its start
+        ({"OMP_NUM_THREADS": "4"}, False),  # read by OpenMP when torch loads it
+        ({"HF_HOME": "/elsewhere"}, False),  # read by huggingface_hub at its import
+        ({"VLLM_LOGGING_LEVEL": "DEBUG"}, False),  # vLLM configures its logger at import
+        ({"HF_HUB_OFFLINE": None}, False),  # one the stage lacks
+    ],
+)
+def test_a_stage_is_forked_unless_it_needs_its_own_value_of_a_variable_read_at_load(change, forked):
+    env = {k: v for k, v in {**BASE, **change}.items() if v is not None}
+    assert stage_fork.forkable(env, BASE) is forked
+
+
+def _fork(title: str):
+    ours, theirs = socket.socketpair()
+    try:
+        child = stage_fork.fork_stage(
+            [title], stage_env(None), stage_env(None), title, theirs.fileno()
+        )
+    finally:
+        theirs.close()
+    return child, server_channel(Connection(ours.detach()))
+
+
+def test_a_forked_stage_runs_in_its_own_session_and_folder_and_reports_its_exit(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    child, control = _fork("omni-stage-7")
+    assert isinstance(child, stage_fork.ForkedProcess)
+    proc = psutil.Process(child.pid)
+    assert proc.parent().name() == "omni-fork-server"
+    assert os.getsid(child.pid) == child.pid  # killing its group ends what it starts
+    assert proc.cwd() == str(tmp_path)
+    control.send(Shutdown())  # not StartStage: the worker refuses it and exits
+    assert child.wait(60) == 1
+    log = child.stdout.read().decode()
+    assert "expected StartStage first, got Shutdown" in log
+
+
+def test_a_forked_stage_killed_by_a_signal_reports_it():
+    child, _control = _fork("omni-stage-8")
+    assert child is not None
+    with pytest.raises(Exception, match="stage process"):
+        child.wait(0.1)  # waiting for its first message
+    assert child.poll() is None
+    os.killpg(child.pid, signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    assert child.poll() == -signal.SIGKILL
+
+
+def test_a_stage_that_cannot_be_forked_is_left_to_a_fresh_interpreter(monkeypatch):
+    env = {**stage_env(None), "PYTHONPATH": "/elsewhere"}
+    assert stage_fork.fork_stage(["omni-stage-9"], env, stage_env(None), "omni-stage-9", -1) is None
+    monkeypatch.setenv(stage_fork.FORK_ENV, "0")
+    assert (
+        stage_fork.fork_stage(["omni-stage-9"], stage_env(None), stage_env(None), "x", -1) is None
+    )

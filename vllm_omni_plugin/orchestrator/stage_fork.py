@@ -1,0 +1,233 @@
+"""Stage processes forked by the fork server (stages/fork_server.py) instead of started fresh.
+
+Each process that starts stages (an API server, a headless node) starts one fork server with
+its first stage and keeps it for its lifetime; the server imports torch, transformers and vLLM
+once, and every stage after that, restarts included, is a fork of it. StageProcess uses the
+ForkedProcess it gets back as it used a subprocess.Popen: pid, poll, wait, stdout.
+
+A stage is forked unless its environment gives a variable that the interpreter or a library the
+fork server imported reads as it loads (READ_AT_LOAD_PREFIXES: PYTHONPATH, OMP_NUM_THREADS,
+HF_HOME, ...) another value than the server has: such a stage (its `env:` sets one, or the API
+server changed one since the fork server started) gets a fresh interpreter, as does every stage
+on a host where the fork server cannot run (no pidfd, a failed import): slower to start, the
+same stage. Other variables (CUDA_VISIBLE_DEVICES from its `devices`, NCCL's, the plugin's own)
+are read when used, in the stage. VLLM_OMNI_STAGE_FORK=0 starts every stage fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO
+
+logger = logging.getLogger("vllm_omni_plugin.orchestrator")
+
+FORK_ENV = "VLLM_OMNI_STAGE_FORK"
+# Variables that the C runtime, Python, OpenMP and BLAS, torch and Triton, the Hugging Face
+# libraries (their cache folders come from HOME and XDG_*) and vLLM may read as they load, in the
+# fork server. The plugin's own (VLLM_OMNI_*) are read when used.
+READ_AT_LOAD_PREFIXES = (
+    "LD_", "MALLOC_", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH",
+    "PYTORCH_", "TRITON_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "HOME",
+    "XDG_", "TMPDIR", "LANG", "LC_", "VLLM_",
+)  # fmt: skip
+READ_WHEN_USED_PREFIXES = ("VLLM_OMNI_",)
+# The server's imports: about 10 s of CPU, more on a loaded host. Past this, stages start fresh.
+SERVER_READY_S = 120.0
+REPLY_S = 30.0  # a fork and its reply
+MAX_REPLY_BYTES = 4096
+
+
+def env_differences(env: dict[str, str], server_env: dict[str, str]) -> set[str]:
+    return {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
+
+
+def forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
+    """Whether a stage with environment `env` may be forked from a server started with
+    `server_env`: none of the variables they differ in is read as a library loads."""
+    return not any(
+        name.startswith(READ_AT_LOAD_PREFIXES) and not name.startswith(READ_WHEN_USED_PREFIXES)
+        for name in env_differences(env, server_env)
+    )
+
+
+class ForkedProcess:
+    """What StageProcess uses of subprocess.Popen, for a stage the fork server forked. Its exit
+    status comes from the server, which is its parent."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout: IO[bytes] | None = None
+        self._exited = threading.Event()
+        try:  # to learn of its end should the server die first
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except OSError:  # already gone: its exit message follows
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"stage process {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _exit(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _outlive_server(self) -> None:
+        # The server died first: this stage sees its parent go and ends itself with SIGKILL
+        # (worker.end_process_tree), which is the status reported; its pidfd says when.
+        if self._pidfd is not None:
+            select.select([self._pidfd], [], [])
+        self._exit(-signal.SIGKILL)
+
+
+class ForkServer:
+    """One running fork server: its process, its socket, and the stages it forked."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm_omni_plugin.stages.fork_server",
+                    f"--fd={theirs.fileno()}",
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+            )
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._lock = threading.Lock()  # one request at a time: replies come in order
+        # The reader hands each reply over: a forked child, the server's pid once it is ready,
+        # None once it is gone.
+        self._replies: queue.Queue[ForkedProcess | int | None] = queue.Queue()
+        self._children: dict[int, ForkedProcess] = {}
+        self._reader = threading.Thread(target=self._read, name="omni-fork-server", daemon=True)
+        self._reader.start()
+        try:
+            ready = self._replies.get(timeout=SERVER_READY_S)
+        except queue.Empty:
+            self.proc.kill()
+            raise OSError(f"the fork server was not ready within {SERVER_READY_S:.0f} s") from None
+        if ready is None:
+            raise OSError(f"the fork server exited during start-up (code {self.proc.wait()})")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(
+        self, argv: list[str], env: dict[str, str], title: str, control_fd: int
+    ) -> ForkedProcess:
+        """Fork a stage running `stages.worker` with `argv` (and `--fd` of its end of the
+        control socket), its stdout and stderr on a pipe read through `.stdout`."""
+        read_end, write_end = os.pipe()
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "title": title}
+        try:
+            with self._lock:
+                socket.send_fds(self._sock, [pickle.dumps(request)], [control_fd, write_end])
+                child = self._replies.get(timeout=REPLY_S)
+        except queue.Empty:
+            os.close(read_end)
+            self.proc.kill()  # a late reply would answer the next request
+            raise OSError(f"the fork server did not fork within {REPLY_S:.0f} s") from None
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        if not isinstance(child, ForkedProcess):
+            os.close(read_end)
+            raise OSError("the fork server is gone")
+        child.stdout = os.fdopen(read_end, "rb")
+        return child
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_REPLY_BYTES)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            message = pickle.loads(data)
+            if message[0] == "exit":
+                _, pid, code = message
+                child = self._children.pop(pid, None)
+                if child is not None:
+                    child._exit(code)
+            elif message[0] == "forked":
+                child = self._children[message[1]] = ForkedProcess(message[1])
+                self._replies.put(child)
+            else:  # "ready"
+                self._replies.put(message[1])
+        self._sock.close()
+        self._replies.put(None)
+        code = self.proc.wait()
+        if self._children:
+            logger.warning("the stages' fork server exited (code %s) before its stages", code)
+        for child in list(self._children.values()):
+            threading.Thread(target=child._outlive_server, daemon=True).start()
+
+
+_server: ForkServer | None = None
+_unavailable = False
+_server_lock = threading.Lock()
+
+
+def fork_stage(
+    argv: list[str], env: dict[str, str], server_env: dict[str, str], title: str, control_fd: int
+) -> ForkedProcess | None:
+    """The stage forked from this process's fork server, started with `server_env` if none runs;
+    None where it must start fresh instead (see the module docstring)."""
+    global _server, _unavailable
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return None
+    with _server_lock:
+        if _unavailable:
+            return None
+        running = _server is not None and _server.alive
+        reference = _server.env if running and _server is not None else server_env
+        if not forkable(env, reference):
+            logger.info(
+                "%s starts as a fresh interpreter: its environment differs from the fork "
+                "server's in %s",
+                title,
+                ", ".join(sorted(env_differences(env, reference))),
+            )
+            return None
+        if not running:
+            try:
+                _server = ForkServer(server_env)
+            except OSError as exc:
+                logger.warning("stages start as fresh interpreters: no fork server (%s)", exc)
+                _unavailable = True
+                return None
+        server = _server
+    assert server is not None
+    try:
+        return server.fork(argv, env, title, control_fd)
+    except OSError as exc:  # it died meanwhile; the next stage starts another
+        logger.warning("%s starts as a fresh interpreter: %s", title, exc)
+        return None

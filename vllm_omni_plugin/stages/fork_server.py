@@ -1,0 +1,149 @@
+"""The process stages are forked from: `python -m vllm_omni_plugin.stages.fork_server --fd=N`.
+
+A stage started as a fresh interpreter imports torch, transformers and vLLM before it reads
+its first message, ~8 CPU-seconds (vLLM's AsyncLLM alone, measured on a 2-core host), and every
+stage of a pipeline and every restart pays it again. This process imports them once and forks
+each stage from itself, so a stage starts with them in memory (shared, copy-on-write). It does
+nothing else: it starts no thread, no CUDA context and no OpenMP pool, which a forked child
+could not use. (Forking the API server itself would copy its threads and event loop.)
+
+The orchestrator (orchestrator/stage_fork.py) holds the other end of socket N, a SOCK_SEQPACKET
+pair. Each request is one packet, a pickled dict (`argv`: the worker's arguments, `env`,
+`cwd`, `title`), with two descriptors attached: the
+stage's control socket and the write end of its log pipe. The reply is `("forked", pid)`, and
+when a child exits, `("exit", pid, returncode)` (negative: killed by that signal, as
+subprocess reports it). At EOF (the orchestrator is gone) this process exits; its stages see
+their parent go and stop (stages/worker.py).
+
+A forked child makes itself what the orchestrator's subprocess.Popen made a stage before: a new
+session (so killing its process group ends it and everything it starts), stdout and stderr on
+the log pipe, stdin on /dev/null, and the environment the orchestrator computed for it. Only
+variables read when used may differ from this process's (stage_fork.forkable decides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+
+# What every stage imports before it can act on its first message, whatever its kind: the
+# libraries, and the stage loops (each defers its own engine's imports).
+PRELOAD = (
+    "torch",
+    "transformers",
+    "vllm.v1.engine.async_llm",
+    "vllm_omni_plugin.stages.worker",
+    "vllm_omni_plugin.stages.ar_stage",
+    "vllm_omni_plugin.stages.diffusion_stage",
+    "vllm_omni_plugin.stages.qwen3_omni",
+)
+
+MAX_REQUEST_BYTES = 1 << 20  # argv + environment; an environment is a few KB
+
+
+def _reply(sock: socket.socket, message: tuple) -> None:
+    try:
+        sock.send(pickle.dumps(message))
+    except OSError:  # the orchestrator is gone: the next recv reads EOF
+        pass
+
+
+def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
+    """Fork a child per request until EOF (then None). In a child, returns its request and its
+    descriptors (control socket, log pipe); the caller turns itself into that stage."""
+    children: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        readable, _, _ = select.select([sock, *children], [], [])
+        for pidfd in readable:
+            if pidfd is sock:
+                continue
+            pid = children.pop(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(pid, 0)
+            _reply(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+        if sock not in readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, 2)
+        if not data:
+            return None
+        request = pickle.loads(data)
+        settled_r, settled_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(settled_r)
+            sock.close()
+            for pidfd in children:
+                os.close(pidfd)
+            # Its own session and title before the orchestrator hears of it: from then on it
+            # may kill the stage's process group or look for the stage by its title.
+            os.setsid()
+            _set_title(request["title"])
+            os.close(settled_w)
+            return request, fds
+        os.close(settled_w)
+        os.read(settled_r, 1)  # EOF once the child closed its end (or died)
+        os.close(settled_r)
+        for fd in fds:
+            os.close(fd)
+        children[os.pidfd_open(pid)] = pid
+        _reply(sock, ("forked", pid))
+
+
+def become_stage(request: dict, fds: list[int]) -> list[str]:
+    """In a forked child (in its own session already): take on the stage's streams, environment
+    and working folder; returns the worker's argv with the control socket's descriptor."""
+    control, log = fds
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # this server ignores it
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for stream in (1, 2):
+        os.dup2(log, stream)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    return [f"--fd={control}", *request["argv"]]
+
+
+def _set_title(title: str) -> None:
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # ps then shows this server's command line
+        return
+    setproctitle(title)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args()
+    # Ctrl-C in a terminal reaches the API server's process group, this process included: the
+    # server stops its stages itself, and this process ends at EOF.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_title("omni-fork-server")
+    # It learns of each child's end from a pidfd (Linux 5.3+): without one, it cannot serve,
+    # and the orchestrator starts its stages as fresh interpreters.
+    os.close(os.pidfd_open(os.getpid()))
+    for module in PRELOAD:
+        importlib.import_module(module)
+    sock = socket.socket(fileno=args.fd)
+    _reply(sock, ("ready", os.getpid()))
+    child = serve(sock)
+    if child is None:
+        return
+    from . import worker
+
+    argv = become_stage(*child)
+    sys.argv = [worker.__file__, *argv]
+    worker.exit_without_finalization(worker.main(argv))
+
+
+if __name__ == "__main__":
+    main()
