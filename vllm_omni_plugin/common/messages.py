@@ -17,6 +17,11 @@ Local stage conversation (H = API server, S = stage process):
     S -> H  Chunk   H -> S  Credit              a final stage's streamed output (stages/streams.py)
     S -> H  StreamWait                          a request waits on its stage-to-stage peer
     S <-> S edge channel (connectors/edge_channel.py): a streamed edge's chunks and credits
+
+A process that starts stages (H) and its stages' fork server (F, stages/fork_server.py):
+    F -> H  ForkServerReady                     first: its imports are done
+    H -> F  ForkStage (+ two descriptors)       F -> H  Forked(pid)
+    F -> H  StageExited(pid, returncode)        whenever a stage it forked ends
 """
 
 from __future__ import annotations
@@ -419,6 +424,35 @@ class EngineMetrics(msgspec.Struct, tag=True):
 
 # Staleness of the AR engines' metrics on /metrics (scrapers poll every 10-60 s).
 ENGINE_METRICS_INTERVAL_S = 2.0
+
+
+# ---- the stages' fork server ------------------------------------------------------------------
+class ForkStage(msgspec.Struct, tag=True):
+    """Fork a stage process; its control socket and the write end of its log pipe travel
+    beside this message, as descriptors."""
+
+    argv: list[str]  # stages.worker's arguments after --fd
+    env: dict[str, str]
+    cwd: str
+    title: str  # its process title, set before Forked is sent
+
+
+class ForkServerReady(msgspec.Struct, tag=True):
+    pid: int
+
+
+class Forked(msgspec.Struct, tag=True):
+    pid: int
+
+
+class StageExited(msgspec.Struct, tag=True):
+    pid: int
+    returncode: int  # negative: the signal that ended it, as subprocess reports it
+
+
+FromForkServerMessage = ForkServerReady | Forked | StageExited
+fork_request_decoder = msgspec.msgpack.Decoder(ForkStage)
+fork_server_decoder = msgspec.msgpack.Decoder(FromForkServerMessage)
 
 
 # ---- the unions each reader accepts, and the codec -------------------------------------------

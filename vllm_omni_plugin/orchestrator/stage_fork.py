@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import select
 import signal
@@ -27,6 +26,15 @@ import subprocess
 import sys
 import threading
 from typing import IO
+
+from ..common.messages import (
+    Forked,
+    ForkServerReady,
+    ForkStage,
+    StageExited,
+    encode,
+    fork_server_decoder,
+)
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -143,10 +151,10 @@ class ForkServer:
         """Fork a stage running `stages.worker` with `argv` (and `--fd` of its end of the
         control socket), its stdout and stderr on a pipe read through `.stdout`."""
         read_end, write_end = os.pipe()
-        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "title": title}
+        request = encode(ForkStage(argv, env, os.getcwd(), title))
         try:
             with self._lock:
-                socket.send_fds(self._sock, [pickle.dumps(request)], [control_fd, write_end])
+                socket.send_fds(self._sock, [request], [control_fd, write_end])
                 child = self._replies.get(timeout=REPLY_S)
         except queue.Empty:
             os.close(read_end)
@@ -171,17 +179,16 @@ class ForkServer:
                 data = b""
             if not data:
                 break
-            message = pickle.loads(data)
-            if message[0] == "exit":
-                _, pid, code = message
-                child = self._children.pop(pid, None)
+            message = fork_server_decoder.decode(data)
+            if isinstance(message, StageExited):
+                child = self._children.pop(message.pid, None)
                 if child is not None:
-                    child._exit(code)
-            elif message[0] == "forked":
-                child = self._children[message[1]] = ForkedProcess(message[1])
+                    child._exit(message.returncode)
+            elif isinstance(message, Forked):
+                child = self._children[message.pid] = ForkedProcess(message.pid)
                 self._replies.put(child)
-            else:  # "ready"
-                self._replies.put(message[1])
+            elif isinstance(message, ForkServerReady):
+                self._replies.put(message.pid)
         self._sock.close()
         self._replies.put(None)
         code = self.proc.wait()

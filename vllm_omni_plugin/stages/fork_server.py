@@ -8,16 +8,15 @@ nothing else: it starts no thread, no CUDA context and no OpenMP pool, which a f
 could not use. (Forking the API server itself would copy its threads and event loop.)
 
 The orchestrator (orchestrator/stage_fork.py) holds the other end of socket N, a SOCK_SEQPACKET
-pair. Each request is one packet, a pickled dict (`argv`: the worker's arguments, `env`,
-`cwd`, `title`), with two descriptors attached: the
-stage's control socket and the write end of its log pipe. The reply is `("forked", pid)`, and
-when a child exits, `("exit", pid, returncode)` (negative: killed by that signal, as
-subprocess reports it). At EOF (the orchestrator is gone) this process exits; its stages see
-their parent go and stop (stages/worker.py).
+pair: one message per packet (common/messages.py, msgpack). Each ForkStage comes with two
+descriptors, the stage's control socket and the write end of its log pipe, and is answered by
+Forked(pid); StageExited(pid, returncode) follows when that child ends. At EOF (the
+orchestrator is gone) this process exits; its stages see their parent go and stop
+(stages/worker.py).
 
-A forked child makes itself what the orchestrator's subprocess.Popen made a stage before: a new
-session (so killing its process group ends it and everything it starts), stdout and stderr on
-the log pipe, stdin on /dev/null, and the environment the orchestrator computed for it. Only
+A forked child makes itself what a stage started as a fresh interpreter is: a process in a new
+session (so killing its process group ends it and everything it starts), with stdout and stderr
+on the log pipe, stdin on /dev/null, and the environment the orchestrator computed for it. Only
 variables read when used may differ from this process's (stage_fork.forkable decides).
 """
 
@@ -26,11 +25,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import pickle
 import select
 import signal
 import socket
 import sys
+
+from ..common.messages import (
+    Forked,
+    ForkServerReady,
+    ForkStage,
+    StageExited,
+    encode,
+    fork_request_decoder,
+)
 
 # What every stage imports before it can act on its first message, whatever its kind: the
 # libraries, and the stage loops (each defers its own engine's imports).
@@ -47,14 +54,14 @@ PRELOAD = (
 MAX_REQUEST_BYTES = 1 << 20  # argv + environment; an environment is a few KB
 
 
-def _reply(sock: socket.socket, message: tuple) -> None:
+def _reply(sock: socket.socket, message: Forked | ForkServerReady | StageExited) -> None:
     try:
-        sock.send(pickle.dumps(message))
+        sock.send(encode(message))
     except OSError:  # the orchestrator is gone: the next recv reads EOF
         pass
 
 
-def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
+def serve(sock: socket.socket) -> tuple[ForkStage, list[int]] | None:
     """Fork a child per request until EOF (then None). In a child, returns its request and its
     descriptors (control socket, log pipe); the caller turns itself into that stage."""
     children: dict[int, int] = {}  # pidfd -> pid
@@ -66,13 +73,13 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
             pid = children.pop(pidfd)
             os.close(pidfd)
             _, status = os.waitpid(pid, 0)
-            _reply(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+            _reply(sock, StageExited(pid, os.waitstatus_to_exitcode(status)))
         if sock not in readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, 2)
         if not data:
             return None
-        request = pickle.loads(data)
+        request = fork_request_decoder.decode(data)
         settled_r, settled_w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -83,7 +90,7 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
             # Its own session and title before the orchestrator hears of it: from then on it
             # may kill the stage's process group or look for the stage by its title.
             os.setsid()
-            _set_title(request["title"])
+            _set_title(request.title)
             os.close(settled_w)
             return request, fds
         os.close(settled_w)
@@ -92,10 +99,10 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
         for fd in fds:
             os.close(fd)
         children[os.pidfd_open(pid)] = pid
-        _reply(sock, ("forked", pid))
+        _reply(sock, Forked(pid))
 
 
-def become_stage(request: dict, fds: list[int]) -> list[str]:
+def become_stage(request: ForkStage, fds: list[int]) -> list[str]:
     """In a forked child (in its own session already): take on the stage's streams, environment
     and working folder; returns the worker's argv with the control socket's descriptor."""
     control, log = fds
@@ -107,9 +114,9 @@ def become_stage(request: dict, fds: list[int]) -> list[str]:
         os.dup2(log, stream)
     os.close(log)
     os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    return [f"--fd={control}", *request["argv"]]
+    os.environ.update(request.env)
+    os.chdir(request.cwd)
+    return [f"--fd={control}", *request.argv]
 
 
 def _set_title(title: str) -> None:
@@ -134,7 +141,7 @@ def main() -> None:
     for module in PRELOAD:
         importlib.import_module(module)
     sock = socket.socket(fileno=args.fd)
-    _reply(sock, ("ready", os.getpid()))
+    _reply(sock, ForkServerReady(os.getpid()))
     child = serve(sock)
     if child is None:
         return
