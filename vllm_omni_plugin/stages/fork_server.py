@@ -39,12 +39,14 @@ from ..common.messages import (
     fork_request_decoder,
 )
 
-# What every stage imports before it can act on its first message, whatever its kind: the
-# libraries, and the stage loops (each defers its own engine's imports).
+# What stages import before they can serve, whatever their kind: the libraries, vLLM's engine
+# and model runner, and the stage loops (each defers its own engine's imports).
 PRELOAD = (
     "torch",
     "transformers",
+    "diffusers",
     "vllm.v1.engine.async_llm",
+    "vllm.v1.worker.gpu_model_runner",
     "vllm_omni_plugin.stages.worker",
     "vllm_omni_plugin.stages.ar_stage",
     "vllm_omni_plugin.stages.diffusion_stage",
@@ -140,6 +142,10 @@ def main() -> None:
     os.close(os.pidfd_open(os.getpid()))
     for module in PRELOAD:
         importlib.import_module(module)
+    import torch
+
+    if torch.cuda.is_initialized():  # an import started CUDA, which no forked child could use
+        raise SystemExit("omni-fork-server: CUDA started during the imports; not serving")
     sock = socket.socket(fileno=args.fd)
     _reply(sock, ForkServerReady(os.getpid()))
     child = serve(sock)
