@@ -337,6 +337,13 @@ def test_dead_vllm_engine_takes_the_ar_stage_down_and_it_comes_back(glm):
     wait_healthy(glm, 300)
     assert post(glm).status_code == 200
     assert "stage 0 (ar) died with exit code 1" in glm.log.read_text()
+    # Forked again by the server's fork server, as at its first start.
+    restarted = next(
+        p
+        for p in psutil.Process(glm.proc.pid).children(recursive=True)
+        if "omni-stage-0" in " ".join(p.cmdline())
+    )
+    assert restarted.pid != ar.pid and restarted.parent().name() == "omni-fork-server"
 
 
 def test_sigterm_stops_stages_concurrently(glm):

@@ -32,6 +32,7 @@ import wave
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 from omni_server import API_KEY
 
@@ -554,3 +555,28 @@ def test_media_parts_past_the_default_bounds_are_openai_400s(omni_speech_server)
         assert (err.param, err.code) == ("messages[0].content[1]", "invalid_image")
     # The server still answers a good request afterwards.
     assert chat(omni_speech_server).choices[0].message.content
+
+
+def test_a_killed_talker_is_forked_again_and_speaks_as_before(omni_speech_server, reference):
+    """Last in this module: it restarts a stage. The talker, SIGKILLed with its process group,
+    comes back forked from the server's fork server, as at its first start (its environment is
+    the one the API server had then, before vLLM's CPU platform set LD_PRELOAD and thread counts
+    in the API server), and the answer after equals transformers' as before, within 0.01."""
+    talker = _stage_pid(omni_speech_server, 1)
+    os.killpg(talker, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    restarted = None
+    while restarted in (None, talker) or not _healthy(omni_speech_server):
+        assert time.monotonic() < deadline, "the talker did not come back within 120 s"
+        time.sleep(0.2)
+        restarted = _stage_pid(omni_speech_server, 1)
+    assert psutil.Process(restarted).parent().name() == "omni-fork-server"
+    transcript, samples = speak(omni_speech_server)
+    assert transcript
+    assert len(samples) == len(reference.waveform)
+    diff = np.abs(samples / 32768.0 - reference.waveform)
+    assert diff.max() <= 0.01, diff.max()
+
+
+def _healthy(server) -> bool:
+    return httpx.get(f"{server.url}/health").status_code == 200

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,11 @@ class StageClient:
         self.kind: str = init.spec.kind
         self.startup_timeout_s = startup_timeout_s
         self.restart_enabled = restart
+        # Every start of this stage, restarts included, begins from the environment this process
+        # had when the stage was made, not from what has changed since (vLLM's CPU platform sets
+        # LD_PRELOAD and thread counts as the API server builds its chat front end's config): a
+        # restarted stage runs as its first start did, and is forked as it was.
+        self.environ = dict(os.environ)
         self.state = StageState.STOPPED
         self.proc: StageProcess | None = None
         # Requests in flight, their progress listeners, the stall clock and the counters.
@@ -163,7 +169,7 @@ class StageClient:
     async def _spawn(self) -> None:
         assert self._loop is not None
         self.state = StageState.STARTING
-        proc = StageProcess(self.init, self._on_message, self._on_exit)
+        proc = StageProcess(self.init, self._on_message, self._on_exit, self.environ)
         self.proc = proc
         t0 = time.monotonic()
         # StageProcess.start kills what it started before raising.

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -71,10 +71,10 @@ def forwarded_env() -> dict[str, str]:
     }
 
 
-def stage_env(stage: Any) -> dict[str, str]:
-    """The child's environment: ours, then the stage's `devices` and `env` from its config
-    (None: ours alone, which the stages' fork server starts with)."""
-    env = dict(os.environ)
+def stage_env(stage: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: `environ` (default: ours now), then the stage's `devices` and
+    `env` from its config (None: none, which the stages' fork server starts with)."""
+    env = dict(os.environ if environ is None else environ)
     # The node registry's secret stays in the processes that speak the node protocol (the API
     # server, a headless node): a stage never uses it, and vLLM warns about the unknown VLLM_*
     # name in the stage's engine.
@@ -93,9 +93,12 @@ class StageProcess:
         init: StageInit,
         on_message: Callable[[Any], None],
         on_exit: Callable[[StageProcess], None],
+        environ: Mapping[str, str] | None = None,
     ):
-        # Both callbacks run on the event loop given to `start_reading`.
+        # Both callbacks run on the event loop given to `start_reading`. `environ`: what the
+        # stage's environment starts from (stage_env), by default this process's now.
         self.init = init
+        self.environ = environ
         self.stage_id: int = init.stage.stage_id
         self.kind: str = init.spec.kind
         self._on_message = on_message
@@ -143,10 +146,10 @@ class StageProcess:
 
     def _spawn(self) -> None:
         parent_sock, child_sock = socket.socketpair()
-        env = stage_env(self.init.stage)
+        env = stage_env(self.init.stage, self.environ)
         try:
             self.proc = fork_stage(
-                [self.name], env, stage_env(None), self.name, child_sock.fileno()
+                [self.name], env, stage_env(None, self.environ), self.name, child_sock.fileno()
             ) or subprocess.Popen(
                 [
                     sys.executable,
