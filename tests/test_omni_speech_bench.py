@@ -368,3 +368,9 @@ def test_benchmarks_md_speech_tables_are_what_the_results_files_give():
     cached = report.tables(report.load([results / "omni_speech_h100_2026-12-07_media_cache.jsonl"]))
     assert "a new clip with each request" in cached and "Not measured yet" not in cached
     assert _block(doc, *report.markers("media-cache")) == cached.strip()
+    # Runs after the talker's prompt was cut to its ids and grids: another block of their own.
+    prompt_only = report.tables(
+        report.load([results / "omni_speech_h100_2026-12-07_talker_prompt.jsonl"])
+    )
+    assert "a new clip with each request" in prompt_only
+    assert _block(doc, *report.markers("talker-prompt")) == prompt_only.strip()
