@@ -39,7 +39,8 @@ BASE = {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1", "VLLM_OMNI_X": "a"}
 )
 def test_a_stage_is_forked_unless_it_needs_its_own_value_of_a_variable_read_at_load(change, forked):
     env = {k: v for k, v in {**BASE, **change}.items() if v is not None}
-    assert stage_fork.forkable(env, BASE) is forked
+    differences = stage_fork.read_at_load_differences(env, BASE)
+    assert differences == ([] if forked else list(change))
 
 
 def _fork(title: str):

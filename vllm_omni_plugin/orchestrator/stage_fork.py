@@ -54,16 +54,16 @@ REPLY_S = 30.0  # a fork and its reply
 MAX_REPLY_BYTES = 4096
 
 
-def env_differences(env: dict[str, str], server_env: dict[str, str]) -> set[str]:
-    return {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
-
-
-def forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
-    """Whether a stage with environment `env` may be forked from a server started with
-    `server_env`: none of the variables they differ in is read as a library loads."""
-    return not any(
-        name.startswith(READ_AT_LOAD_PREFIXES) and not name.startswith(READ_WHEN_USED_PREFIXES)
-        for name in env_differences(env, server_env)
+def read_at_load_differences(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
+    """The variables read as a library loads that a stage with environment `env` would hold
+    other values of (or lack, or add) than a fork server started with `server_env`: a stage
+    is forked only where there are none."""
+    return sorted(
+        name
+        for name in env.keys() | server_env.keys()
+        if env.get(name) != server_env.get(name)
+        and name.startswith(READ_AT_LOAD_PREFIXES)
+        and not name.startswith(READ_WHEN_USED_PREFIXES)
     )
 
 
@@ -216,12 +216,12 @@ def fork_stage(
             return None
         running = _server is not None and _server.alive
         reference = _server.env if running and _server is not None else server_env
-        if not forkable(env, reference):
+        differences = read_at_load_differences(env, reference)
+        if differences:
             logger.info(
-                "%s starts as a fresh interpreter: its environment differs from the fork "
-                "server's in %s",
+                "%s starts as a fresh interpreter: its %s differ from the fork server's",
                 title,
-                ", ".join(sorted(env_differences(env, reference))),
+                ", ".join(differences),
             )
             return None
         if not running:

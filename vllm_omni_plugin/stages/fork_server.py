@@ -17,7 +17,7 @@ orchestrator is gone) this process exits; its stages see their parent go and sto
 A forked child makes itself what a stage started as a fresh interpreter is: a process in a new
 session (so killing its process group ends it and everything it starts), with stdout and stderr
 on the log pipe, stdin on /dev/null, and the environment the orchestrator computed for it. Only
-variables read when used may differ from this process's (stage_fork.forkable decides).
+variables read when used may differ from this process's (stage_fork.read_at_load_differences).
 """
 
 from __future__ import annotations
