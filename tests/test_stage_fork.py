@@ -88,3 +88,24 @@ def test_a_stage_that_cannot_be_forked_is_left_to_a_fresh_interpreter(monkeypatc
     assert (
         stage_fork.fork_stage(["omni-stage-9"], stage_env(None), stage_env(None), "x", -1) is None
     )
+
+
+def test_another_environment_gets_its_own_fork_server_and_an_idle_one_is_closed(
+    monkeypatch, tmp_path
+):
+    """Last here: it leaves the process with a server for another HF_HOME, which the next
+    fork for the usual environment closes (it is idle by then)."""
+    first, control = _fork("omni-stage-10")
+    assert isinstance(first, stage_fork.ForkedProcess)
+    first_server = psutil.Process(first.pid).parent()
+    control.send(Shutdown())
+    assert first.wait(60) == 1  # its server has no stage left
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # read by huggingface_hub as it loads
+    second, control = _fork("omni-stage-11")
+    assert isinstance(second, stage_fork.ForkedProcess)
+    second_server = psutil.Process(second.pid).parent()
+    assert second_server.name() == "omni-fork-server" and second_server.pid != first_server.pid
+    first_server.wait(30)  # closed: it exits at EOF (its exit code goes to its Popen)
+    assert not first_server.is_running()
+    control.send(Shutdown())
+    assert second.wait(60) == 1

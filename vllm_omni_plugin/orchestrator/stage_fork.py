@@ -1,17 +1,18 @@
 """Stage processes forked by the fork server (stages/fork_server.py) instead of started fresh.
 
-Each process that starts stages (an API server, a headless node) starts one fork server with
-its first stage and keeps it for its lifetime; the server imports torch, transformers and vLLM
-once, and every stage after that, restarts included, is a fork of it. StageProcess uses the
-ForkedProcess it gets back as it used a subprocess.Popen: pid, poll, wait, stdout.
+A process that starts stages (an API server, a headless node) starts a fork server with its
+first stage and keeps it; the server imports torch, transformers and vLLM once, and every stage
+after that, restarts included, is a fork of it. StageProcess uses the ForkedProcess it gets back
+as it used a subprocess.Popen: pid, poll, wait, stdout.
 
-A stage is forked unless its environment gives a variable that the interpreter or a library the
-fork server imported reads as it loads (READ_AT_LOAD_PREFIXES: PYTHONPATH, OMP_NUM_THREADS,
-HF_HOME, ...) another value than the server has: such a stage (its `env:` sets one, or the API
-server changed one since the fork server started) gets a fresh interpreter, as does every stage
-on a host where the fork server cannot run (no pidfd, a failed import): slower to start, the
-same stage. Other variables (CUDA_VISIBLE_DEVICES from its `devices`, NCCL's, the plugin's own)
-are read when used, in the stage. VLLM_OMNI_STAGE_FORK=0 starts every stage fresh.
+The server's imports read some variables as they load (READ_AT_LOAD_PREFIXES: PYTHONPATH,
+OMP_NUM_THREADS, HF_HOME, ...), so each set of their values gets a server of its own: a second
+orchestrator in the process whose environment differs in one gets another server, and a server
+that has no stage left is closed then. A stage whose own `env:` gives one of them a value of its
+own gets a fresh interpreter, as does every stage on a host where the fork server cannot run
+(no pidfd, a failed import): slower to start, the same stage. Other variables
+(CUDA_VISIBLE_DEVICES from its `devices`, NCCL's, the plugin's own) are read when used, in the
+stage. VLLM_OMNI_STAGE_FORK=0 starts every stage fresh.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ REPLY_S = 30.0  # a fork and its reply
 MAX_REPLY_BYTES = 4096
 
 
+def _read_at_load(name: str) -> bool:
+    return name.startswith(READ_AT_LOAD_PREFIXES) and not name.startswith(READ_WHEN_USED_PREFIXES)
+
+
 def read_at_load_differences(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
     """The variables read as a library loads that a stage with environment `env` would hold
     other values of (or lack, or add) than a fork server started with `server_env`: a stage
@@ -61,10 +66,13 @@ def read_at_load_differences(env: dict[str, str], server_env: dict[str, str]) ->
     return sorted(
         name
         for name in env.keys() | server_env.keys()
-        if env.get(name) != server_env.get(name)
-        and name.startswith(READ_AT_LOAD_PREFIXES)
-        and not name.startswith(READ_WHEN_USED_PREFIXES)
+        if env.get(name) != server_env.get(name) and _read_at_load(name)
     )
+
+
+def load_signature(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """What a fork server started with `env` loaded under: its variables read at load."""
+    return tuple(sorted((k, v) for k, v in env.items() if _read_at_load(k)))
 
 
 class ForkedProcess:
@@ -145,6 +153,18 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def idle(self) -> bool:
+        """No stage it forked is running."""
+        return not self._children
+
+    def close(self) -> None:
+        """End the server (it exits at EOF); the stages it forked see their parent go."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed
+            pass
+
     def fork(
         self, argv: list[str], env: dict[str, str], title: str, control_fd: int
     ) -> ForkedProcess:
@@ -198,43 +218,43 @@ class ForkServer:
             threading.Thread(target=child._outlive_server, daemon=True).start()
 
 
-_server: ForkServer | None = None
+_servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}  # by load_signature
 _unavailable = False
-_server_lock = threading.Lock()
+_servers_lock = threading.Lock()  # also one fork at a time: a fork takes milliseconds
 
 
 def fork_stage(
     argv: list[str], env: dict[str, str], server_env: dict[str, str], title: str, control_fd: int
 ) -> ForkedProcess | None:
-    """The stage forked from this process's fork server, started with `server_env` if none runs;
-    None where it must start fresh instead (see the module docstring)."""
-    global _server, _unavailable
+    """The stage forked from the fork server for `server_env` (started if none runs); None
+    where it must start fresh instead (see the module docstring)."""
+    global _unavailable
     if os.environ.get(FORK_ENV, "1") == "0":
         return None
-    with _server_lock:
+    differences = read_at_load_differences(env, server_env)
+    if differences:
+        logger.info(
+            "%s starts as a fresh interpreter: its %s differ from the stages' common environment",
+            title,
+            ", ".join(differences),
+        )
+        return None
+    key = load_signature(server_env)
+    with _servers_lock:
         if _unavailable:
             return None
-        running = _server is not None and _server.alive
-        reference = _server.env if running and _server is not None else server_env
-        differences = read_at_load_differences(env, reference)
-        if differences:
-            logger.info(
-                "%s starts as a fresh interpreter: its %s differ from the fork server's",
-                title,
-                ", ".join(differences),
-            )
-            return None
-        if not running:
+        server = _servers.get(key)
+        if server is None or not server.alive:
+            for other in [k for k, s in _servers.items() if not s.alive or s.idle]:
+                _servers.pop(other).close()
             try:
-                _server = ForkServer(server_env)
+                server = _servers[key] = ForkServer(server_env)
             except OSError as exc:
                 logger.warning("stages start as fresh interpreters: no fork server (%s)", exc)
                 _unavailable = True
                 return None
-        server = _server
-    assert server is not None
-    try:
-        return server.fork(argv, env, title, control_fd)
-    except OSError as exc:  # it died meanwhile; the next stage starts another
-        logger.warning("%s starts as a fresh interpreter: %s", title, exc)
-        return None
+        try:
+            return server.fork(argv, env, title, control_fd)
+        except OSError as exc:  # it died meanwhile; the next stage starts another
+            logger.warning("%s starts as a fresh interpreter: %s", title, exc)
+            return None
