@@ -9,6 +9,7 @@ loading a model; the served tests start real stages through the same path.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 from multiprocessing.connection import Connection
@@ -52,6 +53,31 @@ def _fork(title: str):
     finally:
         theirs.close()
     return child, server_channel(Connection(ours.detach()))
+
+
+def test_a_start_short_of_descriptors_does_not_keep_later_stages_from_forking():
+    """First of the forks here: with no descriptor left, starting the fork server (or, where
+    one runs, forking) fails and the stage is left to a fresh interpreter, which fails alike;
+    the next stage, with descriptors again, is forked."""
+    ours, theirs = socket.socketpair()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    lowest_free = next(fd for fd in range(1 << 20) if fd not in used)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        env = stage_env(None)
+        assert (
+            stage_fork.fork_stage(["omni-stage-6"], env, env, "omni-stage-6", theirs.fileno())
+            is None
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        ours.close()
+        theirs.close()
+    child, control = _fork("omni-stage-6")
+    assert isinstance(child, stage_fork.ForkedProcess)
+    control.send(Shutdown())
+    assert child.wait(60) == 1
 
 
 def test_a_forked_stage_runs_in_its_own_session_and_folder_and_reports_its_exit(

@@ -206,10 +206,11 @@ def test_stuck_stage_on_a_heartbeating_node_fails_503_and_restarts(cluster):
     assert answered <= STALL_TIMEOUT_S + 2.0, answered
     # SIGKILLed, not left stopped: the node waits at most 10 s for that exit. Then it starts
     # the stage again, a fork of its fork server, often within a second: between two of the
-    # node's heartbeats (1 s), so the head's /health may never show the gap; the new process
-    # and the head's next answers do.
+    # node's heartbeats (1 s), so the head's /health may never show the gap. The node's log
+    # says when the new process is ready; the head serves from then on.
     assert _gone_within(stage.pid, 10.0)
     restarted = _wait_for_stage_process(cluster, other_than=stage.pid, timeout=120)
+    _wait_for_line(cluster.node, ("ready in", f"(pid {restarted.pid})"), timeout=120)
     wait_status(f"{url}/health", 200, cluster.node, timeout=120)
     assert restarted.is_running()
     assert post_image(url).status_code == 200
@@ -228,6 +229,17 @@ def _wait_for_stage_process(cluster, other_than: int, timeout: float) -> psutil.
                 pass
         time.sleep(0.1)
     pytest.fail(f"the node started no new DiT stage process within {timeout:.0f} s")
+
+
+def _wait_for_line(proc, parts: tuple[str, ...], timeout: float) -> None:
+    """Until a line of `proc`'s log holds every one of `parts`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = proc.log.read_text(errors="replace").splitlines()
+        if any(all(part in line for part in parts) for line in lines):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no line with {parts} in {proc.log} within {timeout:.0f} s")
 
 
 def _alive(pid: int) -> bool:

@@ -113,6 +113,10 @@ class ForkedProcess:
         self._exit(-signal.SIGKILL)
 
 
+class ForkServerFailed(OSError):
+    """The server exited or hung during its start-up: in the same environment it would again."""
+
+
 class ForkServer:
     """One running fork server: its process, its socket, and the stages it forked."""
 
@@ -145,9 +149,13 @@ class ForkServer:
             ready = self._replies.get(timeout=SERVER_READY_S)
         except queue.Empty:
             self.proc.kill()
-            raise OSError(f"the fork server was not ready within {SERVER_READY_S:.0f} s") from None
+            raise ForkServerFailed(
+                f"the fork server was not ready within {SERVER_READY_S:.0f} s"
+            ) from None
         if ready is None:
-            raise OSError(f"the fork server exited during start-up (code {self.proc.wait()})")
+            raise ForkServerFailed(
+                f"the fork server exited during start-up (code {self.proc.wait()})"
+            )
 
     @property
     def alive(self) -> bool:
@@ -219,7 +227,7 @@ class ForkServer:
 
 
 _servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}  # by load_signature
-_unavailable = False
+_failed: set[tuple[tuple[str, str], ...]] = set()  # signatures whose server could not start
 _servers_lock = threading.Lock()  # also one fork at a time: a fork takes milliseconds
 
 
@@ -228,7 +236,6 @@ def fork_stage(
 ) -> ForkedProcess | None:
     """The stage forked from the fork server for `server_env` (started if none runs); None
     where it must start fresh instead (see the module docstring)."""
-    global _unavailable
     if os.environ.get(FORK_ENV, "1") == "0":
         return None
     differences = read_at_load_differences(env, server_env)
@@ -241,7 +248,7 @@ def fork_stage(
         return None
     key = load_signature(server_env)
     with _servers_lock:
-        if _unavailable:
+        if key in _failed:
             return None
         server = _servers.get(key)
         if server is None or not server.alive:
@@ -250,8 +257,9 @@ def fork_stage(
             try:
                 server = _servers[key] = ForkServer(server_env)
             except OSError as exc:
-                logger.warning("stages start as fresh interpreters: no fork server (%s)", exc)
-                _unavailable = True
+                logger.warning("%s starts as a fresh interpreter: no fork server (%s)", title, exc)
+                if isinstance(exc, ForkServerFailed):  # not a lack of descriptors or memory
+                    _failed.add(key)
                 return None
         try:
             return server.fork(argv, env, title, control_fd)
