@@ -44,18 +44,32 @@ def test_a_stage_is_forked_unless_it_needs_its_own_value_of_a_variable_read_at_l
     assert differences == ([] if forked else list(change))
 
 
-def _fork(title: str):
-    ours, theirs = socket.socketpair()
-    try:
-        child = stage_fork.fork_stage(
-            [title], stage_env(None), stage_env(None), title, theirs.fileno()
-        )
-    finally:
-        theirs.close()
-    return child, server_channel(Connection(ours.detach()))
+@pytest.fixture
+def fork():
+    """Forks a stage in the usual environment; a stage a failed test left running is ended,
+    and its exit awaited, so that the next test finds its server idle."""
+    children = []
+
+    def _fork(title: str):
+        ours, theirs = socket.socketpair()
+        try:
+            child = stage_fork.fork_stage(
+                [title], stage_env(None), stage_env(None), title, theirs.fileno()
+            )
+        finally:
+            theirs.close()
+        if child is not None:
+            children.append(child)
+        return child, server_channel(Connection(ours.detach()))
+
+    yield _fork
+    for child in children:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(30)
 
 
-def test_a_start_short_of_descriptors_does_not_keep_later_stages_from_forking():
+def test_a_start_short_of_descriptors_does_not_keep_later_stages_from_forking(fork):
     """First of the forks here: with no descriptor left, starting the fork server (or, where
     one runs, forking) fails and the stage is left to a fresh interpreter, which fails alike;
     the next stage, with descriptors again, is forked."""
@@ -74,30 +88,30 @@ def test_a_start_short_of_descriptors_does_not_keep_later_stages_from_forking():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         ours.close()
         theirs.close()
-    child, control = _fork("omni-stage-6")
+    child, control = fork("omni-stage-6")
     assert isinstance(child, stage_fork.ForkedProcess)
     control.send(Shutdown())
     assert child.wait(60) == 1
 
 
 def test_a_forked_stage_runs_in_its_own_session_and_folder_and_reports_its_exit(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, fork
 ):
     monkeypatch.chdir(tmp_path)
-    child, control = _fork("omni-stage-7")
+    child, control = fork("omni-stage-7")
     assert isinstance(child, stage_fork.ForkedProcess)
     proc = psutil.Process(child.pid)
     assert proc.parent().name() == "omni-fork-server"
     assert os.getsid(child.pid) == child.pid  # killing its group ends what it starts
-    assert proc.cwd() == str(tmp_path)
+    assert proc.cwd() == str(tmp_path)  # as it is when the orchestrator hears of it
     control.send(Shutdown())  # not StartStage: the worker refuses it and exits
     assert child.wait(60) == 1
     log = child.stdout.read().decode()
     assert "expected StartStage first, got Shutdown" in log
 
 
-def test_a_forked_stage_killed_by_a_signal_reports_it():
-    child, _control = _fork("omni-stage-8")
+def test_a_forked_stage_killed_by_a_signal_reports_it(fork):
+    child, _control = fork("omni-stage-8")
     assert child is not None
     with pytest.raises(Exception, match="stage process"):
         child.wait(0.1)  # waiting for its first message
@@ -117,17 +131,17 @@ def test_a_stage_that_cannot_be_forked_is_left_to_a_fresh_interpreter(monkeypatc
 
 
 def test_another_environment_gets_its_own_fork_server_and_an_idle_one_is_closed(
-    monkeypatch, tmp_path
+    monkeypatch, tmp_path, fork
 ):
     """Last here: it leaves the process with a server for another HF_HOME, which the next
     fork for the usual environment closes (it is idle by then)."""
-    first, control = _fork("omni-stage-10")
+    first, control = fork("omni-stage-10")
     assert isinstance(first, stage_fork.ForkedProcess)
     first_server = psutil.Process(first.pid).parent()
     control.send(Shutdown())
     assert first.wait(60) == 1  # its server has no stage left
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # read by huggingface_hub as it loads
-    second, control = _fork("omni-stage-11")
+    second, control = fork("omni-stage-11")
     assert isinstance(second, stage_fork.ForkedProcess)
     second_server = psutil.Process(second.pid).parent()
     assert second_server.name() == "omni-fork-server" and second_server.pid != first_server.pid

@@ -63,9 +63,9 @@ def _reply(sock: socket.socket, message: Forked | ForkServerReady | StageExited)
         pass
 
 
-def serve(sock: socket.socket) -> tuple[ForkStage, list[int]] | None:
-    """Fork a child per request until EOF (then None). In a child, returns its request and its
-    descriptors (control socket, log pipe); the caller turns itself into that stage."""
+def serve(sock: socket.socket) -> list[str] | None:
+    """Fork a child per request until EOF (then None). In a child, which has become its stage
+    by then (become_stage), returns the worker's argv."""
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         readable, _, _ = select.select([sock, *children], [], [])
@@ -89,12 +89,17 @@ def serve(sock: socket.socket) -> tuple[ForkStage, list[int]] | None:
             sock.close()
             for pidfd in children:
                 os.close(pidfd)
-            # Its own session and title before the orchestrator hears of it: from then on it
-            # may kill the stage's process group or look for the stage by its title.
-            os.setsid()
-            _set_title(request.title)
+            # The stage whole before the orchestrator hears of it: from then on it may kill
+            # the stage's process group, look for it by its title or read its folder.
+            try:
+                os.setsid()
+                _set_title(request.title)
+                argv = become_stage(request, fds)
+            except BaseException as exc:  # its folder is gone, ...: it ends, reported as 1
+                os.write(2, f"{request.title} could not start: {exc!r}\n".encode())
+                os._exit(1)
             os.close(settled_w)
-            return request, fds
+            return argv
         os.close(settled_w)
         os.read(settled_r, 1)  # EOF once the child closed its end (or died)
         os.close(settled_r)
@@ -105,8 +110,8 @@ def serve(sock: socket.socket) -> tuple[ForkStage, list[int]] | None:
 
 
 def become_stage(request: ForkStage, fds: list[int]) -> list[str]:
-    """In a forked child (in its own session already): take on the stage's streams, environment
-    and working folder; returns the worker's argv with the control socket's descriptor."""
+    """In a forked child: take on the stage's streams, environment and working folder; returns
+    the worker's argv with the control socket's descriptor."""
     control, log = fds
     signal.signal(signal.SIGINT, signal.default_int_handler)  # this server ignores it
     null = os.open(os.devnull, os.O_RDONLY)
@@ -148,12 +153,11 @@ def main() -> None:
         raise SystemExit("omni-fork-server: CUDA started during the imports; not serving")
     sock = socket.socket(fileno=args.fd)
     _reply(sock, ForkServerReady(os.getpid()))
-    child = serve(sock)
-    if child is None:
+    argv = serve(sock)
+    if argv is None:
         return
     from . import worker
 
-    argv = become_stage(*child)
     sys.argv = [worker.__file__, *argv]
     worker.exit_without_finalization(worker.main(argv))
 
