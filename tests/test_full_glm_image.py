@@ -242,3 +242,59 @@ def test_reduced_depth_full_build_runs_in_diffusers(ram_dir, capsys):
     pixels = np.asarray(image)
     assert pixels.shape == (64, 64, 3)
     assert pixels.std() > 0, "a constant image means a component is degenerate"
+
+
+@pytest.mark.parametrize("family", ["umt5", "t5", "clip", "qwen2.5-vl"])
+def test_a_transformers_model_is_initialised_once_as_its_library_initialises_it(family):
+    """The full builders' transformers models are built with initialisation off and then
+    initialised once (full._construct). Every parameter must come out as the library's own
+    plain construction leaves it: a constant one (norm weights, zero biases) exactly; a random
+    one of n >= 4096 draws with its spread and mean within 5 standard errors of the difference
+    of two such samples (5/sqrt(n) and 7/sqrt(n) of its spread: 8% and 11% at 4096); none left
+    as uninitialised memory."""
+    from transformers import (  # noqa: I001
+        CLIPTextConfig,
+        CLIPTextModel,
+        T5Config,
+        T5EncoderModel,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
+
+    from vllm_omni_plugin.testing import tiny_qwen_image
+
+    small = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4)
+    factory = {
+        "umt5": lambda: UMT5EncoderModel(UMT5Config(**small)),
+        "t5": lambda: T5EncoderModel(T5Config(**small)),
+        "clip": lambda: CLIPTextModel(
+            CLIPTextConfig(
+                hidden_size=64,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                vocab_size=512,
+                max_position_embeddings=64,
+            )
+        ),  # fmt: skip
+        "qwen2.5-vl": lambda: tiny_qwen_image.build_text_encoder(0, hidden_size=64),
+    }[family]
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        plain = factory().to(torch.bfloat16)
+    once = full._construct(factory, torch.device("cpu"), seed=0)
+    plain_params = dict(plain.named_parameters())
+    checked = 0
+    for name, p in once.named_parameters():
+        want, got = plain_params[name].float(), p.float()
+        assert got.shape == want.shape and torch.isfinite(got).all(), name
+        if want.min() == want.max():
+            assert torch.equal(got, want), name
+            continue
+        n, spread = want.numel(), want.std().item()
+        if n < 4096:
+            continue
+        assert abs(got.std().item() - spread) <= 5 / n**0.5 * spread, (name, got.std(), spread)
+        assert abs(got.mean().item() - want.mean().item()) <= 7 / n**0.5 * spread, name
+        checked += 1
+    assert checked >= 4
