@@ -12,7 +12,10 @@ import os
 import resource
 import signal
 import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection
+from typing import get_args
 
 import psutil
 import pytest
@@ -21,8 +24,11 @@ from vllm_omni_plugin.common.channel import server_channel
 from vllm_omni_plugin.common.messages import Shutdown
 from vllm_omni_plugin.orchestrator import stage_fork
 from vllm_omni_plugin.orchestrator.stage_process import stage_env
+from vllm_omni_plugin.pipelines.topology import StageKind
 
 BASE = {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1", "VLLM_OMNI_X": "a"}
+# What a diffusion pipeline's fork server imports: the worker these tests fork needs no more.
+PRELOAD = stage_fork.modules_to_preload(["diffusion"])
 
 
 @pytest.mark.parametrize(
@@ -54,7 +60,7 @@ def fork():
         ours, theirs = socket.socketpair()
         try:
             child = stage_fork.fork_stage(
-                [title], stage_env(None), stage_env(None), title, theirs.fileno()
+                [title], stage_env(None), stage_env(None), PRELOAD, title, theirs.fileno()
             )
         finally:
             theirs.close()
@@ -81,7 +87,9 @@ def test_a_start_short_of_descriptors_does_not_keep_later_stages_from_forking(fo
     try:
         env = stage_env(None)
         assert (
-            stage_fork.fork_stage(["omni-stage-6"], env, env, "omni-stage-6", theirs.fileno())
+            stage_fork.fork_stage(
+                ["omni-stage-6"], env, env, PRELOAD, "omni-stage-6", theirs.fileno()
+            )
             is None
         )
     finally:
@@ -123,11 +131,12 @@ def test_a_forked_stage_killed_by_a_signal_reports_it(fork):
 
 def test_a_stage_that_cannot_be_forked_is_left_to_a_fresh_interpreter(monkeypatch):
     env = {**stage_env(None), "PYTHONPATH": "/elsewhere"}
-    assert stage_fork.fork_stage(["omni-stage-9"], env, stage_env(None), "omni-stage-9", -1) is None
-    monkeypatch.setenv(stage_fork.FORK_ENV, "0")
     assert (
-        stage_fork.fork_stage(["omni-stage-9"], stage_env(None), stage_env(None), "x", -1) is None
+        stage_fork.fork_stage(["omni-stage-9"], env, stage_env(None), PRELOAD, "omni-stage-9", -1)
+        is None
     )
+    monkeypatch.setenv(stage_fork.FORK_ENV, "0")
+    assert stage_fork.fork_stage(["x"], stage_env(None), stage_env(None), PRELOAD, "x", -1) is None
 
 
 def test_another_environment_gets_its_own_fork_server_and_an_idle_one_is_closed(
@@ -149,3 +158,32 @@ def test_another_environment_gets_its_own_fork_server_and_an_idle_one_is_closed(
     assert not first_server.is_running()
     control.send(Shutdown())
     assert second.wait(60) == 1
+
+
+def test_a_pipeline_preloads_the_engines_of_its_stages_only():
+    """A diffusion pipeline's fork server skips vLLM's engine (~5 of its ~8 CPU-s of imports);
+    a pipeline with an AR stage loads it; each kind's loop module comes with its kind."""
+    from vllm_omni_plugin.stages import fork_server
+
+    diffusion = stage_fork.modules_to_preload(["diffusion"])
+    glm = stage_fork.modules_to_preload(["diffusion", "ar"])
+    assert "vllm.v1.engine.async_llm" not in diffusion and "diffusers" in diffusion
+    assert glm == stage_fork.modules_to_preload(
+        ["ar", "diffusion", "diffusion"]
+    )  # one server per pipeline
+    assert set(glm) == set(diffusion) | set(stage_fork.modules_to_preload(["ar"]))
+    assert "vllm_omni_plugin.stages.qwen3_omni" in stage_fork.modules_to_preload(["code2wav"])
+    assert "vllm.v1.engine.async_llm" in stage_fork.modules_to_preload(["talker"])
+    for kind in get_args(StageKind):  # every kind says what it loads
+        assert stage_fork.modules_to_preload([kind])[0] == "transformers"
+    # What the diffusion server imports does not pull vLLM in by another way.
+    probe = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\n"
+    probe += "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *fork_server.PRELOAD, *diffusion],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

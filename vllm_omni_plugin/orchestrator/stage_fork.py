@@ -1,14 +1,15 @@
 """Stage processes forked by the fork server (stages/fork_server.py) instead of started fresh.
 
 A process that starts stages (an API server, a headless node) starts a fork server with its
-first stage and keeps it; the server imports torch, transformers and vLLM once, and every stage
-after that, restarts included, is a fork of it. StageProcess uses the ForkedProcess it gets back
+first stage and keeps it; the server imports torch and what its pipeline's stages load
+(transformers, vLLM's engine where a stage runs one, diffusers where one paints) once, and every
+stage after that, restarts included, is a fork of it. StageProcess uses the ForkedProcess it gets back
 as it used a subprocess.Popen: pid, poll, wait, stdout.
 
 The server's imports read some variables as they load (READ_AT_LOAD_PREFIXES: PYTHONPATH,
-OMP_NUM_THREADS, HF_HOME, ...), so each set of their values gets a server of its own: a second
-orchestrator in the process whose environment differs in one gets another server, and a server
-that has no stage left is closed then. A stage whose own `env:` gives one of them a value of its
+OMP_NUM_THREADS, HF_HOME, ...), so each set of their values (and each set of modules to import) gets
+a server of its own: a second orchestrator in the process whose environment differs in one gets
+another server, and a server that has no stage left is closed then. A stage whose own `env:` gives one of them a value of its
 own gets a fresh interpreter, as does every stage on a host where the fork server cannot run
 (no pidfd, a failed import): slower to start, the same stage. Other variables
 (CUDA_VISIBLE_DEVICES from its `devices`, NCCL's, the plugin's own) are read when used, in the
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from typing import IO
 
 from ..common.messages import (
@@ -49,6 +51,16 @@ READ_AT_LOAD_PREFIXES = (
     "XDG_", "TMPDIR", "LANG", "LC_", "VLLM_",
 )  # fmt: skip
 READ_WHEN_USED_PREFIXES = ("VLLM_OMNI_",)
+# What a stage of each kind imports as it loads, torch aside: its loop (stages/loops.py) and its
+# engine's libraries. vLLM's engine is most of it (~5 CPU-s of ~8), and only the AR and talker
+# kinds run one.
+_VLLM_ENGINE = ("vllm.v1.engine.async_llm", "vllm.v1.worker.gpu_model_runner")
+_LOADS: dict[str, tuple[str, ...]] = {
+    "ar": ("transformers", *_VLLM_ENGINE, "vllm_omni_plugin.stages.ar_stage"),
+    "talker": ("transformers", *_VLLM_ENGINE, "vllm_omni_plugin.stages.qwen3_omni"),
+    "code2wav": ("transformers", "vllm_omni_plugin.stages.qwen3_omni"),
+    "diffusion": ("transformers", "diffusers", "vllm_omni_plugin.stages.diffusion_stage"),
+}
 # The server's imports: about 10 s of CPU, more on a loaded host. Past this, stages start fresh.
 SERVER_READY_S = 120.0
 REPLY_S = 30.0  # a fork and its reply
@@ -68,6 +80,13 @@ def read_at_load_differences(env: dict[str, str], server_env: dict[str, str]) ->
         for name in env.keys() | server_env.keys()
         if env.get(name) != server_env.get(name) and _read_at_load(name)
     )
+
+
+def modules_to_preload(kinds: Iterable[str]) -> tuple[str, ...]:
+    """What the fork server for a pipeline with stages of these kinds imports (a stage that
+    names its own `runner` loads its kind's engine too), in one order whatever the kinds'."""
+    wanted = {module for kind in kinds for module in _LOADS[kind]}
+    return tuple(m for m in dict.fromkeys(m for ms in _LOADS.values() for m in ms) if m in wanted)
 
 
 def load_signature(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -120,7 +139,7 @@ class ForkServerFailed(OSError):
 class ForkServer:
     """One running fork server: its process, its socket, and the stages it forked."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...]):
         self.env = env
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -130,6 +149,7 @@ class ForkServer:
                     "-m",
                     "vllm_omni_plugin.stages.fork_server",
                     f"--fd={theirs.fileno()}",
+                    f"--preload={','.join(preload)}",
                 ],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -226,16 +246,22 @@ class ForkServer:
             threading.Thread(target=child._outlive_server, daemon=True).start()
 
 
-_servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}  # by load_signature
-_failed: set[tuple[tuple[str, str], ...]] = set()  # signatures whose server could not start
+ServerKey = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]  # load_signature, preload
+_servers: dict[ServerKey, ForkServer] = {}
+_failed: set[ServerKey] = set()  # those whose server could not start
 _servers_lock = threading.Lock()  # also one fork at a time: a fork takes milliseconds
 
 
 def fork_stage(
-    argv: list[str], env: dict[str, str], server_env: dict[str, str], title: str, control_fd: int
+    argv: list[str],
+    env: dict[str, str],
+    server_env: dict[str, str],
+    preload: tuple[str, ...],
+    title: str,
+    control_fd: int,
 ) -> ForkedProcess | None:
-    """The stage forked from the fork server for `server_env` (started if none runs); None
-    where it must start fresh instead (see the module docstring)."""
+    """The stage forked from the fork server for `server_env` that imported `preload` (started
+    if none runs); None where it must start fresh instead (see the module docstring)."""
     if os.environ.get(FORK_ENV, "1") == "0":
         return None
     differences = read_at_load_differences(env, server_env)
@@ -246,7 +272,7 @@ def fork_stage(
             ", ".join(differences),
         )
         return None
-    key = load_signature(server_env)
+    key = (load_signature(server_env), preload)
     with _servers_lock:
         if key in _failed:
             return None
@@ -255,7 +281,7 @@ def fork_stage(
             for other in [k for k, s in _servers.items() if not s.alive or s.idle]:
                 _servers.pop(other).close()
             try:
-                server = _servers[key] = ForkServer(server_env)
+                server = _servers[key] = ForkServer(server_env, preload)
             except OSError as exc:
                 logger.warning("%s starts as a fresh interpreter: no fork server (%s)", title, exc)
                 if isinstance(exc, ForkServerFailed):  # not a lack of descriptors or memory

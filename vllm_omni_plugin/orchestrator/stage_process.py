@@ -38,10 +38,11 @@ from ..common.channel import MessageChannel, server_channel
 from ..common.exit_status import EXIT_CONFIG
 from ..common.messages import Ready, Shutdown, StageInfo, ToStageMessage
 from ..config.stage_init import StageInit
+from ..pipelines.registry import get_pipeline
 from .errors import StageConfigError, StageStartupError
 from .frames import FrameReader, FrameWriter, encode_frame
 from .node_protocol import AUTHKEY_ENV
-from .stage_fork import ForkedProcess, fork_stage
+from .stage_fork import ForkedProcess, fork_stage, modules_to_preload
 
 logger = logging.getLogger("vllm_omni_plugin.orchestrator")
 
@@ -149,7 +150,12 @@ class StageProcess:
         env = stage_env(self.init.stage, self.environ)
         try:
             self.proc = fork_stage(
-                [self.name], env, stage_env(None, self.environ), self.name, child_sock.fileno()
+                [self.name],
+                env,
+                stage_env(None, self.environ),
+                modules_to_preload(s.kind for s in get_pipeline(self.init.pipeline).stages),
+                self.name,
+                child_sock.fileno(),
             ) or subprocess.Popen(
                 [
                     sys.executable,

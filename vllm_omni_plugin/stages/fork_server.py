@@ -1,9 +1,11 @@
-"""The process stages are forked from: `python -m vllm_omni_plugin.stages.fork_server --fd=N`.
+"""The process stages are forked from: `python -m vllm_omni_plugin.stages.fork_server --fd=N
+--preload=MODULES`.
 
-A stage started as a fresh interpreter imports torch, transformers and vLLM before it reads
-its first message, ~8 CPU-seconds (vLLM's AsyncLLM alone, measured on a 2-core host), and every
-stage of a pipeline and every restart pays it again. This process imports them once and forks
-each stage from itself, so a stage starts with them in memory (shared, copy-on-write). It does
+A stage started as a fresh interpreter imports torch, transformers and its engine's libraries
+before it reads its first message, ~8 CPU-seconds where that engine is vLLM's (on a 2-core
+host), and every stage of a pipeline and every restart pays it again. This process imports what
+the stages of its pipeline load (MODULES) once and forks each stage from itself, so a stage
+starts with them in memory (shared, copy-on-write). It does
 nothing else: it starts no thread, no CUDA context and no OpenMP pool, which a forked child
 could not use. (Forking the API server itself would copy its threads and event loop.)
 
@@ -29,6 +31,7 @@ import select
 import signal
 import socket
 import sys
+import time
 
 from ..common.messages import (
     Forked,
@@ -39,19 +42,9 @@ from ..common.messages import (
     fork_request_decoder,
 )
 
-# What stages import before they can serve, whatever their kind: the libraries, vLLM's engine
-# and model runner, and the stage loops (each defers its own engine's imports).
-PRELOAD = (
-    "torch",
-    "transformers",
-    "diffusers",
-    "vllm.v1.engine.async_llm",
-    "vllm.v1.worker.gpu_model_runner",
-    "vllm_omni_plugin.stages.worker",
-    "vllm_omni_plugin.stages.ar_stage",
-    "vllm_omni_plugin.stages.diffusion_stage",
-    "vllm_omni_plugin.stages.qwen3_omni",
-)
+# What every stage imports before it reads its first message; `--preload` names the rest (its
+# pipeline's engines: loops.modules_to_preload).
+PRELOAD = ("torch", "vllm_omni_plugin.stages.worker")
 
 MAX_REQUEST_BYTES = 1 << 20  # argv + environment; an environment is a few KB
 
@@ -137,6 +130,7 @@ def _set_title(title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--preload", default="", help="modules to import, comma-separated")
     args = parser.parse_args()
     # Ctrl-C in a terminal reaches the API server's process group, this process included: the
     # server stops its stages itself, and this process ends at EOF.
@@ -145,8 +139,15 @@ def main() -> None:
     # It learns of each child's end from a pidfd (Linux 5.3+): without one, it cannot serve,
     # and the orchestrator starts its stages as fresh interpreters.
     os.close(os.pidfd_open(os.getpid()))
-    for module in PRELOAD:
+    t0 = time.monotonic()
+    modules = (*PRELOAD, *filter(None, args.preload.split(",")))
+    for module in modules:
         importlib.import_module(module)
+    print(
+        f"omni-fork-server: imported {', '.join(modules)} in {time.monotonic() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     import torch
 
     if torch.cuda.is_initialized():  # an import started CUDA, which no forked child could use
