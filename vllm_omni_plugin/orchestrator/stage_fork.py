@@ -3,17 +3,17 @@
 A process that starts stages (an API server, a headless node) starts a fork server with its
 first stage and keeps it; the server imports torch and what its pipeline's stages load
 (transformers, vLLM's engine where a stage runs one, diffusers where one paints) once, and every
-stage after that, restarts included, is a fork of it. StageProcess uses the ForkedProcess it gets back
-as it used a subprocess.Popen: pid, poll, wait, stdout.
+stage after that, restarts included, is a fork of it. StageProcess uses the ForkedProcess it
+gets back as it used a subprocess.Popen: pid, poll, wait, stdout.
 
 The server's imports read some variables as they load (READ_AT_LOAD_PREFIXES: PYTHONPATH,
-OMP_NUM_THREADS, HF_HOME, ...), so each set of their values (and each set of modules to import) gets
-a server of its own: a second orchestrator in the process whose environment differs in one gets
-another server, and a server that has no stage left is closed then. A stage whose own `env:` gives one of them a value of its
-own gets a fresh interpreter, as does every stage on a host where the fork server cannot run
-(no pidfd, a failed import): slower to start, the same stage. Other variables
-(CUDA_VISIBLE_DEVICES from its `devices`, NCCL's, the plugin's own) are read when used, in the
-stage. VLLM_OMNI_STAGE_FORK=0 starts every stage fresh.
+OMP_NUM_THREADS, HF_HOME, ...), so each set of their values (and each set of modules to import)
+gets a server of its own: a second orchestrator in the process whose environment differs in one
+gets another server, and a server that has no stage left is closed then. A stage whose own
+`env:` gives one of them a value of its own gets a fresh interpreter, as does every stage on a
+host where the fork server cannot run (no pidfd, a failed import): slower to start, the same
+stage. Other variables (CUDA_VISIBLE_DEVICES from its `devices`, NCCL's, the plugin's own) are
+read when used, in the stage. VLLM_OMNI_STAGE_FORK=0 starts every stage fresh.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ A stage started as a fresh interpreter imports torch, transformers and its engin
 before it reads its first message, ~8 CPU-seconds where that engine is vLLM's (on a 2-core
 host), and every stage of a pipeline and every restart pays it again. This process imports what
 the stages of its pipeline load (MODULES) once and forks each stage from itself, so a stage
-starts with them in memory (shared, copy-on-write). It does
-nothing else: it starts no thread, no CUDA context and no OpenMP pool, which a forked child
-could not use. (Forking the API server itself would copy its threads and event loop.)
+starts with them in memory (shared, copy-on-write). It does nothing else: it starts no thread,
+no CUDA context and no OpenMP pool, which a forked child could not use. (Forking the API server
+itself would copy its threads and event loop.)
 
 The orchestrator (orchestrator/stage_fork.py) holds the other end of socket N, a SOCK_SEQPACKET
 pair: one message per packet (common/messages.py, msgpack). Each ForkStage comes with two
@@ -43,7 +43,7 @@ from ..common.messages import (
 )
 
 # What every stage imports before it reads its first message; `--preload` names the rest (its
-# pipeline's engines: loops.modules_to_preload).
+# pipeline's engines: orchestrator/stage_fork.modules_to_preload).
 PRELOAD = ("torch", "vllm_omni_plugin.stages.worker")
 
 MAX_REQUEST_BYTES = 1 << 20  # argv + environment; an environment is a few KB
