@@ -318,15 +318,26 @@ def chat_servers(tmp_path_factory):
 # ---- Qwen3-Omni: thinker (vLLM) -> talker -> Code2Wav on the tiny checkpoint ----
 @pytest.fixture(scope="module")
 def omni_speech_server(tiny_models, tmp_path_factory):
-    """The bundled CPU config, its talker made greedy (at most 64 frames per request)."""
+    """The bundled CPU config, its talker made greedy (at most 64 frames per request); the
+    media parts of a chat may name http(s) URLs on 127.0.0.1 (serving.edit_url_hosts) and
+    file: URLs within `server.media_folder` (the chat stage's allowed_local_media_path)."""
     root = tmp_path_factory.mktemp("omni-speech-server")
+    media_folder = root / "media"
+    media_folder.mkdir()
+    config = root / "qwen3_omni_tiny_media_urls.yaml"
+    config.write_text(
+        f"base_config: {REPO / 'stage_configs' / 'qwen3_omni_tiny.yaml'}\n"
+        "serving:\n  edit_url_hosts: [127.0.0.1]\n"
+        f"stages:\n  - stage_id: 0\n    allowed_local_media_path: {media_folder}\n"
+    )
     server = start_shared(
         tiny_models("qwen3-omni"),
-        REPO / "stage_configs" / "qwen3_omni_tiny.yaml",
+        config,
         root,
         "--stage-overrides",
         OMNI_GREEDY_TALKER,
     )
+    server.media_folder = media_folder
     try:
         yield server
     finally:

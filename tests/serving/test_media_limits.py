@@ -8,11 +8,14 @@ import asyncio
 import base64
 import io
 import wave
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI, Request
+from free_ports import free_port
+from media_host import MediaHost
 from PIL import Image
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -172,13 +175,116 @@ def test_an_undecodable_part_is_a_400_naming_it(part, code):
     assert err.param == "messages[1].content[1]" and err.code == f"invalid_{code}"
 
 
-def test_remote_urls_and_embeddings_are_left_to_vllm():
-    parts = [
-        {"type": "image_url", "image_url": {"url": "https://example.com/huge.png"}},
-        {"type": "audio_url", "audio_url": {"url": "http://example.com/long.wav"}},
-        {"type": "image_embeds", "image_embeds": "AAAA"},
-    ]
-    asyncio.run(limits(max_input_image_pixels=1, max_input_audio_s=0.01).check(messages(*parts)))
+def test_embeddings_are_sized_not_decoded():
+    asyncio.run(limits(max_input_image_pixels=1).check(messages({"image_embeds": "AAAA"})))
+
+
+def test_a_file_url_is_read_from_the_allowed_folder_only(tmp_path):
+    """`file:` URLs: a 400 unless the chat stage names a folder (vLLM's
+    allowed_local_media_path); within it the file is read here and held to the bounds like an
+    inline part; outside it, missing, or too large: a 400 naming the part."""
+    folder = tmp_path / "media"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(png(64, 48))
+    (tmp_path / "outside.png").write_bytes(png(8, 8))
+
+    def part(path) -> dict:
+        return {"type": "image_url", "image_url": {"url": Path(path).as_uri()}}
+
+    err = refusal(limits(), messages(part(folder / "a.png")))
+    assert (err.param, err.code) == ("messages[1].content[1]", "url_not_allowed")
+    assert "allowed_local_media_path" in err.message
+    local = MediaLimits.from_serving(ServingLimits(), str(folder))
+    inside = part(folder / "a.png")
+    asyncio.run(local.check(messages(inside)))
+    prefix = "data:application/octet-stream;base64,"
+    assert base64.b64decode(inside["image_url"]["url"][len(prefix) :]) == png(64, 48)
+    for path, code in (
+        (tmp_path / "outside.png", "url_not_allowed"),
+        (folder / ".." / "outside.png", "url_not_allowed"),
+        (folder / "missing.png", "url_fetch_failed"),
+    ):
+        assert refusal(local, messages(part(path))).code == code, path
+    small = MediaLimits.from_serving(ServingLimits(max_input_image_pixels=100), str(folder))
+    assert refusal(small, messages(part(folder / "a.png"))).code == "image_too_large"
+    tiny = MediaLimits.from_serving(ServingLimits(max_media_part_bytes=100), str(folder))
+    assert refusal(tiny, messages(part(folder / "a.png"))).code == "media_part_too_large"
+
+
+def remote(part_type: str, url: str) -> dict:
+    return {"type": part_type, part_type: {"url": url}}
+
+
+def test_a_remote_url_off_the_listed_hosts_is_refused_without_a_fetch():
+    """As for edits (serving.edit_url_hosts, none by default): a 400 naming the part and the
+    setting, and the server behind the URL is never asked."""
+    with MediaHost({"/a.png": png(8, 8)}) as host:
+        for hosts, url in (
+            ((), host.url),
+            (("127.0.0.1",), host.url.replace("127.0.0.1", "localhost")),
+        ):
+            msgs = messages(image_part(png(8, 8)), remote("image_url", f"{url}/a.png"))
+            err = refusal(limits(edit_url_hosts=list(hosts)), msgs)
+            assert (err.param, err.code) == ("messages[1].content[2]", "url_not_allowed")
+            assert "serving.edit_url_hosts" in err.message
+        assert host.requests == []
+
+
+def test_a_remote_part_on_a_listed_host_is_fetched_once_and_held_to_the_bounds():
+    """Each http(s) part is fetched (no redirect followed) and stands in the request as the
+    data: URL of exactly the bytes that arrived, so vLLM fetches nothing; those bytes meet the
+    bounds a part sent inline meets."""
+    files = {"/a.png": png(64, 48), "/a.wav": wav(2.0), "/a.mp4": mp4(12)}
+    with MediaHost(files) as host:
+        parts = [
+            remote("image_url", f"{host.url}/a.png"),
+            remote("audio_url", f"{host.url}/a.wav"),
+            remote("video_url", f"{host.url}/a.mp4"),
+            {"image_url": f"{host.url}/a.png"},  # vLLM's shorthand
+        ]
+        msgs = messages(*parts)
+        bounds = dict(edit_url_hosts=["127.0.0.1"], max_input_audio_s=2.0)
+        asyncio.run(limits(**bounds, max_input_video_frames=12).check(msgs))
+        assert sorted(host.requests) == sorted(["/a.png", "/a.wav", "/a.mp4", "/a.png"])
+        urls = [parts[0]["image_url"]["url"], parts[1]["audio_url"]["url"]]
+        urls += [parts[2]["video_url"]["url"], parts[3]["image_url"]]
+        prefix = "data:application/octet-stream;base64,"
+        assert all(u.startswith(prefix) for u in urls)
+        sent = [base64.b64decode(u[len(prefix) :]) for u in urls]
+        assert sent == [files["/a.png"], files["/a.wav"], files["/a.mp4"], files["/a.png"]]
+
+        def refused(part: dict, **more) -> APIError:
+            return refusal(limits(**{**bounds, **more}), messages(part))
+
+        err = refused(remote("image_url", f"{host.url}/a.png"), max_input_image_pixels=100)
+        assert (err.param, err.code) == ("messages[1].content[1]", "image_too_large")
+        assert refused(remote("audio_url", f"{host.url}/a.wav"), max_input_audio_s=1.0).code == (
+            "audio_too_long"
+        )
+        err = refused(remote("video_url", f"{host.url}/a.mp4"), max_input_video_frames=11)
+        assert err.code == "video_too_long"
+
+
+def test_a_fetch_that_fails_is_a_400_naming_the_part(monkeypatch):
+    """Not found, a redirect, a refused connection, more bytes than
+    serving.max_media_part_bytes, and a server that has not answered by the deadline (it is
+    held until the test ends): each a 400 naming the part, never a 500."""
+    from vllm_omni_plugin.serving import edit_urls
+
+    monkeypatch.setattr(edit_urls, "FETCH_TIMEOUT_S", 0.5)
+    with MediaHost({"/a.png": png(64, 64), "/hold": png(8, 8)}, {"/moved": "/a.png"}) as host:
+        bounds = limits(edit_url_hosts=["127.0.0.1"])
+        for path, code in (("/gone.png", "url_fetch_failed"), ("/moved", "url_fetch_failed")):
+            err = refusal(bounds, messages(remote("image_url", f"{host.url}{path}")))
+            assert (err.param, err.code) == ("messages[1].content[1]", code), err.message
+        size = len(png(64, 64))
+        small = limits(edit_url_hosts=["127.0.0.1"], max_media_part_bytes=size - 1)
+        err = refusal(small, messages(remote("image_url", f"{host.url}/a.png")))
+        assert err.code == "media_part_too_large" and "serving.max_media_part_bytes" in err.message
+        err = refusal(bounds, messages(remote("video_url", f"{host.url}/hold")))
+        assert err.code == "url_fetch_failed" and "0.5 s" in err.message
+    closed = f"http://127.0.0.1:{free_port()}/a.png"
+    assert refusal(bounds, messages(remote("image_url", closed))).code == "url_fetch_failed"
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import itertools
 import os
 import signal
 import time
@@ -34,6 +35,7 @@ import numpy as np
 import openai
 import psutil
 import pytest
+from media_host import MediaHost
 from omni_server import API_KEY
 
 from vllm_omni_plugin.testing.qwen3_omni_reference import (
@@ -281,6 +283,68 @@ def test_media_input_answers_equal_transformers(omni_speech_server, media_refere
     assert len(samples) == len(reference.waveform) > 1920
     diff = np.abs(samples / 32768.0 - reference.waveform)
     assert diff.max() <= 0.01, diff.max()
+
+
+def test_media_by_url_answers_as_inline_from_listed_hosts_and_the_media_folder_only(
+    omni_speech_server,
+):
+    """`image_url`, `audio_url` and `video_url` parts naming http URLs on 127.0.0.1 (listed in
+    this server's serving.edit_url_hosts), or file: URLs in the chat stage's
+    allowed_local_media_path: the same greedy answer, token for token, as the same bytes sent
+    inline, and the same speech. The same http URLs through `localhost`, a host not listed, and
+    a file outside the folder: a 400 `url_not_allowed` naming the part, for text and speech
+    alike, and the media host is never asked."""
+    from vllm_omni_plugin.serving.audio_encode import encode_audio
+
+    png = io.BytesIO()
+    _image().save(png, "PNG")
+    files = {
+        "/a.png": png.getvalue(),
+        "/a.wav": encode_audio(_tone(), 16000, "wav"),
+        "/a.mp4": _mp4(),
+    }
+    kinds = {"/a.png": "image_url", "/a.wav": "audio_url", "/a.mp4": "video_url"}
+
+    def content(url: str, path: str) -> list[dict]:
+        part_type = kinds[path]
+        return [
+            {"type": "text", "text": MEDIA_QUESTION},
+            {"type": part_type, part_type: {"url": url}},
+        ]
+
+    def ids(content: list[dict]) -> list[int]:
+        answer = chat_content(omni_speech_server, content, extra_body={"return_token_ids": True})
+        return answer.choices[0].token_ids
+
+    with MediaHost(files) as host:
+        for path, raw in files.items():
+            inline = f"data:application/octet-stream;base64,{base64.b64encode(raw).decode()}"
+            assert ids(content(f"{host.url}{path}", path)) == ids(content(inline, path)), path
+        assert sorted(host.requests) == sorted(files)
+        for path, raw in files.items():
+            local = omni_speech_server.media_folder / path.lstrip("/")
+            local.write_bytes(raw)
+            assert ids(content(local.as_uri(), path)) == ids(content(f"{host.url}{path}", path))
+        by_url = chat_content(omni_speech_server, content(f"{host.url}/a.png", "/a.png"), **SPEECH)
+        inline = chat_content(omni_speech_server, media_content("image"), **SPEECH)
+        assert (
+            by_url.choices[0].message.audio.transcript == inline.choices[0].message.audio.transcript
+        )
+        assert np.array_equal(
+            wav_samples(by_url.choices[0].message.audio.data),
+            wav_samples(inline.choices[0].message.audio.data),
+        )
+        asked = len(host.requests)
+        elsewhere = host.url.replace("127.0.0.1", "localhost") + "/a.png"
+        outside = (omni_speech_server.media_folder.parent / "server.log").as_uri()
+        for url, kw in itertools.product((elsewhere, outside), ({}, SPEECH)):
+            with pytest.raises(openai.BadRequestError) as err:
+                chat_content(omni_speech_server, content(url, "/a.png"), **kw)
+            assert (err.value.param, err.value.code) == (
+                "messages[0].content[1]",
+                "url_not_allowed",
+            )
+        assert len(host.requests) == asked
 
 
 def test_text_audio_and_image_prompts_together_give_what_each_gives_alone(omni_speech_server):

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
 import io
-import threading
 import zipfile
 
 import pytest
+from media_host import MediaHost
 
 from vllm_omni_plugin.common.knobs import CfgFacts, Knob, KnobError, check_knobs
 from vllm_omni_plugin.common.limits import RequestLimits
@@ -276,30 +275,8 @@ def test_data_urls():
 @pytest.fixture
 def image_host():
     body = b"\x89PNG-bytes"
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            if self.path == "/moved":
-                self.send_response(302)
-                self.send_header("Location", "/a.png")
-                self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", body
-    finally:
-        server.shutdown()
-        server.server_close()
+    with MediaHost({"/a.png": body}, redirects={"/moved": "/a.png"}) as host:
+        yield host.url, body
 
 
 def test_remote_urls_only_from_listed_hosts(image_host):

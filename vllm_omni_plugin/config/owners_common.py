@@ -189,8 +189,9 @@ class ServingLimits(Owner):
     """Image requests admitted but not yet running (beyond the final stage's max_batch_size per
     replica, which run); past it a request gets 429 with Retry-After. Uploads count too."""
     edit_url_hosts: tuple[str, ...] = ()
-    """Hosts whose http(s) image URLs /v1/images/edits (and /v1/videos' input_reference) may
-    fetch as a source (none by default)."""
+    """Hosts whose http(s) URLs the server fetches (none by default): an edit's source images,
+    a video job's `input_reference`, a chat request's image, audio and video parts. A URL on
+    any other host is a 400 (`url_not_allowed`)."""
 
     @field_validator("edit_url_hosts", mode="before")
     @classmethod

@@ -1,22 +1,26 @@
-"""Source images of an edit given by URL (`url` / `url[]` form fields) instead of as files.
+"""Media given by URL: an edit's source images (`url` / `url[]` form fields), a video job's
+`input_reference`, a chat request's image, audio and video parts.
 
 A `data:` URL is always taken (its bytes are the upload). An http(s) URL is fetched only when
 its host is in the deploy file's `serving.edit_url_hosts` (empty by default: the server never
 fetches what a client points it at unless an operator chose the hosts); no redirects are
-followed, the fetch has a deadline and stops at the upload byte limit. Whatever arrives is then
-checked exactly like an uploaded file (serving/edits.py).
+followed, the whole fetch has a deadline and stops at the route's byte limit. Whatever arrives
+is then checked exactly like an upload (serving/edits.py, serving/media_limits.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import urllib.parse
+from collections.abc import Callable
 
 import httpx
 
 from .errors import APIError, invalid
 
+# The whole fetch, from connecting to the last byte: a server that sends slowly is cut off too.
 FETCH_TIMEOUT_S = 10.0
 
 
@@ -45,8 +49,20 @@ def decode_data_url(url: str, param: str, limit: int) -> bytes:
     return data
 
 
-async def fetch_url(url: str, param: str, hosts: tuple[str, ...], limit: int) -> bytes:
-    """The bytes behind a source image URL (data:, or http(s) on a listed host), or a 4xx."""
+async def fetch_url(
+    url: str,
+    param: str,
+    hosts: tuple[str, ...],
+    limit: int,
+    *,
+    kind: str = "image",
+    inline: str = "as a file or a data: URL",
+    too_large: Callable[[int], APIError] | None = None,
+) -> bytes:
+    """The bytes behind a URL (data:, or http(s) on a listed host), or a 4xx naming `param`.
+    `kind` names what is fetched and `inline` how a client can send it instead; past `limit`
+    bytes of an http(s) answer, `too_large(limit)` (a 413 naming `param` by default)."""
+    refuse_size = too_large or (lambda n: _too_large(param, n))
     if url[:5].lower() == "data:":
         return decode_data_url(url[5:], param, limit)
     parsed = urllib.parse.urlsplit(url)
@@ -58,32 +74,44 @@ async def fetch_url(url: str, param: str, hosts: tuple[str, ...], limit: int) ->
         )
     if parsed.hostname.lower() not in hosts:
         raise invalid(
-            f"'{param}': this server does not fetch images from {parsed.hostname!r}; send the "
-            "image as a file or a data: URL (operators list hosts in serving.edit_url_hosts)",
+            f"'{param}': this server does not fetch {kind} URLs from {parsed.hostname!r}; send it "
+            f"{inline} (operators list hosts in serving.edit_url_hosts)",
             param,
             "url_not_allowed",
         )
     try:
-        async with (
-            httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=False) as client,
-            client.stream("GET", url) as response,
-        ):
-            if response.status_code != 200:
-                raise invalid(
-                    f"'{param}': fetching the image answered HTTP {response.status_code}",
-                    param,
-                    "url_fetch_failed",
-                )
-            chunks, size = [], 0
-            async for chunk in response.aiter_bytes():
-                size += len(chunk)
-                if size > limit:
-                    raise _too_large(param, limit)
-                chunks.append(chunk)
-    except httpx.HTTPError as exc:
+        return await asyncio.wait_for(_get(url, param, kind, limit, refuse_size), FETCH_TIMEOUT_S)
+    except asyncio.TimeoutError:
         raise invalid(
-            f"'{param}': the image could not be fetched ({type(exc).__name__})",
+            f"'{param}': the {kind} did not arrive within {FETCH_TIMEOUT_S:g} s",
             param,
             "url_fetch_failed",
         ) from None
+    except httpx.HTTPError as exc:
+        raise invalid(
+            f"'{param}': the {kind} could not be fetched ({type(exc).__name__})",
+            param,
+            "url_fetch_failed",
+        ) from None
+
+
+async def _get(
+    url: str, param: str, kind: str, limit: int, too_large: Callable[[int], APIError]
+) -> bytes:
+    async with (
+        httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=False) as client,
+        client.stream("GET", url) as response,
+    ):
+        if response.status_code != 200:
+            raise invalid(
+                f"'{param}': fetching the {kind} answered HTTP {response.status_code}",
+                param,
+                "url_fetch_failed",
+            )
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
     return b"".join(chunks)

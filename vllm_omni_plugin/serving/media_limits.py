@@ -11,10 +11,15 @@ Each refusal is an APIError 400 in OpenAI's shape whose `param` is the part's pa
 - audio longer than `serving.max_input_audio_s` (decoded, as the length is not in every header);
 - a video with more frames than `serving.max_input_video_frames`, or frames of more pixels than
   `serving.max_input_image_pixels` (both read from its container);
-- a part that is not base64, or not an image / audio / video of the kind its part says.
+- a part that is not base64, or not an image / audio / video of the kind its part says;
+- an http(s) URL whose host is not in `serving.edit_url_hosts` (none by default), as for edits.
 
-Remote URLs (http, https, file) are left to vLLM's own media handling, which fetches them with
-its own limits; embedding parts (`image_embeds`, ...) are counted and sized, not decoded.
+An http(s) URL on a listed host is fetched here as an edit's source image is (edit_urls.py: no
+redirects, one deadline, at most `serving.max_media_part_bytes`); a failed fetch is a 400. A
+`file:` URL is read here from within the chat stage's `allowed_local_media_path` (vLLM's
+setting; without it, or outside it, a 400). Either part then carries what was read as a data:
+URL, held to the same bounds as one sent so, and vLLM's media handling reads nothing itself.
+Embedding parts (`image_embeds`, ...) are counted and sized, not decoded.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import base64
 import binascii
 import io
 import re
-from dataclasses import dataclass
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from .edit_urls import fetch_url
 from .errors import APIError, invalid
 
 # Content part type (or, in vLLM's shorthand without a type, its key) -> media kind.
@@ -50,7 +59,9 @@ class MediaPart:
     path: str  # messages[i].content[j]
     part_type: str
     kind: str  # image / audio / video
-    payload: Any  # the base64 text to decode, or None (remote URL, embeddings, PIL object)
+    payload: Any  # the base64 text to decode, or None (a URL, embeddings, PIL object)
+    url: str | None = None  # a URL other than data: (http(s): fetched here)
+    part: dict = field(default_factory=dict, compare=False, repr=False)  # the content part
 
 
 @dataclass(frozen=True)
@@ -60,15 +71,19 @@ class MediaLimits:
     max_input_image_pixels: int
     max_input_audio_s: float
     max_input_video_frames: int
+    url_hosts: tuple[str, ...] = ()
+    local_media: Path | None = None  # the chat stage's allowed_local_media_path, resolved
 
     @classmethod
-    def from_serving(cls, serving: Any) -> MediaLimits:
+    def from_serving(cls, serving: Any, local_media: str | None = None) -> MediaLimits:
         return cls(
             max_media_parts=int(serving.max_media_parts),
             max_media_part_bytes=int(serving.max_media_part_bytes),
             max_input_image_pixels=int(serving.max_input_image_pixels),
             max_input_audio_s=float(serving.max_input_audio_s),
             max_input_video_frames=int(serving.max_input_video_frames),
+            url_hosts=tuple(serving.edit_url_hosts),
+            local_media=Path(local_media).resolve() if local_media else None,
         )
 
     @property
@@ -82,10 +97,75 @@ class MediaLimits:
 
     async def check(self, messages: Any) -> None:
         """APIError 400 for the first part out of bounds (see the module docstring). Counting
-        and sizing run here; decoding runs in a worker thread, off the event loop."""
+        and sizing run here, then the reads of http(s) and file: parts (each part's URL becomes
+        the data: URL of what was read); decoding runs in a worker thread, off the event loop."""
         parts = self.sized_parts(messages)
+        by_url = [p for p in parts if _scheme(p.url) in ("http", "https", "file")]
+        if by_url:
+            read = dict(zip(map(id, by_url), await self._read_all(by_url), strict=True))
+            parts = [read.get(id(p), p) for p in parts]
         if any(_decodes(p) for p in parts):
             await asyncio.to_thread(self.measure, parts)
+
+    async def _read_all(self, parts: list[MediaPart]) -> list[MediaPart]:
+        """Every URL part read, concurrently; the first refusal cancels the others."""
+        tasks = [asyncio.ensure_future(self._read(p)) for p in parts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _read(self, part: MediaPart) -> MediaPart:
+        """The part with its URL's bytes in its place, as a data: URL."""
+        if _scheme(part.url) == "file":
+            raw = await asyncio.to_thread(self._read_file, part)
+        else:
+            raw = await fetch_url(
+                part.url,
+                part.path,
+                self.url_hosts,
+                self.max_media_part_bytes,
+                kind=part.kind,
+                inline="as a data: URL",
+                too_large=lambda limit: self._too_large(part, f"more than {limit}"),
+            )
+        url = "data:application/octet-stream;base64," + base64.b64encode(raw).decode()
+        _set_url(part.part, part.part_type, url)
+        return replace(part, payload=url, url=None)
+
+    def _read_file(self, part: MediaPart) -> bytes:
+        """A file: URL's bytes, from within `local_media` only (as vLLM's own reader allows)."""
+        root = self.local_media
+        path = Path(urllib.request.url2pathname(urllib.parse.urlsplit(part.url).path)).resolve()
+        if root is None or root not in path.parents:
+            where = "no local files" if root is None else "local files only from its media folder"
+            raise invalid(
+                f"{part.path}: this server reads {where}; send the {part.kind} as a data: URL "
+                "(operators choose the folder with the chat stage's allowed_local_media_path)",
+                part.path,
+                "url_not_allowed",
+            )
+        try:
+            with path.open("rb") as f:
+                raw = f.read(self.max_media_part_bytes + 1)
+        except OSError as exc:
+            raise invalid(
+                f"{part.path}: the file cannot be read ({type(exc).__name__})",
+                part.path,
+                "url_fetch_failed",
+            ) from None
+        if len(raw) > self.max_media_part_bytes:
+            raise self._too_large(part, f"more than {self.max_media_part_bytes}")
+        return raw
+
+    def _too_large(self, part: MediaPart, size: str) -> APIError:
+        return invalid(
+            f"{part.path}: this {part.kind} part is {size} bytes; this server takes at most "
+            f"{self.max_media_part_bytes} bytes per part (serving.max_media_part_bytes)",
+            part.path,
+            "media_part_too_large",
+        )
 
     def sized_parts(self, messages: Any) -> list[MediaPart]:
         """The media parts, after the count and byte bounds (no decoding)."""
@@ -104,13 +184,7 @@ class MediaLimits:
                 continue
             size = base64_decoded_size(text)
             if size > self.max_media_part_bytes:
-                raise invalid(
-                    f"{part.path}: this {part.kind} part is {size} bytes decoded; this server "
-                    f"takes at most {self.max_media_part_bytes} bytes per part "
-                    "(serving.max_media_part_bytes)",
-                    part.path,
-                    "media_part_too_large",
-                )
+                raise self._too_large(part, f"{size}")
         return parts
 
     def measure(self, parts: list[MediaPart]) -> None:
@@ -212,8 +286,36 @@ def media_parts(messages: Any) -> list[MediaPart]:
             if part_type not in PART_KINDS:
                 continue
             path = f"messages[{i}].content[{j}]"
-            out.append(MediaPart(path, part_type, PART_KINDS[part_type], _payload(part, part_type)))
+            payload = _payload(part, part_type)
+            url = _url(part, part_type) if payload is None else None
+            out.append(MediaPart(path, part_type, PART_KINDS[part_type], payload, url, part))
     return out
+
+
+def _url_holder(part: dict[str, Any], part_type: str) -> tuple[dict[str, Any], str]:
+    """(mapping, key) where a URL part keeps its URL: `{"url": ...}` under the part's key, or
+    the part's key itself in vLLM's shorthand (`{"image_url": "https://..."}`)."""
+    key = "image_url" if part_type == "input_image" else part_type
+    value = part.get(key)
+    return (value, "url") if isinstance(value, dict) else (part, key)
+
+
+def _scheme(url: str | None) -> str:
+    return urllib.parse.urlsplit(url).scheme.lower() if url else ""
+
+
+def _url(part: dict[str, Any], part_type: str) -> str | None:
+    """The URL a URL part names (None for other parts)."""
+    if part_type not in _DECODED or part_type == "input_audio":
+        return None
+    holder, key = _url_holder(part, part_type)
+    url = holder.get(key)
+    return url if isinstance(url, str) else None
+
+
+def _set_url(part: dict[str, Any], part_type: str, url: str) -> None:
+    holder, key = _url_holder(part, part_type)
+    holder[key] = url
 
 
 def _payload(part: dict[str, Any], part_type: str) -> Any:
@@ -229,7 +331,7 @@ def _payload(part: dict[str, Any], part_type: str) -> Any:
         return _Sized(value) if isinstance(value, str) else None
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url[:5].lower() == "data:":
-        return None  # a remote URL: vLLM's media connector fetches it with its own limits
+        return None  # a URL: fetched in `check` (http, https) or left to vLLM (file)
     return url
 
 

@@ -37,7 +37,9 @@ def init_speech_service(client: OmniEngineClient, state: Any, args: argparse.Nam
         healthy=client.orchestrator.healthy,
     )
     state.omni_speech = service
-    state.omni_media_limits = MediaLimits.from_serving(serving)  # the chat route's media bounds
+    # The chat route's media bounds; file: URLs from the chat stage's allowed folder only.
+    local_media = client.text.model_config.allowed_local_media_path
+    state.omni_media_limits = MediaLimits.from_serving(serving, local_media)
     register(
         OmniCollector(
             client.orchestrator,
