@@ -12,7 +12,8 @@ Each refusal is an APIError 400 in OpenAI's shape whose `param` is the part's pa
 - a video with more frames than `serving.max_input_video_frames`, or frames of more pixels than
   `serving.max_input_image_pixels` (both read from its container);
 - a part that is not base64, or not an image / audio / video of the kind its part says;
-- an http(s) URL whose host is not in `serving.edit_url_hosts` (none by default), as for edits.
+- an http(s) URL whose host is not in `serving.edit_url_hosts` (none by default), as for edits,
+  or a `file:` URL outside the chat stage's `allowed_local_media_path`.
 
 An http(s) URL on a listed host is fetched here as an edit's source image is (edit_urls.py: no
 redirects, one deadline, at most `serving.max_media_part_bytes`); a failed fetch is a 400. A
@@ -60,7 +61,7 @@ class MediaPart:
     part_type: str
     kind: str  # image / audio / video
     payload: Any  # the base64 text to decode, or None (a URL, embeddings, PIL object)
-    url: str | None = None  # a URL other than data: (http(s): fetched here)
+    url: str | None = None  # a URL other than data: (http(s) and file: are read here)
     part: dict = field(default_factory=dict, compare=False, repr=False)  # the content part
 
 
