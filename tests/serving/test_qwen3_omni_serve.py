@@ -385,6 +385,16 @@ def test_bad_speech_requests_are_openai_400s(omni_speech_server):
     with pytest.raises(openai.BadRequestError) as err:
         chat(omni_speech_server, extra_body={"add_generation_prompt": False}, **SPEECH)
     assert "add_generation_prompt" in str(err.value.body), err.value.body
+    # What only a text answer carries is refused with speech, never dropped from it; a
+    # modality that is neither text nor audio is refused for a text answer too.
+    for kw, param in (
+        ({"logprobs": True, **SPEECH}, "logprobs"),
+        ({"extra_body": {"return_token_ids": True}, **SPEECH}, "return_token_ids"),
+        ({"modalities": ["text", "video"]}, "modalities"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(omni_speech_server, **kw)
+        assert err.value.param == param, err.value.body
 
 
 def test_speech_sampling_seed_reproduces_the_audio(omni_speech_server):

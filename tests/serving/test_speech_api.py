@@ -15,7 +15,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from vllm_omni_plugin.serving.audio_encode import FORMATS, encode_audio, to_pcm16
 from vllm_omni_plugin.serving.errors import APIError
-from vllm_omni_plugin.serving.speech_request import check_speech_request, checkpoint_voices
+from vllm_omni_plugin.serving.speech_request import (
+    check_modalities,
+    check_speech_request,
+    checkpoint_voices,
+)
 from vllm_omni_plugin.serving.speech_shapes import DONE, ChunkWriter, completion_body
 
 RATE = 24000
@@ -66,6 +70,12 @@ def test_valid_request_resolves_the_checkpoint_spelling_of_the_voice():
         ({**SPEECH, "audio": {"voice": "ethan", "format": "wav", "speed": 2}}, "audio.speed", None),
         ({**SPEECH, "stream": True}, "audio.format", None),  # streams are pcm16
         ({**SPEECH, "n": 2}, "n", None),
+        # a text answer's extras: refused with speech rather than dropped from its answer
+        ({**SPEECH, "logprobs": True, "top_logprobs": 2}, "logprobs", None),
+        ({**SPEECH, "prompt_logprobs": 1}, "prompt_logprobs", None),
+        ({**SPEECH, "echo": True}, "echo", None),
+        ({**SPEECH, "return_token_ids": True}, "return_token_ids", None),
+        ({**SPEECH, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", None),
         ({"modalities": ["text", "audio"]}, "audio", "missing"),
         ({"audio": {"voice": "ethan", "format": "wav"}}, "modalities", None),
         ({**SPEECH, "modalities": ["text", "image"]}, "modalities", None),
@@ -95,6 +105,15 @@ def test_bad_speech_requests_are_400s_naming_the_field(fields, param, code):
     body = err.value.body()["error"]
     assert set(body) == {"message", "type", "param", "code"}
     assert body["type"] == "invalid_request_error"
+
+
+def test_modalities_are_text_and_audio_for_text_answers_too():
+    assert check_modalities(chat_request()) is None
+    assert check_modalities(chat_request(modalities=["text"])) == ["text"]
+    for bad in (["text", "video"], "text", [1]):
+        with pytest.raises(APIError) as err:
+            check_modalities(chat_request(modalities=bad))
+        assert (err.value.status, err.value.param) == (400, "modalities")
 
 
 def test_speech_for_audio_image_and_video_inputs_passes_and_for_embeddings_is_a_400():

@@ -5,9 +5,10 @@ chat stage). This module takes that route's place with one that keeps vLLM's req
 (the same request class, the same dependencies) and hands every request without speech to
 vLLM's own handler unchanged; a request that asks for speech (`modalities` with "audio", or an
 `audio` object) goes to the speech service (speech.py), which refuses it with a 400 on a
-deployment that does not speak. Before either, the request's image, audio and video parts are
-held to the deploy file's `serving:` bounds (media_limits.py), and before FastAPI parses it the
-body is read with a byte limit derived from them (413 past it: `BoundedBodyRoute`).
+deployment that does not speak. Before either, `modalities` is checked (vLLM's handler would
+ignore a value it does not know) and the request's image, audio and video parts are held to the
+deploy file's `serving:` bounds (media_limits.py); before FastAPI parses it the body is read
+with a byte limit derived from them (413 past it: `BoundedBodyRoute`).
 
 No `from __future__ import annotations` here: the route's request annotation is vLLM's class,
 read from vLLM's own route at attach time, and FastAPI must see the class itself.
@@ -22,6 +23,7 @@ from fastapi.routing import APIRoute
 
 from .bodies import read_body
 from .errors import APIError
+from .speech_request import check_modalities
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -85,13 +87,14 @@ def speech_router(core: APIRoute) -> APIRouter:
     async def create_chat_completion(request: request_cls, raw_request: Request):  # type: ignore[valid-type]
         service = getattr(raw_request.app.state, "omni_speech", None)
         limits = getattr(raw_request.app.state, "omni_media_limits", None)
-        if limits is not None:
-            try:
+        try:
+            check_modalities(request)
+            if limits is not None:
                 await limits.check(getattr(request, "messages", None))
-            except APIError as exc:
-                if service is not None and asks_for_speech(request):
-                    service.outcomes[str(exc.status)] += 1
-                return exc.response()
+        except APIError as exc:
+            if service is not None and asks_for_speech(request):
+                service.outcomes[str(exc.status)] += 1
+            return exc.response()
         if not asks_for_speech(request):
             return await vllm_endpoint(request=request, raw_request=raw_request)
         if service is None:

@@ -5,11 +5,12 @@ The media parts were held to the `serving:` bounds before (media_limits.py, for 
 request, off the event loop). Each refusal is an APIError 400 (OpenAI's error object) naming the field:
 
 - speech asked of a deployment whose pipeline does not speak;
-- `audio` without "audio" in `modalities`, or `modalities` with anything but "text"/"audio";
+- `audio` without "audio" in `modalities`, or `modalities` with anything but "text"/"audio"
+  (refused for text answers too: `check_modalities`);
 - a voice that is not one of the checkpoint's speakers (talker config `speaker_id`);
 - a format outside audio_encode.FORMATS, or a streamed answer in anything but pcm16 (what
   OpenAI streams);
-- `n` > 1 (one voice answers once);
+- `n` > 1 (one voice answers once), or a field of TEXT_ANSWER_ONLY set;
 - `speech_sampling` (the talker's sampling for this request, beside the chat's own settings)
   with a key outside SPEECH_SAMPLING or a value out of its range;
 - speech asked for a prompt with embedding parts (`image_embeds`, ...: they carry no patch grid
@@ -30,6 +31,16 @@ STREAM_FORMAT = "pcm16"
 # Content parts a spoken answer may follow besides text (the talker reads the thinker's hidden
 # states at their positions: stages/thinker_media.py).
 SPOKEN_MEDIA = ("input_audio", "image_url", "video_url")
+# Chat fields whose answer is beside the message (token ids, log probabilities, the echoed
+# prompt): a text answer carries them, a spoken one does not, so with speech they are refused.
+TEXT_ANSWER_ONLY = (
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+)
 # The talker's per-request sampling (`extra_body={"speech_sampling": {...}}`): name -> check.
 # Unset keys take the talker stage's `default_sampling_params`, then the checkpoint's; the
 # chat request's own `seed` seeds the talker too unless `speech_sampling.seed` is set.
@@ -64,6 +75,21 @@ def checkpoint_voices(model_dir: str | Path) -> dict[str, str]:
     return {str(name).lower(): str(name) for name in speakers}
 
 
+def check_modalities(request: Any) -> list[str] | None:
+    """The request's `modalities` (None when unset), or an APIError 400 for anything but a
+    list of "text" and "audio" (OpenAI's values). Checked for every chat request: vLLM's own
+    chat route would ignore the field."""
+    modalities = (getattr(request, "model_extra", None) or {}).get("modalities")
+    if modalities is None:
+        return None
+    if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+        raise invalid('`modalities` must be a list such as ["text", "audio"]', "modalities")
+    unknown = sorted(set(modalities) - {"text", "audio"})
+    if unknown:
+        raise invalid(f"unsupported modalities {unknown}; use text and audio", "modalities")
+    return modalities
+
+
 def check_speech_request(
     request: Any,
     *,
@@ -80,13 +106,8 @@ def check_speech_request(
             "modalities",
             "unsupported_modality",
         )
-    modalities = extra.get("modalities")
-    if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
-        raise invalid('`modalities` must be a list such as ["text", "audio"]', "modalities")
-    unknown = sorted(set(modalities) - {"text", "audio"})
-    if unknown:
-        raise invalid(f"unsupported modalities {unknown}; use text and audio", "modalities")
-    if "audio" not in modalities:
+    modalities = check_modalities(request)
+    if modalities is None or "audio" not in modalities:
         raise invalid('`audio` needs "audio" in `modalities`', "modalities")
     audio = extra.get("audio")
     if not isinstance(audio, dict):
@@ -113,6 +134,9 @@ def check_speech_request(
         )
     if (getattr(request, "n", 1) or 1) > 1:
         raise invalid("n > 1 is not supported with audio output", "n")
+    for name in TEXT_ANSWER_ONLY:
+        if getattr(request, name, None) not in (None, False, 0):
+            raise invalid(f"{name} is not supported with audio output", name)
     # The talker speaks the assistant turn the generation prompt opens: without it there is no
     # turn to speak (and a continued final message is not the thinker's answer alone).
     if getattr(request, "add_generation_prompt", True) is False:
