@@ -76,6 +76,16 @@ def test_valid_request_resolves_the_checkpoint_spelling_of_the_voice():
         ({**SPEECH, "echo": True}, "echo", None),
         ({**SPEECH, "return_token_ids": True}, "return_token_ids", None),
         ({**SPEECH, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", None),
+        (
+            {
+                **SPEECH,
+                "audio": {"voice": "ethan", "format": "pcm16"},
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            "stream_options.continuous_usage_stats",
+            None,
+        ),
         ({"modalities": ["text", "audio"]}, "audio", "missing"),
         ({"audio": {"voice": "ethan", "format": "wav"}}, "modalities", None),
         ({**SPEECH, "modalities": ["text", "image"]}, "modalities", None),

@@ -10,7 +10,8 @@ request, off the event loop). Each refusal is an APIError 400 (OpenAI's error ob
 - a voice that is not one of the checkpoint's speakers (talker config `speaker_id`);
 - a format outside audio_encode.FORMATS, or a streamed answer in anything but pcm16 (what
   OpenAI streams);
-- `n` > 1 (one voice answers once), or a field of TEXT_ANSWER_ONLY set;
+- `n` > 1 (one voice answers once), a field of TEXT_ANSWER_ONLY set, or
+  `stream_options.continuous_usage_stats` (a spoken stream reports its usage at the end);
 - `speech_sampling` (the talker's sampling for this request, beside the chat's own settings)
   with a key outside SPEECH_SAMPLING or a value out of its range;
 - speech asked for a prompt with embedding parts (`image_embeds`, ...: they carry no patch grid
@@ -137,6 +138,13 @@ def check_speech_request(
     for name in TEXT_ANSWER_ONLY:
         if getattr(request, name, None) not in (None, False, 0):
             raise invalid(f"{name} is not supported with audio output", name)
+    # A spoken stream reports usage once, at its end: its deltas are not counted in tokens.
+    if getattr(getattr(request, "stream_options", None), "continuous_usage_stats", False):
+        raise invalid(
+            "stream_options.continuous_usage_stats is not supported with audio output; "
+            "include_usage reports the usage at the end",
+            "stream_options.continuous_usage_stats",
+        )
     # The talker speaks the assistant turn the generation prompt opens: without it there is no
     # turn to speak (and a continued final message is not the thinker's answer alone).
     if getattr(request, "add_generation_prompt", True) is False:
