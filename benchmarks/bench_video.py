@@ -572,7 +572,9 @@ def run(args) -> int:
                 else run_diffusers(args, budget)
             )
         except Exception as exc:  # recorded, so that the next call moves on to the rest
-            recorded = {(r["system"], r["level"]) for r in budget.records if same_request(r, args)}
+            # From the file: the records in memory lack the request fields write_record adds.
+            written = read_records(args.out / "results.jsonl")
+            recorded = {(r["system"], r["level"]) for r in written if same_request(r, args)}
             level = next(lvl for lvl in pending if (system, lvl) not in recorded)
             message = f"{type(exc).__name__}: {exc}"
             print(f"{system} c{level} failed: {message}", flush=True)

@@ -90,6 +90,31 @@ def test_batched_frames_equal_diffusers(engine, pipe, staggered):
     assert np.abs(videos["a"][0] - videos["a"][-1]).mean() > 0.0  # frames are not one image
 
 
+def test_a_group_decodes_one_video_at_a_time(engine, pipe, staggered):
+    """Two requests that finish together decode in one group, one VAE call per video (a
+    video's decode is the stage's largest working set); frames as diffusers', within the
+    module's tolerance."""
+    vae = engine.adapter.pipe.vae
+    decode, batches = vae.decode, []
+
+    def counting_decode(z, *args, **kwargs):
+        batches.append(z.shape[0])
+        return decode(z, *args, **kwargs)
+
+    together = [req("e", "a red cat", 5, steps=2), req("f", "a cube", 6, steps=2)]
+    vae.decode = counting_decode
+    try:
+        out = staggered(engine, together, [], join_after_steps=0)
+    finally:
+        vae.decode = decode
+    assert out["e"].metrics["max_batch"] == 2
+    assert batches == [1, 1]
+    for r in together:
+        assert out[r.request_id].ok, out[r.request_id].error
+        want = reference(pipe, r)
+        check_video(video(out[r.request_id].images), want, r.request_id, MAX_PIXEL_DIFF, MAX_MEAN_DIFF)
+
+
 @pytest.mark.parametrize(
     ("kw", "field"),
     [({"frames": 8}, "num_frames"), ({"frames": 0}, "num_frames"), ({"n": 2}, "n")],

@@ -316,21 +316,26 @@ class WanAdapter(DiffusionAdapter):
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self, states: list[RequestState]) -> list[list[Image.Image]]:
-        """One VAE call for the group (same shape by the batch key); each state's frames."""
+        """Each state's frames, one VAE call per video.
+
+        A video's decode is the stage's largest working set (at 1280x704 and 121 frames, more
+        than its denoising step's), so decoding a group at once multiplies it by the group: two
+        such videos decoded together ran out of memory on an 80 GB GPU beside the step's CUDA
+        graph pool, where each alone fits.
+        """
         vae = self.pipe.vae
-        final = [
-            wan_image.with_first_frame(s.latents, s.cond["image"], s.cond["frame_mask"])
-            if self.image_mode == wan_image.FIRST_FRAME and "image" in s.cond
-            else s.latents
-            for s in states
-        ]
-        latents = torch.cat(final).to(vae.dtype)
         z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents)
-        video = vae.decode(latents / std + mean, return_dict=False)[0]
-        videos = self.pipe.video_processor.postprocess_video(video, output_type="pil")
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+        frames = []
         for s in states:
+            latents = s.latents
+            if self.image_mode == wan_image.FIRST_FRAME and "image" in s.cond:
+                latents = wan_image.with_first_frame(latents, s.cond["image"], s.cond["frame_mask"])
+            latents = latents.to(vae.dtype)
+            latents = latents / std.to(latents) + mean.to(latents)
+            video = vae.decode(latents, return_dict=False)[0]
+            frames.append(list(self.pipe.video_processor.postprocess_video(video, output_type="pil")[0]))
             for key in ("scheduler", "image", "frame_mask"):
                 s.cond.pop(key, None)
-        return [list(frames) for frames in videos]
+        return frames
