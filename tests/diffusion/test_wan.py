@@ -112,7 +112,9 @@ def test_a_group_decodes_one_video_at_a_time(engine, pipe, staggered):
     for r in together:
         assert out[r.request_id].ok, out[r.request_id].error
         want = reference(pipe, r)
-        check_video(video(out[r.request_id].images), want, r.request_id, MAX_PIXEL_DIFF, MAX_MEAN_DIFF)
+        check_video(
+            video(out[r.request_id].images), want, r.request_id, MAX_PIXEL_DIFF, MAX_MEAN_DIFF
+        )
 
 
 @pytest.mark.parametrize(

@@ -335,7 +335,9 @@ class WanAdapter(DiffusionAdapter):
             latents = latents.to(vae.dtype)
             latents = latents / std.to(latents) + mean.to(latents)
             video = vae.decode(latents, return_dict=False)[0]
-            frames.append(list(self.pipe.video_processor.postprocess_video(video, output_type="pil")[0]))
+            frames.append(
+                list(self.pipe.video_processor.postprocess_video(video, output_type="pil")[0])
+            )
             for key in ("scheduler", "image", "frame_mask"):
                 s.cond.pop(key, None)
         return frames
