@@ -1,6 +1,7 @@
 """BENCHMARKS.md's step-floor tables, generated from the results files (never copied by hand):
 each diffusion family's step floor (dit_floor.py) and, beside it, every served figure the
-results files hold for that family (bench_fair.py and bench_step_cache.py runs), as seconds per
+results files hold for that family (bench_fair.py, bench_step_cache.py and bench_video.py runs,
+a video run matched to its family by the served shape), as seconds per
 step and as a multiple of the floor, with the family's step goal met or not.
 
     python benchmarks/dit_floor_report.py                      # print, from benchmarks/results
@@ -31,15 +32,17 @@ from fair_report import write_into  # noqa: E402
 BEGIN, END = "<!-- dit-floor:begin -->", "<!-- dit-floor:end -->"
 RESULTS = Path(__file__).resolve().parent / "results"
 NOT_MEASURED = "not measured"
+VIDEO_LABELS = {"ours": "vllm-omni-plugin", "omni": "vLLM-Omni 0.26", "diffusers": "diffusers"}
 
 
 def sources(folder: Path = RESULTS) -> list[Path]:
-    """The results files the report reads: floors, fair-harness runs, step-cache runs."""
+    """The results files the report reads: floors, fair-harness, step-cache and video runs."""
     return sorted(
         [
             *folder.glob("dit_floor_*.json"),
             *folder.glob("fair_*.jsonl"),
             *folder.glob("step_cache_*.jsonl"),
+            *folder.glob("wan_video_*.jsonl"),
         ]
     )
 
@@ -98,7 +101,33 @@ def _served(rec: dict, file: str) -> list[dict]:
                 "file": file,
             }
         ]
+    if rec.get("level") == 1 and "median_s" in rec and "error" not in rec:  # bench_video.py
+        family = _family_at(rec["size"], rec["frames"], rec["steps"])
+        if family is None:
+            return []
+        return [
+            {
+                "family": family,
+                "figure": "video job, 1 request alone",
+                "system": VIDEO_LABELS.get(rec["system"], rec["system"]),
+                "latency_s": rec["median_s"],
+                "n": rec["n"],
+                "steps": rec["steps"],
+                "device": rec.get("device", "-"),
+                "file": file,
+            }
+        ]
     return []
+
+
+def _family_at(size: str, frames: int, steps: int) -> str | None:
+    """The family whose deploy file serves this video shape (WIDTHxHEIGHT, frames, steps)."""
+    width, height = (int(v) for v in size.split("x"))
+    for name, family in FAMILIES.items():
+        sh = family.shape()
+        if (sh.width, sh.height, sh.frames, sh.steps) == (width, height, frames, steps):
+            return name
+    return None
 
 
 def _latest(floors: list[dict], family: str, timed: bool) -> tuple[dict, dict] | None:

@@ -238,3 +238,37 @@ def test_several_timed_runs_on_one_machine_give_the_latest_floor_and_their_range
     late, early = 0.2 * len(f["ops"]), 0.25 * len(f["ops"])
     assert f"**{late:.1f}** (NVIDIA H100 80GB HBM3; {late:.1f}-{early:.1f} over 2 runs)" in row
     assert row.endswith("| dit_floor_h100_2026-12-07.json, dit_floor_h100_2026-12-06.json |")
+
+
+def test_a_video_run_alone_is_served_beside_its_family_by_shape(tmp_path):
+    """bench_video.py's records: a level-1 run at a family's served shape is that family's
+    served figure (seconds per job over the steps); concurrency 2, a failed level and a shape
+    no deploy file serves give no row."""
+    import dit_floor_report
+
+    base = {"size": "1280x704", "frames": 121, "steps": 50, "device": "NVIDIA H100 80GB HBM3"}
+    records = [
+        {**base, "system": "ours", "level": 1, "median_s": 100.0, "n": 1},
+        {**base, "system": "ours", "level": 2, "median_s": 150.0, "n": 2},
+        {**base, "system": "diffusers", "level": 1, "error": "OutOfMemoryError"},
+        {**base, "system": "omni", "level": 1, "median_s": 90.0, "n": 1, "size": "640x352"},
+    ]
+    path = tmp_path / "wan_video_h100_2026-12-07.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _, served = dit_floor_report.load([path])
+    assert served == [
+        {
+            "family": "wan2.2-ti2v-5b",
+            "figure": "video job, 1 request alone",
+            "system": "vllm-omni-plugin",
+            "latency_s": 100.0,
+            "n": 1,
+            "steps": 50,
+            "device": "NVIDIA H100 80GB HBM3",
+            "file": path.name,
+        }
+    ]
+    row = next(
+        ln for ln in dit_floor_report.served_table([], served) if ln.startswith("| Wan2.2 TI2V")
+    )
+    assert "| 100.00 (n=1) | 50 | 2000.0 |" in row
