@@ -8,6 +8,8 @@ same request.
         --steps 50 --jobs 2 --levels 1,2 --systems ours,omni,diffusers --budget-s 540
         --omni-path /tmp/vomni]
     python benchmarks/bench_video.py report OUT/results.jsonl   # the table again
+    python benchmarks/bench_video.py report benchmarks/results/wan_video_*.jsonl \
+        --write BENCHMARKS.md   # between its `<!-- wan-video:begin -->` and `... end -->`
 
 The model is a full-size random-weight Wan2.2 TI2V-5B (`vllm-omni-plugin make-tiny-model
 wan-ti2v DIR --size full`, vllm_omni_plugin/testing/full_wan.py) or any WanPipeline folder.
@@ -74,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fair import omni_env  # noqa: E402
 from bench_gpu_glm import PeakMemory, Server, _versions  # noqa: E402
+from fair_report import write_into  # noqa: E402
 
 PROMPTS = [
     "a red fox running through fresh snow, slow motion",
@@ -85,6 +88,7 @@ SEED0 = 1000
 GUIDANCE = 5.0  # TI2V-5B's card and wan2_2_ti2v.yaml's default
 SYSTEMS = ("ours", "omni", "diffusers")
 SERVED = ("ours", "omni")
+REPORT_BEGIN, REPORT_END = "<!-- wan-video:begin -->", "<!-- wan-video:end -->"
 # vLLM-Omni's own deploy files, under its package (it ships one for Wan2.2 TI2V-5B).
 OMNI_DEPLOY_DIR = Path("vllm_omni") / "deploy"
 
@@ -538,7 +542,9 @@ def table(records: list[dict]) -> str:
         ]
         for r in sorted(rows, key=lambda r: (SYSTEMS.index(r["system"]), r["level"])):
             if "error" in r:
-                error = r["error"].splitlines()[0][:80].replace("|", "/")
+                # A failed job's error ends with the server's message: show its start.
+                error = r["error"].splitlines()[0].split("'message': '", 1)[-1]
+                error = error[:100].replace("|", "/")
                 lines.append(f"| {r['system']} | {r['level']} | failed: {error} | | | | |")
                 continue
             ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "-"
@@ -595,8 +601,17 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
-        for path in argv[1:]:
-            print(table(read_records(Path(path))))
+        # report FILE... [--write DOC]: the tables of FILEs' records, printed or put between
+        # DOC's wan-video markers
+        paths, doc = argv[1:], None
+        if "--write" in paths:
+            at = paths.index("--write")
+            paths, doc = paths[:at] + paths[at + 2 :], Path(paths[at + 1])
+        text = "\n".join(table(read_records(Path(path))) for path in paths)
+        if doc is None:
+            print(text)
+        else:
+            write_into(doc, text, REPORT_BEGIN, REPORT_END)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)

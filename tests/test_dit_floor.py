@@ -272,3 +272,16 @@ def test_a_video_run_alone_is_served_beside_its_family_by_shape(tmp_path):
         ln for ln in dit_floor_report.served_table([], served) if ln.startswith("| Wan2.2 TI2V")
     )
     assert "| 100.00 (n=1) | 50 | 2000.0 |" in row
+
+
+def test_benchmarks_md_video_block_is_the_report_of_the_video_results():
+    """BENCHMARKS.md's wan-video block is bench_video.py's table of the video results files,
+    regenerated and compared as text."""
+    import bench_video
+
+    doc = (REPO / "BENCHMARKS.md").read_text()
+    block = doc.split(bench_video.REPORT_BEGIN, 1)[1].split(bench_video.REPORT_END, 1)[0]
+    files = sorted((REPO / "benchmarks" / "results").glob("wan_video_*.jsonl"))
+    assert files
+    text = "\n".join(bench_video.table(bench_video.read_records(path)) for path in files)
+    assert block.strip() == text.strip()
