@@ -1,14 +1,16 @@
 """Diffusion-stage fields that used to be accepted and ignored now change what the engine does:
-gpu_memory_utilization, request_batch_max_wait_ms, vae_use_slicing / vae_use_tiling (real tiny
-Qwen-Image engine, CPU)."""
+gpu_memory_utilization, max_batch_tokens, request_batch_max_wait_ms, vae_use_slicing /
+vae_use_tiling (real tiny Qwen-Image engine, CPU)."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import numpy as np
 import pytest
 
+from vllm_omni_plugin.common.memory import row_tokens
 from vllm_omni_plugin.config.owners_diffusion import DiffusionOwner
 from vllm_omni_plugin.diffusion import (
     CapacityError,
@@ -93,3 +95,35 @@ def test_vae_slicing_and_tiling_reach_the_vae(model, adapter):
     assert out.error is None and len(out.images) == 2
     engine_for(model, adapter, vae_use_slicing=False, vae_use_tiling=False)
     assert (vae.use_slicing, vae.use_tiling) == (False, False)
+
+
+def test_max_batch_tokens_keeps_requests_above_it_apart(model, adapter):
+    """Two 64x64 requests (no CFG: one row each) share every step without the bound, and with
+    room for exactly one row they run one after the other; one request alone above the bound
+    still runs (alone)."""
+    row = adapter.memory_facts()
+    one = row_tokens(row, 64, 64)
+    outs = {}
+    for bound in (None, one, one - 1):
+        engine = engine_for(model, adapter, max_batch_size=2, max_batch_tokens=bound)
+        outs[bound] = engine.generate(
+            [GenerationRequest("a", "a cat", seed=1), GenerationRequest("b", "a dog", seed=2)]
+        )
+    assert all(o.error is None for o in outs[None]) and all(
+        o.metrics["max_batch"] == 2 for o in outs[None]
+    )
+    for bound in (one, one - 1):
+        assert all(o.error is None and o.metrics["max_batch"] == 1 for o in outs[bound])
+    # Apart or together, the same image within 1/255 per pixel (the two prompts' lengths
+    # differ, so together their text is padded and masked).
+    for apart, together in zip(outs[one], outs[None], strict=True):
+        diff = np.abs(np.asarray(apart.images[0], float) - np.asarray(together.images[0], float))
+        assert diff.max() <= 1.0
+    # An idle engine holding requests for a batch stops holding once they fill the bound.
+    held = engine_for(
+        model, adapter, max_batch_size=2, max_batch_tokens=one, request_batch_max_wait_ms=5000
+    )
+    held.add_request(GenerationRequest("c", "a cat", seed=3))
+    assert held.hold_s() == 0
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        engine_for(model, adapter, max_batch_tokens=0)

@@ -21,6 +21,7 @@ Plain Python: no torch, no vLLM.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,20 @@ SCORE_FACTOR = 2
 # frame it takes or returns (3 float32 channels).
 VAE_BYTES_PER_PIXEL = 128 * 4 * 3
 PIXEL_BYTES = 3 * 4
+
+
+def row_tokens(
+    facts: Mapping[str, Any], height: int, width: int, frames: int = 1, sources: int = 0
+) -> int:
+    """Sequence tokens of one transformer row, from a family's facts (an adapter's
+    `memory_facts()`, or MemoryModel's fields): the latent tokens of every latent frame (video:
+    one per `frame_step` frames after the first), the text tokens, the source images' tokens."""
+    per_frame = (height // facts["block"]) * (width // facts["block"]) * facts["block_tokens"]
+    step = facts.get("frame_step", 0)
+    latent_frames = 1 if not step else (frames - 1) // step + 1
+    return (
+        per_frame * latent_frames + facts["text_tokens"] + sources * facts.get("source_tokens", 0)
+    )
 
 
 @dataclass(frozen=True)
@@ -59,14 +74,9 @@ class MemoryModel:
     def from_dict(cls, data: dict[str, Any]) -> MemoryModel:
         return cls(**data)
 
-    def latent_frames(self, frames: int) -> int:
-        return 1 if not self.frame_step else (frames - 1) // self.frame_step + 1
-
     def tokens(self, height: int, width: int, frames: int = 1, sources: int = 0) -> int:
         """Sequence tokens of one transformer row."""
-        per_frame = (height // self.block) * (width // self.block) * self.block_tokens
-        image = per_frame * self.latent_frames(frames)
-        return image + self.text_tokens + sources * self.source_tokens
+        return row_tokens(dataclasses.asdict(self), height, width, frames, sources)
 
     def request_bytes(
         self,

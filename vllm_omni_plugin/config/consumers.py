@@ -203,6 +203,7 @@ CONSUMERS: dict[tuple[str, str], dict[str, Fate]] = {
             "dtype",
             "device",
             "max_batch_size",
+            "max_batch_tokens",
             "max_num_inference_steps",
             "min_height",
             "max_height",

@@ -98,6 +98,11 @@ class DiffusionOwner(Owner):
     """Largest image width accepted."""
     size_granularity: int | None = Field(None, ge=1)
     """Height and width must be multiples of this (default: the pipeline family's)."""
+    max_batch_tokens: int | None = Field(None, ge=1)
+    """Most sequence tokens one transformer forward carries over all its rows (CFG rows count):
+    a request joins others only while their sum stays within it, and one above it runs alone
+    (None: only max_batch_size and the memory budget bound a batch). For shapes so large that
+    one request fills the GPU, where sharing a step makes each wait for both."""
     request_batch_max_wait_ms: float | None = Field(None, ge=0, le=60_000)
     """How long an idle engine holds a new request for others to batch with, in ms."""
     enable_cpu_offload: bool | None = None

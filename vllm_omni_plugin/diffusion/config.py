@@ -19,6 +19,9 @@ class DiffusionEngineConfig:
     dtype: str = "float32"
     # Most images (latent rows before CFG doubling) denoised in one transformer forward.
     max_batch_size: int = 8
+    # Most sequence tokens of one forward over all its rows (CFG rows count); a request above it
+    # runs alone (None: no token bound).
+    max_batch_tokens: int | None = None
     max_num_inference_steps: int = 200
     # Total memory the stage may use (weights + activations), in GiB; None = no budget check.
     memory_budget_gb: float | None = None

@@ -25,6 +25,7 @@ from ..common.cache_policy import NONE, CachePolicy, CachePolicyError
 from ..common.knobs import KnobError, check_knobs
 from ..common.limits import MAX_PARTIAL_IMAGES, MAX_SEED, RequestLimits, size_granularity
 from ..common.lora_files import LoraError
+from ..common.memory import row_tokens
 from .acceleration import AccelerationError, accelerate_transformer
 from .adapters.base import DiffusionAdapter
 from .adapters.loader import configure_vae, load_pipeline, torch_dtype
@@ -55,6 +56,8 @@ class DiffusionEngine:
         self.dtype = torch_dtype(config.dtype)
         if config.max_batch_size < 1:
             raise DiffusionEngineError("max_batch_size must be >= 1")
+        if config.max_batch_tokens is not None and config.max_batch_tokens < 1:
+            raise DiffusionEngineError("max_batch_tokens must be >= 1")
         self._budget_bytes = total_budget(config, self.device)
         self.cache_bounds = cache_bounds(config)
         self.adapter = adapter or self._load_adapter()
@@ -91,6 +94,8 @@ class DiffusionEngine:
         # What requests may use once the weights are loaded, and what each one needs.
         self.memory = plan_memory(config, self.adapter, self._budget_bytes, self.device, self.dtype)
         self._activation_budget = None if self.memory is None else self.memory.budget_bytes
+        # The family's token geometry, for max_batch_tokens (read only where it is set).
+        self._row_facts = self.adapter.memory_facts() if config.max_batch_tokens else None
         self.limits = self._limits()
         overlap = self._overlap(config)
         self.scheduler = Scheduler(
@@ -98,6 +103,8 @@ class DiffusionEngine:
             self.adapter.batch_key,
             cost=self._cost,
             budget=self._activation_budget,
+            tokens=self._tokens if config.max_batch_tokens is not None else None,
+            max_tokens=config.max_batch_tokens,
             step_batched=self.adapter.step_batched,
             max_wait_s=(config.request_batch_max_wait_ms or 0.0) / 1e3,
             admit=self._admit_lora,
@@ -191,6 +198,13 @@ class DiffusionEngine:
             default_height=int(d.get("height", spec.default_height)),
             default_width=int(d.get("width", spec.default_width)),
         )
+
+    def _tokens(self, state: RequestState) -> int:
+        """Sequence tokens the request adds to one forward: each of its rows."""
+        shape = request_shape(self.adapter, state.req, state.do_cfg)
+        rows = shape["n"] * (2 if shape["cfg"] else 1)
+        size = (shape["height"], shape["width"], shape["frames"], shape["sources"])
+        return rows * row_tokens(self._row_facts, *size)
 
     def _cost(self, state: RequestState) -> int:
         assert self.memory is not None  # the scheduler asks only when there is a budget

@@ -77,6 +77,8 @@ class Scheduler:
         batch_key: Callable[[RequestState], Hashable],
         cost: Callable[[RequestState], int] | None = None,
         budget: int | None = None,
+        tokens: Callable[[RequestState], int] | None = None,
+        max_tokens: int | None = None,
         step_batched: bool = True,
         max_wait_s: float = 0.0,
         admit: Callable[[RequestState], bool] | None = None,
@@ -86,6 +88,8 @@ class Scheduler:
         self.batch_key = batch_key
         self.cost = cost  # activation bytes a request adds to one forward
         self.budget = budget  # activation bytes one forward may use (None = unlimited)
+        self.tokens = tokens  # sequence tokens a request adds to one forward (all its rows)
+        self.max_tokens = max_tokens  # of one forward, unless a request alone has more
         self.step_batched = step_batched
         self.max_wait_s = max_wait_s
         # False: the request cannot start yet (its LoRA adapters find no free device slot); it
@@ -149,12 +153,18 @@ class Scheduler:
             return 0.0
         if sum(s.n for s in self.waiting) >= self.max_batch_size:
             return 0.0
+        if self.max_tokens is not None and self.tokens is not None:
+            if sum(self.tokens(s) for s in self.waiting) >= self.max_tokens:
+                return 0.0  # full by tokens: nothing more can join
         now = time.perf_counter() if now is None else now
         return max(0.0, self.waiting[0].arrival + self.max_wait_s - now)
 
     def _fits(self, group: list[RequestState], state: RequestState) -> bool:
         if sum(s.n for s in group) + state.n > self.max_batch_size:
             return False
+        if group and self.max_tokens is not None and self.tokens is not None:
+            if sum(self.tokens(s) for s in group) + self.tokens(state) > self.max_tokens:
+                return False
         if self.budget is None or self.cost is None:
             return True
         return sum(self.cost(s) for s in group) + self.cost(state) <= self.budget
