@@ -3,8 +3,9 @@
 Each engine step: admit waiting requests (they get encoded and join at this step boundary),
 then pick one group of running requests with the same batch key (resolution, CFG on/off) to
 advance by one denoising step together. The group is the oldest running request's key (FCFS),
-filled in arrival order up to `max_batch_size` images and the memory budget. Finished requests
-leave; their slots are free at the next step.
+filled in arrival order up to `max_batch_size` images, the memory budget and `max_tokens` (a
+request alone above it runs alone). Finished requests leave; their slots are free at the next
+step.
 
 With `max_wait_s`, an idle engine holds newly arrived requests until the batch is full or the
 oldest has waited that long, so requests arriving close together start (and finish) together.
