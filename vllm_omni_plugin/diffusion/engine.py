@@ -95,7 +95,9 @@ class DiffusionEngine:
         self.memory = plan_memory(config, self.adapter, self._budget_bytes, self.device, self.dtype)
         self._activation_budget = None if self.memory is None else self.memory.budget_bytes
         # The family's token geometry, for max_batch_tokens (read only where it is set).
-        self._row_facts = self.adapter.memory_facts() if config.max_batch_tokens is not None else None
+        self._row_facts = (
+            self.adapter.memory_facts() if config.max_batch_tokens is not None else None
+        )
         self.limits = self._limits()
         overlap = self._overlap(config)
         self.scheduler = Scheduler(
