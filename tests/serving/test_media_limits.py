@@ -175,6 +175,32 @@ def test_an_undecodable_part_is_a_400_naming_it(part, code):
     assert err.param == "messages[1].content[1]" and err.code == f"invalid_{code}"
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": ""}},
+        {"type": "image_url", "image_url": {}},
+        {"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}},
+        {"image_url": "a.png"},
+        {"type": "audio_url", "audio_url": {"url": None}},
+        {"type": "video_url", "video_url": {"url": "gopher://example.com/v.mp4"}},
+    ],
+)
+def test_a_url_part_without_a_url_anything_reads_is_a_400_naming_it(part):
+    """Before this check such parts reached vLLM's renderer, whose 400 named no part (for an
+    empty URL: "multi_modal_data['image'][0] is empty but multi_modal_uuids ... is missing")."""
+    err = refusal(limits(), messages(part))
+    kind = next(k for k in ("image", "audio", "video") if k in str(part))
+    assert err.param == "messages[1].content[1]" and err.code == f"invalid_{kind}"
+    assert "data: URL, an http(s) URL or a file: URL" in err.message
+
+
+def test_a_part_named_by_its_uuid_alone_is_left_to_vllm():
+    """vLLM takes an item that carries a `uuid` and no URL from its cache of processed media."""
+    part = {"type": "image_url", "image_url": None, "uuid": "a-cached-image"}
+    asyncio.run(limits().check(messages(part)))
+
+
 def test_embeddings_are_sized_not_decoded():
     asyncio.run(limits(max_input_image_pixels=1).check(messages({"image_embeds": "AAAA"})))
 

@@ -180,6 +180,13 @@ class MediaLimits:
                 "too_many_media_parts",
             )
         for part in parts:
+            if _unreadable_url(part):
+                raise invalid(
+                    f"{part.path}: the {part.part_type} part needs its {part.kind} as a data: "
+                    "URL, an http(s) URL or a file: URL",
+                    part.path,
+                    f"invalid_{part.kind}",
+                )
             text = part.payload if isinstance(part.payload, str) else None
             if text is None:
                 continue
@@ -303,6 +310,17 @@ def _url_holder(part: dict[str, Any], part_type: str) -> tuple[dict[str, Any], s
 
 def _scheme(url: str | None) -> str:
     return urllib.parse.urlsplit(url).scheme.lower() if url else ""
+
+
+def _unreadable_url(part: MediaPart) -> bool:
+    """A URL part with no URL, or one of a scheme nothing reads. A part that names a `uuid`
+    may leave its URL out (vLLM then takes the item from its cache by that id)."""
+    return (
+        part.part_type in _DECODED
+        and part.payload is None
+        and _scheme(part.url) not in ("http", "https", "file")
+        and part.part.get("uuid") is None
+    )
 
 
 def _url(part: dict[str, Any], part_type: str) -> str | None:
