@@ -133,6 +133,13 @@ def test_bad_fields(body, param, code):
     assert (err.param, err.code) == (param, code), err.message
 
 
+def test_a_well_formed_size_out_of_range_is_told_its_range():
+    """However many digits it has, a WIDTHxHEIGHT size is read and told the range it missed."""
+    for size, axis in (("99999999x64", "width 99999999"), ("64x100000", "height 100000")):
+        assert f"{axis} is outside [64, " in check({"prompt": "a", "size": size}).message
+    assert "must look like" in check({"prompt": "a", "size": "9999999999x64"}).message
+
+
 @pytest.mark.parametrize("raw", [b"{bad", b"", b"[1, 2]", b'"prompt"', b"\xff\xfe"])
 def test_malformed_json(raw):
     err = check(raw)

@@ -21,7 +21,8 @@ MAX_BODY_BYTES = 1 << 20  # far above any legal request (prompts are bounded in 
 # No request field nests more than a couple of levels; deeper bodies are refused (400) instead
 # of recursing through them.
 MAX_JSON_DEPTH = 32
-_SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
+# Up to nine digits an axis: any size a client means is read, and then told its range.
+SIZE_RE = re.compile(r"^([0-9]{1,9})x([0-9]{1,9})$")
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -86,7 +87,7 @@ def parse_size(size: str | None, limits: ImageLimits) -> tuple[int, int]:
     lim = limits.stage
     if size is None or size == "auto":
         return lim.default_width, lim.default_height
-    match = _SIZE_RE.match(size)
+    match = SIZE_RE.match(size)
     if match is None:
         raise invalid(f"size must look like 'WIDTHxHEIGHT' (e.g. '64x64'), got {size!r}", "size")
     width, height = int(match.group(1)), int(match.group(2))

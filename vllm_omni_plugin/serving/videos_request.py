@@ -18,9 +18,8 @@ from ..common.knobs import cfg_runs
 from .errors import APIError, invalid
 from .lora_adapters import finish_form_fields, fold_form_field
 from .request_fields import VIDEOS, FamilyFields, split_fields
-from .validation import json_object
+from .validation import SIZE_RE, json_object
 
-_SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 MAX_SECONDS = 60
 DEFAULT_SECONDS = 4  # OpenAI's default clip length
 _INT_FIELDS = ("seconds", "seed", "num_inference_steps", "fps", "num_frames", "width", "height")
@@ -274,7 +273,7 @@ def _float(name: str, value: Any) -> float | None:
 
 def _size(size: Any, limits: Any, by_axis: bool = False) -> tuple[int, int]:
     """`by_axis`: the size came from width and height, so an error names the axis."""
-    match = _SIZE_RE.match(size) if isinstance(size, str) else None
+    match = SIZE_RE.match(size) if isinstance(size, str) else None
     if match is None:
         raise invalid(f"size must look like 'WIDTHxHEIGHT' (e.g. '832x480'), got {size!r}", "size")
     width, height = int(match.group(1)), int(match.group(2))
